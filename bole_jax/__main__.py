@@ -1,0 +1,5 @@
+import sys
+
+from bole_jax.serving.cli import main
+
+sys.exit(main())
