@@ -1,0 +1,39 @@
+"""Whole decoder layers built from the pieces in `layers.py`, shared by every forward.
+
+The target's prefill/decode forward, the tree verify forward and the MTP head all run the same
+gated-attention decoder layer; they differ only in which rows they write and in the mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bole_jax.model.cache import AttnCache
+from bole_jax.model.config import ModelConfig
+from bole_jax.model.layers import attend, attn_out, attn_qkv, mlp, rms_norm
+
+
+def write_rows(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+  """buf [B, S, ...] <- rows [B, T, ...] at slots [B, T] (slots >= S are dropped)."""
+  b = jnp.arange(buf.shape[0])[:, None]
+  return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+
+
+def mlp_block(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """x + mlp(post_attn_norm(x))."""
+  return x + mlp(lp["mlp"], rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), cfg)
+
+
+def attention_layer(lp: dict, x: jax.Array, positions: jax.Array, cache: AttnCache,
+                    slots: jax.Array, mask: jax.Array, cfg: ModelConfig):
+  """One gated-attention decoder layer.
+
+  x [B, T, H]; positions [B, T] (RoPE); the new keys/values are written at slots [B, T] (>= S:
+  dropped) before attending with mask [B, T, S]. Returns (x' [B, T, H], cache').
+  """
+  h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+  q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
+  cache = AttnCache(k=write_rows(cache.k, k, slots), v=write_rows(cache.v, v, slots))
+  x = x + attn_out(lp["attn"], attend(q, cache.k, cache.v, mask, cfg), gate, cfg)
+  return mlp_block(lp, x, cfg), cache

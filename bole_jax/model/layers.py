@@ -1,0 +1,254 @@
+"""Decoder-layer building blocks, as pure functions over the params dicts of params.py.
+
+The pieces are split where the tree-verify forward (spec_decode) needs to swap something:
+  GDN:        gdn_in_proj -> [gdn_core_chunked | gdn_core_recurrent | tree conv+rule] -> gdn_out
+  attention:  attn_qkv -> (write KV) -> attend(mask) -> attn_out
+  MLP:        mlp (dense or MoE, chosen by the params' keys)
+Numerics follow transformers' Qwen3-Next / Qwen3.5 code (fp32 norms, fp32 softmax, fp32 gates).
+Shapes: B batch, T tokens, S KV slots; other letters as in config.ModelConfig.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bole_jax.model.cache import GDNCache
+from bole_jax.model.config import ModelConfig
+from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+# ----------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm: normalise in fp32, scale by (1 + w) in fp32, cast back."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """GDN output norm: normalise x in fp32, cast back, scale by plain w, then * silu(z) in fp32."""
+    x32 = x.astype(jnp.float32)
+    y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = w * y  # in the weight's dtype, as transformers does
+    return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[rotary_dim / 2] inverse frequencies, computed in fp32 like transformers."""
+    rd = cfg.rotary_dim
+    exponent = np.arange(0, rd, 2, dtype=np.float32) / np.float32(rd)
+    return (np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig, dtype):
+    """cos, sin [B, T, rotary_dim] for integer positions [B, T].
+
+    Qwen3.5's mRoPE gives the three (t, h, w) sections the same position for text tokens, so it
+    reduces to this 1-D RoPE (transformers expands text position ids to 3 identical rows)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Partial rotate-half RoPE on the first cos.shape[-1] channels. x [B, T, heads, D]."""
+    rd = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attn_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """Projections of gated attention, after q_norm / k_norm and RoPE.
+
+    x [B, T, H], positions [B, T] int. Returns q [B, T, Hq, D], k, v [B, T, Hkv, D],
+    gate [B, T, Hq*D] (pre-sigmoid output gate)."""
+    B, T, _ = x.shape
+    D = cfg.head_dim
+    q = (x @ p["w_q"]).reshape(B, T, cfg.num_heads, D)
+    gate = x @ p["w_gate"]
+    k = (x @ p["w_k"]).reshape(B, T, cfg.num_kv_heads, D)
+    v = (x @ p["w_v"]).reshape(B, T, cfg.num_kv_heads, D)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, cfg, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, cfg: ModelConfig):
+    """Masked GQA softmax attention (softmax in fp32).
+
+    q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D]; mask [B, T, S] bool (True = may attend).
+    Every query row must allow at least one slot. Returns o [B, T, Hq, D] in q.dtype."""
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (D ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def attn_out(p: dict, o: jax.Array, gate: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """o [B, T, Hq, D] * sigmoid(gate) then o_proj -> [B, T, H]."""
+    B, T = o.shape[:2]
+    o = o.reshape(B, T, -1) * jax.nn.sigmoid(gate)
+    return o @ p["w_o"]
+
+
+# ----------------------------------------------------------------------------- Gated DeltaNet
+
+
+def gdn_in_proj(p: dict, x: jax.Array, cfg: ModelConfig):
+    """GDN input projections. x [B, T, H] ->
+    qkv [B, T, C] pre-conv ([all q | all k | all v]), z [B, T, HV, dv] output gate,
+    g [B, T, HV] fp32 log decay = -exp(A_log) * softplus(a + dt_bias), beta [B, T, HV] fp32."""
+    B, T, _ = x.shape
+    qkv = x @ p["w_qkv"]
+    z = (x @ p["w_z"]).reshape(B, T, cfg.gdn_num_value_heads, cfg.gdn_value_dim)
+    beta = jax.nn.sigmoid(x @ p["w_b"]).astype(jnp.float32)
+    a = (x @ p["w_a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    return qkv, z, g, beta
+
+
+def causal_conv(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array, num_new: jax.Array):
+    """Depthwise causal conv + SiLU with the committed inputs as left context, ragged commit.
+
+    qkv [B, T, C] pre-conv inputs (tokens t >= num_new[b] are padding), conv_state [B, K-1, C]
+    (row K-2 newest), conv_w [K, C] (y_t = sum_i w[i] x_{t-K+1+i}), num_new [B] int32.
+    Returns y [B, T, C] (qkv.dtype) and the new conv state: the last K-1 VALID inputs of the
+    sequence (unchanged when num_new[b] == 0)."""
+    K = conv_w.shape[0]
+    T = qkv.shape[1]
+    xs = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
+    x32, w32 = xs.astype(jnp.float32), conv_w.astype(jnp.float32)
+    y = sum(w32[i] * x32[:, i:i + T] for i in range(K))
+    y = jax.nn.silu(y).astype(qkv.dtype)
+    # Token t sits at xs row K-1+t, so the K-1 rows ending at the last valid token start at num_new.
+    idx = num_new[:, None] + jnp.arange(K - 1)[None, :]  # [B, K-1]
+    new_state = jnp.take_along_axis(xs, idx[:, :, None], axis=1)
+    return y, new_state.astype(conv_state.dtype)
+
+
+def _split_qkv(y: jax.Array, cfg: ModelConfig):
+    B, T, _ = y.shape
+    kd = cfg.gdn_num_key_heads * cfg.gdn_key_dim
+    q = y[..., :kd].reshape(B, T, cfg.gdn_num_key_heads, cfg.gdn_key_dim)
+    k = y[..., kd:2 * kd].reshape(B, T, cfg.gdn_num_key_heads, cfg.gdn_key_dim)
+    v = y[..., 2 * kd:].reshape(B, T, cfg.gdn_num_value_heads, cfg.gdn_value_dim)
+    return q, k, v
+
+
+def _gdn_core(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg):
+    y, conv = causal_conv(qkv, cache.conv, p["conv_w"], num_new)
+    q, k, v = _split_qkv(y, cfg)
+    valid = (jnp.arange(qkv.shape[1])[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
+    # Padding tokens: g = beta = 0 leaves the state exactly unchanged; zeroing k, v as well keeps
+    # a non-finite padding row from leaking in through 0 * inf.
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    k, v = jnp.where(valid[..., None], k, 0), jnp.where(valid[..., None], v, 0)
+    o, state = rule(q, k, v, g, beta, cache.state)
+    return o, GDNCache(conv=conv, state=state)
+
+
+def gdn_core_chunked(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig, chunk: int = 64):
+    """Conv + chunked gated delta rule (prefill, T > 1). Returns (o [B, T, HV, dv], GDNCache')."""
+    rule = lambda *a: chunk_gated_delta_rule(*a, chunk=chunk)
+    return _gdn_core(rule, p, qkv, g, beta, cache, num_new, cfg)
+
+
+def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
+    """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns."""
+    return _gdn_core(recurrent_gated_delta_rule, p, qkv, g, beta, cache, num_new, cfg)
+
+
+def gdn_out(p: dict, o: jax.Array, z: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated RMSNorm per value head, then out_proj. o, z [B, T, HV, dv] -> [B, T, H]."""
+    B, T = o.shape[:2]
+    y = gated_rms_norm(o, z, p["norm_w"], cfg.rms_norm_eps)
+    return y.reshape(B, T, -1) @ p["w_out"]
+
+
+# ----------------------------------------------------------------------------- MLP / MoE
+
+
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """silu(x @ W_gate) * (x @ W_up) @ W_down with W_gate_up = [W_gate | W_up]."""
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
+
+
+def moe_route(router: jax.Array, x: jax.Array, cfg: ModelConfig):
+    """fp32 softmax router, top-k, optional renormalisation. x [N, H] ->
+    (weights [N, k] in x.dtype, experts [N, k] int32)."""
+    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_w.astype(x.dtype), top_e.astype(jnp.int32)
+
+
+def moe_experts_gather(p, x, top_w, top_e):
+    """Few tokens (decode): gather each token's k experts' weights; reads only those experts."""
+    w_gu = p["w_gate_up"][top_e]  # [N, k, H, 2I]
+    gate, up = jnp.split(jnp.einsum("nh,nkhi->nki", x, w_gu), 2, axis=-1)
+    y = jnp.einsum("nki,nkih->nkh", jax.nn.silu(gate) * up, p["w_down"][top_e])
+    return jnp.einsum("nkh,nk->nh", y, top_w)
+
+
+def moe_experts_sorted(p, x, top_w, top_e):
+    """Many tokens (prefill/verify): sort (token, expert) pairs by expert, grouped matmuls."""
+    N, k = top_e.shape
+    E = p["w_gate_up"].shape[0]
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[token], p["w_gate_up"], sizes)  # [N*k, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"], sizes)  # [N*k, H]
+    y = y * top_w.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+def moe_experts_dense(p, x, top_w, top_e):
+    """Reference: every expert on every token, combined with the routing weights (tests only)."""
+    E = p["w_gate_up"].shape[0]
+    gate, up = jnp.split(jnp.einsum("nh,ehi->nei", x, p["w_gate_up"]), 2, axis=-1)
+    y = jnp.einsum("nei,eih->neh", jax.nn.silu(gate) * up, p["w_down"])
+    comb = jnp.sum(jax.nn.one_hot(top_e, E, dtype=x.dtype) * top_w[..., None], axis=1)  # [N, E]
+    return jnp.einsum("neh,ne->nh", y, comb)
+
+
+def moe(p: dict, x: jax.Array, cfg: ModelConfig, experts_impl=None) -> jax.Array:
+    """Sparse MoE block with sigmoid-gated shared expert. x [..., H] -> [..., H]."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    top_w, top_e = moe_route(p["router"], x, cfg)
+    if experts_impl is None:  # static choice: gathering weights pays off only when few are read
+        experts_impl = moe_experts_gather if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts \
+            else moe_experts_sorted
+    routed = experts_impl(p, x, top_w, top_e)
+    shared = jax.nn.sigmoid(x @ p["shared_gate"]) * swiglu(x, p["shared_gate_up"], p["shared_down"])
+    return (routed + shared).reshape(shape)
+
+
+def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The layer's feed-forward block: MoE when its params have a router, else dense SwiGLU."""
+    if "router" in p:
+        return moe(p, x, cfg)
+    return swiglu(x, p["w_gate_up"], p["w_down"])

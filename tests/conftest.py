@@ -1,0 +1,42 @@
+"""Shared test setup: repo on sys.path, fp32 JAX on CPU, no `fla`, tiny HF checkpoint fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+# The reference models are tiny: torch's intra-op threads only add overhead (10x per step here).
+torch.set_num_threads(1)
+
+# With flash-linear-attention installed transformers silently switches the GDN reference to
+# Triton kernels with other numerics: parity against it would not mean what it says.
+assert importlib.util.find_spec("fla") is None, "uninstall flash-linear-attention (`fla`) to run the parity tests"
+
+from hf_tiny import load_torch_model, make_tiny_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory fixture: tiny_checkpoint(family, moe=False, seed=0, **overrides) -> (path, torch model).
+
+    Cached per argument set for the whole session, so test files share the checkpoints."""
+    cache = {}
+
+    def make(family="qwen3_next", moe=False, seed=0, **overrides):
+        key = (family, moe, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp(f"{family}_{'moe' if moe else 'dense'}_{seed}")
+            path = make_tiny_hf_checkpoint(tmp, family, moe, seed, **overrides)
+            cache[key] = (path, load_torch_model(path))
+        return cache[key]
+
+    return make
