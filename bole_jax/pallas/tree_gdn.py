@@ -1,0 +1,401 @@
+"""Bole tree verify through a Gated DeltaNet layer: one fused Pallas (Triton) kernel.
+
+Maths (01-bole-algorithm.md section 2), per request and value head, all N tree nodes at once
+from the ONE committed state S_pre [dk, dv]:
+    gamma = A* g                               root-path cumulative log gates, P = exp(gamma)
+    Gam[i, j] = exp(gamma_i - gamma_j) on A*   (<= 1: no overflow)
+    G = diag(b) ((K K^T) * Gam * A)            strictly lower in topological order: nilpotent
+    U = (I + G)^-1 diag(b) (V - diag(P) K S_pre)
+    O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) U
+and the factors (k, u, gamma) that let `state_factors.commit_state` rebuild the accepted node's
+state afterwards. No per-node state is ever formed.
+
+Program layout: grid (dv / block_v, HV / heads_per_program, B). A program owns one request, a group
+of value heads that share one key head, and one value tile. It loads q, k once (L2-normalises them
+in registers), forms the N x N matrices K K^T and Q K^T once for all its value heads, then per
+value head: gates -> gamma, Gam, G; the [dk, block_v] state tile -> K S, Q S; the inverse by a
+finite series of dependent [N, N] x [N, block_v] dots; the output dot. Every dot is 2-D with all
+dims >= 16: the node axis is a block of Np = next power of two >= 16 rows, rows past N are only
+touched through masked loads/stores, and padding nodes (>= num_nodes) are masked to zero.
+
+`(I + G)^-1` with a dynamic number of steps read per request (path_len from the tree structure),
+so any depth is exact:
+  * "neumann":  Z <- -G Z, U <- U + Z, path_len - 1 times;
+  * "squaring": U <- (I + X) U, X <- X^2 from X = -G, ceil(log2 path_len) times
+                (fewer dependent steps for deep trees, one extra N x N dot per step);
+  * "matrix":   T = (I + G)^-1 = prod_m (I + X^(2^m)) formed once per value head, then one
+                T @ rhs dot per value tile: pays off when a program covers several value tiles
+                (`tiles_per_program`), e.g. a whole value head at large batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from bole_jax.pallas import tree_gdn_ref
+from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, next_pow2, pad_axis,
+                                        resolve_backend, tree_structure)
+
+__all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
+           "resolve_backend"]
+
+_INVERSES = ("neumann", "squaring", "matrix")
+_PRECISIONS = {None: None, "highest": jax.lax.Precision.HIGHEST,
+               "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeGDNConfig:
+    """Launch parameters of the Pallas kernel (static, hashable).
+
+    block_v: value columns per program (power of two >= 16); None = 32.
+    num_warps: None = 4 for N <= 64, 8 above (offline sm_90 compiles: no register spills).
+    heads_per_program: value heads sharing one key head handled by one program (must divide
+      HV / Hk); > 1 reuses q, k, K K^T, Q K^T across them at the cost of fewer programs.
+    tiles_per_program: consecutive value tiles one program loops over (block_v columns each);
+      > 1 reuses K K^T, Q K^T, Gam, G (and T with "matrix") across them, with fewer programs.
+    inverse: "neumann", "squaring" (applied to each value tile) or "matrix" (T = (I + G)^-1 formed
+      once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
+    depth_bound: static upper bound on path_len (nodes on the longest root path); None = read the
+      exact count per request at run time. A bound below the true depth gives wrong results.
+    bf16_qk: bf16 operands (fp32 accumulation) for K K^T and Q K^T (q, k arrive in bf16 anyway).
+    bf16_state: bf16 operands for K S_pre and Q S_pre (the state tile rounded to bf16, as
+      flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
+    precision: of the fp32 dots on GPU: None (TF32), "tf32x3" (3 TF32 passes, ~fp32) or
+      "highest" (IEEE fp32 FMA). Interpret mode always computes in fp32.
+    """
+
+    block_v: int | None = None
+    heads_per_program: int = 1
+    tiles_per_program: int = 1
+    num_warps: int | None = None
+    num_stages: int = 1
+    inverse: str = "squaring"
+    depth_bound: int | None = None
+    bf16_qk: bool = False
+    bf16_state: bool = False
+    precision: str | None = None
+
+
+def _dot(a, b, precision=None, trans_b=False):
+    """2-D dot with fp32 accumulation (trans_b: a @ b^T)."""
+    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _l2norm_rows(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+
+
+def _load(ref, mask):
+    """Block load; rows past the array end (mask False) read as 0 without touching memory."""
+    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
+
+
+def _store(ref, val, mask):
+    if mask is None:
+        ref[...] = val
+    else:
+        pltriton.store(ref, val, mask=mask)
+
+
+def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
+                     o_ref, u_ref, gamma_ref, kn_ref, *, n_real, scale, ratio, cfg, interpret):
+    # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
+    # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; kn [Np, dk]. Np = N rounded up
+    # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
+    n = anc_ref.shape[0]
+    hg = g_ref.shape[1]
+    tpp = cfg.tiles_per_program
+    bv = v_ref.shape[2] // tpp  # register tile; the program covers tpp of them
+    tile, head_block = pl.program_id(0), pl.program_id(1)
+    prec = None if interpret else _PRECISIONS[cfg.precision]
+    qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
+    s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
+
+    idx = jnp.arange(n, dtype=jnp.int32)
+    valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
+    vrow = valid[:, None]
+    inb = None if n == n_real else (idx < n_real)[:, None]  # rows inside the arrays
+    anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0  # [Np, Np] ancestor-or-self
+    strict = anc & (idx[:, None] != idx[None, :])
+
+    # Keys/queries once per program, shared by its value heads (GQA) and value tile.
+    kn = _l2norm_rows(jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0))  # [Np, dk]
+    qn = _l2norm_rows(jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)) * scale
+    first_tile = tile == 0
+
+    @pl.when(first_tile & ((head_block * hg) % ratio == 0))
+    def _():
+        _store(kn_ref, kn, inb)
+
+    kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
+    kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
+    qk = _dot(qb, kb, prec, trans_b=True)
+    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
+    path_len = plen_ref[...] if cfg.depth_bound is None else cfg.depth_bound
+
+    gate_mask = None if inb is None else inb[:, 0]
+
+    def value_head(j, carry):
+        # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
+        g = jnp.where(valid, _load(g_ref.at[:, j], gate_mask), 0.0)
+        beta = jnp.where(valid, _load(beta_ref.at[:, j], gate_mask), 0.0)
+        gamma = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # [Np] root-path log gate
+
+        @pl.when(first_tile)
+        def _():
+            _store(gamma_ref.at[:, j], gamma, gate_mask)
+
+        gam = jnp.where(anc, jnp.exp(jnp.minimum(gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        p = jnp.where(valid, jnp.exp(gamma), 0.0)[:, None]  # [Np, 1]
+        gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
+        qkg = qk * gam
+        # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
+        inv = _inverse_matrix(gmat, path_len, prec) if cfg.inverse == "matrix" else None
+
+        def value_tile(t, c):
+            cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
+            s = s_ref[j, :, cols].astype(s_dtype)  # [dk, bv] committed state tile
+            ks = _dot(kb, s, prec)  # [Np, bv]
+            qs = _dot(qb, s, prec)
+            v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
+            rhs = beta[:, None] * (v - p * ks)
+            if inv is None:
+                u = _apply_inverse(gmat, rhs, path_len, cfg.inverse, prec)
+            else:
+                u = _dot(inv, rhs, prec)
+            o = p * qs + _dot(qkg, u, prec)
+            _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
+            _store(u_ref.at[:, j, cols], u, inb)
+            return c
+
+        if tpp == 1:
+            value_tile(0, 0)
+        else:
+            jax.lax.fori_loop(0, tpp, value_tile, 0)
+        return carry
+
+    if hg == 1:
+        value_head(jnp.int32(0), 0)
+    else:
+        jax.lax.fori_loop(0, hg, value_head, 0)
+
+
+def _inverse_matrix(gmat, path_len, prec):
+    """T = (I + G)^-1 = prod_m (I + X^(2^m)), X = -G, by squaring: 2 dependent [Np, Np] dots per
+    doubling of the covered depth (2 steps for path_len <= 8)."""
+    n = gmat.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    x = -gmat
+    t = jnp.where(idx[:, None] == idx[None, :], 1.0, 0.0) + x  # covers X^0..X^1
+
+    def body(c):
+        width, x, t = c
+        x = _dot(x, x, prec)
+        return width * 2, x, t + _dot(t, x, prec)
+
+    if isinstance(path_len, int):
+        width = 2
+        while width < path_len:
+            width, x, t = body((width, x, t))
+        return t
+    return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(2), x, t))[2]
+
+
+def _apply_inverse(gmat, rhs, path_len, method, prec):
+    """(I + G)^-1 rhs for G nilpotent of index <= path_len (static int or traced scalar)."""
+    if method == "neumann":
+        def body(_, zu):
+            z, u = zu
+            z = -_dot(gmat, z, prec)
+            return z, u + z
+
+        return jax.lax.fori_loop(0, path_len - 1, body, (rhs, rhs))[1]
+    if method == "squaring":
+        # prod_m (I + (-G)^(2^m)) = sum_{j < 2^steps} (-G)^j: exact once 2^steps >= path_len.
+        if isinstance(path_len, int):
+            x, u, width = -gmat, rhs, 1
+            while width < path_len:
+                u = u + _dot(x, u, prec)
+                width *= 2
+                if width < path_len:
+                    x = _dot(x, x, prec)
+            return u
+
+        def body(c):
+            width, x, u = c
+            return width * 2, _dot(x, x, prec), u + _dot(x, u, prec)
+
+        return jax.lax.while_loop(lambda c: c[0] < path_len, body,
+                                  (jnp.int32(1), -gmat, rhs))[2]
+    raise ValueError(f"inverse must be one of {_INVERSES}, got {method!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
+def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len, *, scale, cfg,
+                     interpret):
+    b, n, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    ratio = hv // hk
+    hg = cfg.heads_per_program
+    # Triton wants power-of-two blocks and dot dims >= 16. N: blocks of Np rows with masked
+    # loads/stores (no copies). dk, dv (128 in real models): zero padding, which adds zero terms.
+    np_, dkp, dvp = next_pow2(n), next_pow2(dk), next_pow2(dv)
+    bv = min(dvp, 32 if cfg.block_v is None else cfg.block_v)
+    num_warps = (4 if np_ <= 64 else 8) if cfg.num_warps is None else cfg.num_warps
+    if bv < 16 or bv & (bv - 1) or dvp % bv:
+        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
+    if hg < 1 or ratio % hg:
+        raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
+    tpp = cfg.tiles_per_program
+    if tpp < 1 or dvp % (bv * tpp):
+        raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
+    bw = bv * tpp  # value columns per program
+    q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
+    v = pad_axis(v, 3, dvp)
+    state = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
+
+    # Value tiles fastest, then heads: programs that share q, k (and a request's mask) run
+    # together, so those loads hit L2.
+    grid = (dvp // bw, hv // hg, b)
+    key_head = lambda h: (h * hg) // ratio  # noqa: E731
+    per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
+    qk_spec = pl.BlockSpec((None, np_, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0))
+    val_spec = pl.BlockSpec((None, np_, hg, bw), lambda t, h, i: (i, 0, h, t))
+    gate_spec = pl.BlockSpec((None, np_, hg), lambda t, h, i: (i, 0, h))
+    o, u, gamma, kn = pl.pallas_call(
+        functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
+                          interpret=interpret),
+        grid=grid,
+        in_specs=[
+            per_req, per_req,
+            pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
+            qk_spec, qk_spec, val_spec, gate_spec, gate_spec,
+            pl.BlockSpec((None, hg, dkp, bw), lambda t, h, i: (i, h, 0, t)),
+        ],
+        out_specs=[val_spec, val_spec, gate_spec, qk_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
+            jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, hk, dkp), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
+        name="bole_tree_gdn",
+    )(num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # bytes, not i1
+      beta.astype(jnp.float32), state)
+    if (dkp, dvp) != (dk, dv):
+        o, u, kn = o[..., :dv], u[..., :dv], kn[..., :dk]
+    return o, TreeFactors(k=kn, u=u, gamma=gamma)
+
+
+def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
+                    tree: TreeStructure | None = None, backend: str = "auto",
+                    interpret: bool | None = None, config: TreeGDNConfig | None = None):
+    """Verify all nodes of a draft tree through one GDN layer from the committed state.
+
+    q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
+    (bf16 or fp32); g [B, N, HV] fp32 log gate (<= 0); beta [B, N, HV] fp32; state [B, HV, dk, dv]
+    fp32 (read only); parents [B, N] int32 (parent < index, -1 = child of the committed state);
+    num_nodes [B] int32 or None (nodes >= num_nodes are padding: zero outputs and factors).
+    tree: `tree_structure(parents, num_nodes)`, computed once per step and shared by all layers
+    (computed here when None). backend: "auto" | "pallas" | "reference".
+
+    Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k [B, N, Hk, dk], u [B, N, HV, dv],
+    gamma [B, N, HV]), all fp32).
+    """
+    b, n, hk, dk = q.shape
+    hv = v.shape[2]
+    if k.shape != q.shape or v.shape[:2] != (b, n) or hv % hk:
+        raise ValueError(f"inconsistent shapes q {q.shape} k {k.shape} v {v.shape}: need "
+                         "q, k [B, N, Hk, dk], v [B, N, HV, dv] with HV a multiple of Hk")
+    if g.shape != (b, n, hv) or beta.shape != (b, n, hv) or state.shape != (b, hv, dk, v.shape[3]):
+        raise ValueError(f"g {g.shape} / beta {beta.shape} must be [B, N, HV] and state "
+                         f"{state.shape} [B, HV, dk, dv]")
+    scale = float(dk ** -0.5 if scale is None else scale)
+    backend, interpret = resolve_backend(backend, interpret)
+    if backend == "reference":
+        return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes,
+                                                 scale=scale, tree=tree)
+    if n > 128:
+        raise ValueError(f"the Pallas tree kernel handles N <= 128 nodes (got {n}): its N x N "
+                         "tiles must fit one program; use backend='reference' or a smaller tree")
+    if tree is None:
+        tree = tree_structure(parents, num_nodes)
+    if num_nodes is None:
+        num_nodes = jnp.full((b,), n, jnp.int32)
+    cfg = config or TreeGDNConfig()
+    if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS:
+        raise ValueError(f"inverse must be one of {_INVERSES} and precision one of "
+                         f"{tuple(_PRECISIONS)}, got {cfg.inverse!r}, {cfg.precision!r}")
+    return _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
+                            jnp.asarray(num_nodes, jnp.int32), tree.path_len.astype(jnp.int32),
+                            scale=scale, cfg=cfg, interpret=interpret)
+
+
+# ------------------------------------------------------------------------- selected-state commit
+
+
+def _commit_kernel(acc_ref, par_ref, k_ref, u_ref, gamma_ref, s_ref, o_ref):
+    # Blocks: par [N]; k [N, dk]; u [N, bv]; gamma [N]; s, o [dk, bv]. Walks up from the accepted
+    # node: S_sel = P_sel S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T, as fp32
+    # rank-1 updates (depth + 1 of them): exact, and no dot-size constraints.
+    sel = acc_ref[...]
+    s_pre = s_ref[...]
+    gamma_sel = gamma_ref[jnp.maximum(sel, 0)]
+
+    n = par_ref.shape[0]
+
+    def body(c):
+        node, steps, acc = c
+        w = jnp.exp(jnp.minimum(gamma_sel - gamma_ref[node], 0.0))
+        acc = acc + (w * k_ref[node])[:, None] * u_ref[node][None, :]
+        return par_ref[node], steps + 1, acc
+
+    def cond(c):  # the step bound only guards against malformed (cyclic) parents
+        return (c[0] >= 0) & (c[1] < n)
+
+    delta = jax.lax.while_loop(cond, body, (sel, jnp.int32(0), jnp.zeros_like(s_pre)))[2]
+    o_ref[...] = jnp.where(sel >= 0, jnp.exp(gamma_sel) * s_pre + delta, s_pre)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
+                        num_warps: int = 4, interpret: bool = False):
+    """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
+    tile) reads its S_pre tile once, walks the accepted node's root path adding fp32 rank-1
+    updates, writes the new tile: the bytes floor of a commit (read S, write S, path rows)."""
+    b, n, hk, dk = factors.k.shape
+    hv, dv = factors.u.shape[2:]
+    ratio = hv // hk
+    dkp, dvp = next_pow2(dk), next_pow2(dv)
+    bv = min(block_v, dvp)
+    kf = pad_axis(factors.k, 3, dkp)
+    uf = pad_axis(factors.u, 3, dvp)
+    s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
+    new = pl.pallas_call(
+        _commit_kernel,
+        grid=(dvp // bv, hv, b),
+        in_specs=[pl.BlockSpec((None,), lambda t, h, i: (i,)),
+                  pl.BlockSpec((None, n), lambda t, h, i: (i, 0)),
+                  pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
+                  pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
+                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
+                  pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
+        out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="bole_commit_state",
+    )(jnp.asarray(accepted, jnp.int32), jnp.asarray(parents, jnp.int32), kf, uf,
+      factors.gamma, s)
+    return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -1,0 +1,269 @@
+"""Baselines that keep a full recurrent state per tree node (02-baselines.md).
+
+TREE-PERNODE (SGLang's tree mode, topk > 1): one program per (request, value head, value tile)
+walks the nodes in topological order. Node i starts from its parent's full state tile, reloaded
+from a per-node scratch buffer (or the committed state for parent -1), does the gated delta step
+    S *= exp(g_i);  v' = b_i (v_i - S^T k_i);  S += k_i v'^T;  o_i = S^T (s q_i)
+and stores its own full state into the scratch [B, N, HV, dk, dv] fp32. The commit copies the
+accepted node's state into the request's slot. Memory: N full states per request per GDN layer.
+
+Kept honest (it is the yardstick of the speedups): the [dk, block_v] state tile lives in
+registers, is reused without a reload when the parent is the previous node (chain segments),
+q/k normalisation is fused, loads/stores are masked, launch parameters are tunable.
+
+CHAIN (vLLM style, topk = 1): the same kernel for a chain (parent i-1): the state never leaves
+registers; one snapshot per position; the commit gathers snapshot `accepted`.
+
+`tree_pernode_conv` is the baseline's conv handling: each node convolves its window and stores
+its own (K-1)-row window into a per-node conv scratch [B, N, K-1, C]; commit = copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from bole_jax.pallas import tree_conv, tree_gdn_ref
+from bole_jax.pallas.tree_utils import L2_EPS, next_pow2, pad_axis, resolve_backend
+
+__all__ = ["PernodeConfig", "tree_pernode_verify", "chain_verify", "commit_pernode",
+           "commit_chain", "tree_pernode_conv", "commit_pernode_conv"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PernodeConfig:
+    """Launch parameters: value tile (power of two >= 16 dividing dv), warps, pipeline stages."""
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, scr_ref,
+                    *, n_real, scale, chain, interpret):
+    # Blocks: par [N]; q, k [N, dk]; v [N, bv]; g, beta [N]; s [dk, bv]; o [N, bv];
+    # scr [N, dk, bv]. Per node: scalar loads and [dk] / [bv] row vectors.
+    nn = jnp.minimum(nn_ref[...], n_real)
+
+    def unit(x):
+        x = x.astype(jnp.float32)
+        return x * jax.lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+    def node(i, s_prev):
+        if chain:
+            s = s_prev
+        else:
+            # The carry holds node i-1's state (the committed state before node 0), so a parent
+            # equal to i-1 costs no reload: chain segments of the tree stay in registers.
+            par = par_ref[i]
+            reuse = par == i - 1
+            from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
+            from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
+            loaded = (pltriton.load(s_ref, mask=from_pool, other=0.0)
+                      + pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
+                                      other=0.0))
+            s = jnp.where(reuse, s_prev, loaded)
+        k, q = unit(k_ref[i]), unit(q_ref[i]) * scale  # [dk]
+        s = s * jnp.exp(g_ref[i])
+        kv = jnp.sum(s * k[:, None], axis=0)  # [bv] = S^T k
+        vnew = beta_ref[i] * (v_ref[i].astype(jnp.float32) - kv)
+        s = s + k[:, None] * vnew[None, :]
+        o_ref[i] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        scr_ref[i] = s
+        if not chain and not interpret:
+            # A later node may reload this state through other threads of the program.
+            pltriton.debug_barrier()
+        return s
+
+    jax.lax.fori_loop(0, nn, node, s_ref[...])
+
+    def zero(i, c):
+        o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+        return c
+
+    jax.lax.fori_loop(nn, n_real, zero, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret", "chain"))
+def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, interpret, chain):
+    b, n, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    ratio = hv // hk
+    dkp, dvp = next_pow2(dk), next_pow2(dv)
+    bv = min(cfg.block_v, dvp)
+    if bv < 16 or bv & (bv - 1) or dvp % bv:
+        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
+    q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
+    v = pad_axis(v, 3, dvp)
+    state = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
+    qk_spec = pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0))
+    val_spec = pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t))
+    gate_spec = pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h))
+    o, scratch = pl.pallas_call(
+        functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain,
+                          interpret=interpret),
+        grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
+        in_specs=[
+            pl.BlockSpec((None,), lambda t, h, i: (i,)),
+            pl.BlockSpec((None, n), lambda t, h, i: (i, 0)),
+            qk_spec, qk_spec, val_spec, gate_spec, gate_spec,
+            pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+        ],
+        out_specs=[val_spec,
+                   pl.BlockSpec((None, n, None, dkp, bv), lambda t, h, i: (i, 0, h, 0, t))],
+        out_shape=[jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
+                   jax.ShapeDtypeStruct((b, n, hv, dkp, dvp), jnp.float32)],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
+                                                num_stages=cfg.num_stages),
+        name="chain_verify" if chain else "tree_pernode_verify",
+    )(num_nodes, parents, q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state)
+    if (dkp, dvp) != (dk, dv):
+        o, scratch = o[..., :dv], scratch[..., :dk, :dv]
+    return o, scratch
+
+
+def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
+            chain):
+    b, n, _, dk = q.shape
+    scale = float(dk ** -0.5 if scale is None else scale)
+    backend, interpret = resolve_backend(backend, interpret)
+    if parents is None:
+        parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+    if backend == "reference":
+        o, states = tree_gdn_ref.tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes,
+                                                     scale=scale)
+        return o.astype(v.dtype), states
+    if num_nodes is None:
+        num_nodes = jnp.full((b,), n, jnp.int32)
+    return _pernode_pallas(q, k, v, g, beta, state, jnp.asarray(parents, jnp.int32),
+                           jnp.asarray(num_nodes, jnp.int32), scale=scale,
+                           cfg=config or PernodeConfig(), interpret=interpret, chain=chain)
+
+
+def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
+                        backend="auto", interpret=None, config: PernodeConfig | None = None):
+    """TREE-PERNODE verify. Same inputs as `tree_gdn.tree_gdn_verify`.
+
+    Returns (o [B, N, HV, dv] in v.dtype, node_states [B, N, HV, dk, dv] fp32): the state after
+    every node (the scratch). Padding nodes: zero output, undefined state.
+    """
+    return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
+                   chain=False)
+
+
+def chain_verify(q, k, v, g, beta, state, parents=None, num_nodes=None, *, scale=None,
+                 backend="auto", interpret=None, config: PernodeConfig | None = None):
+    """CHAIN verify: nodes form one chain (parents[i] = i - 1; `parents` is not read by the
+    kernel). Returns (o, snapshots [B, N, HV, dk, dv]): the state after each position."""
+    return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
+                   chain=True)
+
+
+@jax.jit
+def commit_pernode(old, per_node, accepted):
+    """Copy the accepted node's slot: old [B, ...], per_node [B, N, ...], accepted [B] int32
+    (-1 keeps `old`). Used for GDN states, chain snapshots and conv windows alike."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    b, n = per_node.shape[:2]
+    picked = per_node[jnp.arange(b), jnp.clip(accepted, 0, n - 1)]
+    keep = (accepted < 0).reshape((b,) + (1,) * (old.ndim - 1))
+    return jnp.where(keep, old, picked.astype(old.dtype))
+
+
+commit_chain = commit_pernode
+commit_pernode_conv = commit_pernode
+
+
+# ----------------------------------------------------------------------------- conv baseline
+
+
+def _pernode_conv_kernel(nn_ref, par_ref, x_ref, cs_ref, w_ref, y_ref, win_ref, *, n_real, width,
+                         interpret):
+    # Blocks: par [N]; x [N, bc]; cs [K-1, bc]; w [K, bc]; y [N, bc]; win [N, K-1, bc].
+    nn = jnp.minimum(nn_ref[...], n_real)
+    c = width - 1
+    w = [w_ref[m].astype(jnp.float32) for m in range(width)]
+
+    def node(i, prev):
+        par = par_ref[i]
+        reuse = par == i - 1  # the carry is node i-1's window (the committed one before node 0)
+        from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
+        from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
+        pp = jnp.maximum(par, 0)
+        rows = []
+        for r in range(c):
+            rr = jnp.int32(r)  # (a Python int index breaks masked loads in interpret mode)
+            loaded = (pltriton.load(cs_ref.at[rr], mask=from_pool, other=0)
+                      + pltriton.load(win_ref.at[pp, rr], mask=from_scratch, other=0))
+            rows.append(jnp.where(reuse, prev[r], loaded))
+        xi = x_ref[i]
+        acc = w[c] * xi.astype(jnp.float32)
+        for r in range(c):
+            acc = acc + w[r] * rows[r].astype(jnp.float32)
+        y_ref[i] = (acc * jax.nn.sigmoid(acc)).astype(y_ref.dtype)
+        new = tuple(rows[1:]) + (xi.astype(win_ref.dtype),)
+        for r in range(c):
+            win_ref[i, r] = new[r]
+        if not interpret:
+            pltriton.debug_barrier()
+        return new
+
+    jax.lax.fori_loop(0, nn, node, tuple(cs_ref[r] for r in range(c)))
+
+    def zero(i, carry):
+        y_ref[i] = jnp.zeros(y_ref.shape[1:], y_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(nn, n_real, zero, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_c", "interpret", "num_warps"))
+def _pernode_conv_pallas(x, conv_state, weight, parents, num_nodes, *, block_c, interpret,
+                         num_warps):
+    b, n, ch = x.shape
+    width = weight.shape[0]
+    cp, bc = tree_conv.channel_tiling(ch, block_c)
+    x, conv_state = pad_axis(x, 2, cp), pad_axis(conv_state.astype(x.dtype), 2, cp)
+    weight = pad_axis(weight, 1, cp)
+    y, win = pl.pallas_call(
+        functools.partial(_pernode_conv_kernel, n_real=n, width=width, interpret=interpret),
+        grid=(b, cp // bc),
+        in_specs=[pl.BlockSpec((None,), lambda i, t: (i,)),
+                  pl.BlockSpec((None, n), lambda i, t: (i, 0)),
+                  pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
+                  pl.BlockSpec((None, width - 1, bc), lambda i, t: (i, 0, t)),
+                  pl.BlockSpec((width, bc), lambda i, t: (0, t))],
+        out_specs=[pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
+                   pl.BlockSpec((None, n, width - 1, bc), lambda i, t: (i, 0, 0, t))],
+        out_shape=[jax.ShapeDtypeStruct((b, n, cp), x.dtype),
+                   jax.ShapeDtypeStruct((b, n, width - 1, cp), x.dtype)],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="tree_pernode_conv",
+    )(num_nodes, parents, x, conv_state, weight)
+    if cp != ch:
+        y, win = y[..., :ch], win[..., :ch]
+    return y, win
+
+
+def tree_pernode_conv(x, conv_state, weight, parents, num_nodes=None, *, backend="auto",
+                      interpret=None, block_c: int = 256, num_warps: int = 4):
+    """Baseline tree conv. x [B, N, C] pre-conv inputs; conv_state [B, K-1, C] (newest last);
+    weight [K, C]. Returns (y [B, N, C] SiLU(conv), windows [B, N, K-1, C]: the last K-1
+    pre-conv inputs along each node's root path = that node's conv state)."""
+    backend, interpret = resolve_backend(backend, interpret)
+    b, n, _ = x.shape
+    if backend == "reference":
+        y = tree_conv.tree_causal_conv_ref(x, conv_state, weight, parents, num_nodes)
+        return y, tree_conv.node_conv_states_ref(x, conv_state, parents)
+    if num_nodes is None:
+        num_nodes = jnp.full((b,), n, jnp.int32)
+    return _pernode_conv_pallas(x, conv_state, weight, jnp.asarray(parents, jnp.int32),
+                                jnp.asarray(num_nodes, jnp.int32), block_c=block_c,
+                                interpret=interpret, num_warps=num_warps)

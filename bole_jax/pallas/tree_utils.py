@@ -1,0 +1,238 @@
+"""Tree structure shared by every GDN layer of one verify step, and the factors they return.
+
+A draft tree of N nodes is given by `parents [B, N] int32`: nodes are in topological order
+(parent[i] < i) and parent -1 means "hangs off the committed state", so forests are allowed.
+`num_nodes [B]` marks nodes >= num_nodes[b] as padding (ragged trees in one fixed-shape batch).
+
+Everything here depends on the tree only, not on the layer, so a model computes it once per step
+(`tree_structure`) and hands it to all GDN layers (and to the attention tree mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L2_EPS = 1e-6  # q/k L2 norm: x * rsqrt(sum x^2 + L2_EPS), as in Qwen3-Next / FLA
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeFactors:
+    """Token-level factors of one GDN layer's verify (01-bole-algorithm.md section 3).
+
+    With them, the state after any node `sel` is
+    S_sel = exp(gamma_sel) S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T.
+    Padding nodes have all-zero factors.
+    """
+
+    k: jax.Array  # [B, N, Hk, dk] fp32, L2-normalised keys
+    u: jax.Array  # [B, N, HV, dv] fp32, pseudo values U = (I + G)^-1 diag(b) (V - diag(P) K S_pre)
+    gamma: jax.Array  # [B, N, HV] fp32, root-path cumulative log gate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeStructure:
+    """Ancestor relation of a batch of (ragged) trees.
+
+    anc[b, i, j] is True iff node j is node i or one of its ancestors (A* = A + I); rows and
+    columns of padding nodes are all False (also the attention tree mask). depth[b, i] = number
+    of strict ancestors (a node with parent -1 has depth 0; padding: 0). path_len[b] = nodes on
+    the longest root path = max depth + 1 (0 for an empty tree): the strictly lower G of the
+    closed form has G^path_len = 0.
+    """
+
+    anc: jax.Array  # [B, N, N] bool
+    depth: jax.Array  # [B, N] int32
+    path_len: jax.Array  # [B] int32
+    valid: jax.Array  # [B, N] bool
+
+
+def resolve_backend(backend: str, interpret: bool | None) -> tuple[str, bool]:
+    """("pallas" | "reference", interpret). "auto" = Pallas on GPU, reference elsewhere;
+    interpret=None = interpret on anything but GPU."""
+    on_gpu = jax.default_backend() == "gpu"
+    if backend == "auto":
+        backend = "pallas" if on_gpu else "reference"
+    if backend not in ("pallas", "reference"):
+        raise ValueError(f"backend must be 'auto', 'pallas' or 'reference', got {backend!r}")
+    return backend, (not on_gpu) if interpret is None else bool(interpret)
+
+
+def node_validity(parents: jax.Array, num_nodes: jax.Array | None) -> jax.Array:
+    """[B, N] bool: True for real nodes (index < num_nodes[b]); all True when num_nodes is None."""
+    b, n = parents.shape
+    if num_nodes is None:
+        return jnp.ones((b, n), bool)
+    return jnp.arange(n, dtype=jnp.int32)[None, :] < jnp.asarray(num_nodes, jnp.int32)[:, None]
+
+
+@jax.jit
+def tree_structure(parents: jax.Array, num_nodes: jax.Array | None = None) -> TreeStructure:
+    """Ancestor-or-self masks, depths and longest root path of a batch of trees.
+
+    Transitive closure of the parent relation by repeated squaring: ceil(log2 N) batched N x N
+    matmuls (0/1 entries and counts <= N are exact in fp32), instead of an N-step sequential walk.
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    b, n = parents.shape
+    valid = node_validity(parents, num_nodes)
+    ids = jnp.arange(n, dtype=jnp.int32)
+    edge = (parents[:, :, None] == ids[None, None, :]) & valid[:, :, None] & valid[:, None, :]
+    reach = (edge | (jnp.eye(n, dtype=bool)[None] & valid[:, :, None])).astype(jnp.float32)
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+        reach = jnp.minimum(
+            jnp.einsum("bij,bjk->bik", reach, reach, precision=jax.lax.Precision.HIGHEST), 1.0)
+    anc = reach > 0.5
+    path = jnp.sum(anc, axis=-1, dtype=jnp.int32)  # nodes on the root path, self included
+    depth = jnp.maximum(path - 1, 0)
+    return TreeStructure(anc=anc, depth=depth, path_len=jnp.max(path, axis=-1), valid=valid)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def conv_window_indices(parents: jax.Array, width: int) -> jax.Array:
+    """[B, N, width] int32: rows of concat([conv_state (width-1 rows), x (N rows)]) forming each
+    node's causal conv window, oldest first.
+
+    Node i's window is the last `width` entries of
+    [committed inputs..., x of its root path..., x_i]:
+    its width-1 nearest ancestors (nearest last) and itself, topped up from the committed conv
+    state (row width-2 = newest) when the root path is shorter. Padding nodes get a valid but
+    meaningless window (callers mask them).
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    _, n = parents.shape
+    c = width - 1
+    cur = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), parents.shape)
+    used = jnp.zeros_like(cur)  # committed rows consumed so far
+    cols = [c + cur]
+    for _ in range(c):
+        nxt = jnp.take_along_axis(parents, jnp.clip(cur, 0, n - 1), axis=1)
+        cur = jnp.where(cur >= 0, jnp.minimum(nxt, n - 1), -1)
+        cols.append(jnp.where(cur >= 0, c + cur, c - 1 - used))
+        used = used + (cur < 0)
+    return jnp.stack(cols[::-1], axis=-1)
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum): Triton block shapes and dot dims."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad `x` at the end of `axis` to `size` (no-op if already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    assert extra > 0, (x.shape, axis, size)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def check_parents(parents, num_nodes=None) -> None:
+    """Eager validation of a parents array (host side); raises ValueError naming the fix."""
+    p = np.asarray(parents)
+    if p.ndim != 2:
+        raise ValueError(f"parents must be [B, N], got shape {p.shape}")
+    n = p.shape[1]
+    nn = np.full(p.shape[0], n) if num_nodes is None else np.asarray(num_nodes)
+    for b in range(p.shape[0]):
+        row = p[b, : int(nn[b])]
+        bad = np.nonzero((row < -1) | (row >= np.arange(len(row))))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"parents[{b}, {i}] = {int(row[i])}: every real node needs -1 <= parent < index "
+                "(nodes in topological order; -1 = child of the committed state)")
+
+
+# ----------------------------------------------------------------------------- tree generators
+# numpy, host side: used by tests and benchmarks (shapes of trees the drafter produces).
+
+
+def random_parents(rng: np.random.Generator, n: int, kind: str = "random", *,
+                   max_children: int = 4, max_depth: int = 8) -> np.ndarray:
+    """One tree of `n` nodes as a parents vector [n] int32 (topological order).
+
+    kind: "chain" (0 <- 1 <- 2 ...), "star" (all children of node 0), "deep" (long random
+    branches, no depth limit), "bushy" (breadth first, max_children per node), "forest" (several
+    roots hanging off the committed state), "random" (EAGLE-like: at most `max_children` children,
+    at most `max_depth` nodes on any root path, extends recent deep nodes preferentially).
+    """
+    p = np.full(n, -1, np.int32)
+    if n == 0:
+        return p
+    if kind == "chain":
+        p[1:] = np.arange(n - 1)
+    elif kind == "star":
+        p[1:] = 0
+    elif kind == "bushy":
+        p[1:] = (np.arange(1, n) - 1) // max_children
+    elif kind == "deep":
+        for i in range(1, n):
+            p[i] = i - 1 if rng.random() < 0.8 else rng.integers(0, i)
+    elif kind in ("random", "forest"):
+        depth = np.zeros(n, np.int32)  # nodes on root path - 1
+        kids = np.zeros(n, np.int32)
+        roots = 1
+        for i in range(1, n):
+            if kind == "forest" and rng.random() < 0.2:
+                roots += 1
+                continue  # p[i] = -1: another tree of the forest
+            ok = np.nonzero((kids[:i] < max_children) & (depth[:i] < max_depth - 1))[0]
+            if len(ok) == 0:
+                continue  # cannot grow within the limits: start a new root
+            w = 1.3 ** depth[ok] * (1.0 + ok / i)
+            j = int(rng.choice(ok, p=w / w.sum()))
+            p[i], depth[i] = j, depth[j] + 1
+            kids[j] += 1
+    else:
+        raise ValueError(f"unknown tree kind {kind!r}")
+    return p
+
+
+def tree_depth(parents: np.ndarray) -> int:
+    """Nodes on the longest root path of one tree (numpy, host side)."""
+    d = np.zeros(len(parents), np.int64)
+    for i, q in enumerate(parents):
+        d[i] = 1 + (d[q] if q >= 0 else 0)
+    return int(d.max()) if len(d) else 0
+
+
+def random_trees(rng: np.random.Generator, batch: int, n: int, kinds=("random",), *,
+                 ragged: bool = False, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """(parents [batch, n] int32, num_nodes [batch] int32). Request b gets tree kind
+    kinds[b % len(kinds)]; ragged: request b > 0 keeps only a random prefix of its nodes (the
+    rest is padding whose parents are garbage, as an engine's fixed-shape buffers would hold)."""
+    parents = np.stack([random_parents(rng, n, kinds[b % len(kinds)], **kw)
+                        for b in range(batch)]).astype(np.int32).reshape(batch, n)
+    num_nodes = np.full(batch, n, np.int32)
+    if ragged and n > 1:
+        for b in range(1, batch):
+            num_nodes[b] = rng.integers(1, n + 1)
+            parents[b, num_nodes[b]:] = rng.integers(-1, n, n - num_nodes[b])
+    return parents, num_nodes
+
+
+def random_gdn_inputs(rng: np.random.Generator, batch: int, n: int, hk: int, hv: int, dk: int,
+                      dv: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Random GDN verify inputs with realistic ranges: q, k, v in `dtype`; g = log gate in
+    [-1, -0.01]; beta in (0, 1); state fp32 of O(1) norm per column."""
+    def cast(x):
+        return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype))
+
+    return dict(
+        q=cast(rng.standard_normal((batch, n, hk, dk))),
+        k=cast(rng.standard_normal((batch, n, hk, dk))),
+        v=cast(rng.standard_normal((batch, n, hv, dv))),
+        g=-rng.uniform(0.01, 1.0, (batch, n, hv)).astype(np.float32),
+        beta=rng.uniform(0.05, 0.95, (batch, n, hv)).astype(np.float32),
+        state=(rng.standard_normal((batch, hv, dk, dv)) / np.sqrt(dk)).astype(np.float32),
+    )

@@ -1,0 +1,121 @@
+"""TREE-PERNODE and CHAIN baselines (Pallas, interpret mode) vs the sequential reference."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode
+from bole_jax.pallas.tree_pernode import PernodeConfig
+from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+RUN_SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, n, hk, hv, dk, dv, kinds, dtype=np.float32, ragged=True):
+    rng = np.random.default_rng(seed)
+    parents, num_nodes = random_trees(rng, b, n, kinds, ragged=ragged)
+    x = random_gdn_inputs(rng, b, n, hk, hv, dk, dv, dtype)
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"]), parents, num_nodes
+
+
+CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
+    (1, 1, 2, 16, 16, ("random",), np.float32, PernodeConfig(block_v=16)),
+    (7, 1, 3, 64, 32, ("star", "deep", "forest"), np.float32, PernodeConfig(block_v=16)),
+    (16, 2, 4, 16, 64, ("bushy", "random"), jnp.bfloat16, PernodeConfig(block_v=32)),
+    (64, 1, 2, 16, 16, ("random", "deep", "forest"), np.float32, PernodeConfig(block_v=16)),
+    (20, 1, 1, 24, 40, ("forest", "random"), np.float32, PernodeConfig(block_v=16)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}")
+def test_pernode_matches_sequential(case):
+    n, hk, hv, dk, dv, kinds, dtype, cfg = case
+    seed = RUN_SEED
+    args, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, kinds, dtype)
+    o_want, s_want = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
+    o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="pallas",
+                                                 interpret=True, config=cfg)
+    m = np.arange(n)[None, :] < num_nodes[:, None]
+    msg = f"seed {seed}"
+    assert o.dtype == args[2].dtype and states.shape == s_want.shape, msg
+    assert rel(o, o_want) <= (1e-5 if dtype == np.float32 else 1e-2), msg
+    assert rel(np.asarray(states)[m], np.asarray(s_want)[m]) <= 1e-5, msg
+    assert not np.any(np.asarray(o, np.float32)[~m]), msg
+    # The commit copies the accepted node's state: every node, and -1 (keep).
+    state = args[5]
+    for sel in range(-1, n):
+        acc = np.minimum(np.full(3, sel), num_nodes - 1).astype(np.int32)
+        new = tree_pernode.commit_pernode(state, states, acc)
+        for b in range(3):
+            want = state[b] if acc[b] < 0 else s_want[b, acc[b]]
+            assert rel(new[b], want) <= 1e-5, f"{msg} accepted {acc[b]}"
+
+
+@pytest.mark.parametrize("n,dtype", [(1, np.float32), (9, np.float32), (32, jnp.bfloat16)])
+def test_chain_matches_sequential(n, dtype):
+    seed = RUN_SEED
+    args, _, num_nodes = _inputs(seed, 2, n, 1, 2, 16, 32, ("chain",), dtype)
+    parents = np.broadcast_to(np.arange(n) - 1, (2, n)).astype(np.int32)
+    o_want, s_want = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
+    o, snaps = tree_pernode.chain_verify(*args, parents, num_nodes, backend="pallas",
+                                         interpret=True, config=PernodeConfig(block_v=16))
+    m = np.arange(n)[None, :] < num_nodes[:, None]
+    assert rel(o, o_want) <= (1e-5 if dtype == np.float32 else 1e-2), f"seed {seed}"
+    assert rel(np.asarray(snaps)[m], np.asarray(s_want)[m]) <= 1e-5, f"seed {seed}"
+    acc = (num_nodes - 1).astype(np.int32)
+    new = tree_pernode.commit_chain(args[5], snaps, acc)
+    assert rel(new, np.asarray(s_want)[np.arange(2), acc]) <= 1e-5, f"seed {seed}"
+
+
+def test_reference_backend_is_sequential():
+    args, parents, num_nodes = _inputs(RUN_SEED, 2, 5, 1, 1, 16, 16, ("random",))
+    o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="reference")
+    o2, s2 = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
+    assert rel(o, o2) == 0.0 and rel(states, s2) == 0.0
+
+
+@pytest.mark.parametrize("n,c,block_c", [(1, 16, 16), (13, 48, 16), (64, 32, 32)])
+def test_pernode_conv_matches_reference(n, c, block_c):
+    seed = RUN_SEED
+    rng = np.random.default_rng(seed)
+    parents, num_nodes = random_trees(rng, 3, n, ("random", "forest", "deep"), ragged=True)
+    x = rng.standard_normal((3, n, c)).astype(np.float32)
+    cs = rng.standard_normal((3, 3, c)).astype(np.float32)
+    w = (rng.standard_normal((4, c)) * 0.5).astype(np.float32)
+    y, windows = tree_pernode.tree_pernode_conv(x, cs, w, parents, num_nodes, backend="pallas",
+                                                interpret=True, block_c=block_c)
+    y_ref = tree_conv.tree_causal_conv_ref(x, cs, w, parents, num_nodes)
+    win_ref = tree_conv.node_conv_states_ref(x, cs, parents)
+    m = np.arange(n)[None, :] < num_nodes[:, None]
+    assert rel(y, y_ref) <= 1e-5, f"seed {seed}"
+    assert rel(np.asarray(windows)[m], np.asarray(win_ref)[m]) == 0.0, f"seed {seed}"
+    for sel in range(-1, n):
+        acc = np.minimum(np.full(3, sel), num_nodes - 1).astype(np.int32)
+        new = tree_pernode.commit_pernode_conv(cs, windows, acc)
+        for b in range(3):
+            want = cs[b] if acc[b] < 0 else win_ref[b, acc[b]]
+            assert rel(new[b], want) == 0.0, f"seed {seed} accepted {acc[b]}"
+
+
+@pytest.mark.parametrize("fn", ["tree_pernode_verify", "chain_verify"])
+def test_baselines_lower_to_triton(fn):
+    b, n, hk, hv, d = 2, 8, 2, 4, 128
+    q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
+    v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
+    gate = jnp.zeros((b, n, hv), jnp.float32)
+    state = jnp.zeros((b, hv, d, d), jnp.float32)
+    parents = jnp.zeros((b, n), jnp.int32)
+    verify = getattr(tree_pernode, fn)
+    f = jax.jit(lambda *a: verify(*a, backend="pallas", interpret=False))
+    assert "custom_call" in f.trace(q, q, v, gate, gate, state, parents).lower(
+        lowering_platforms=("cuda",)).as_text()
