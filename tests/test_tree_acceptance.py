@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bole_jax.pallas.tree_utils import tree_structure
 from bole_jax.sampling import SamplingParams, target_probs
 from bole_jax.spec_decode import acceptance, tree as tree_mod
 
@@ -55,12 +56,12 @@ def test_select_from_pool_invariants(n, m):
     np.testing.assert_array_equal(np.asarray(t.tokens[i, 1:k]), tokens[i, chosen])
 
 
-def test_ancestor_mask_matches_walk():
+def test_tree_structure_matches_walk():
   rng = np.random.default_rng(0)
   for n in (1, 2, 7, 16, 64, 128):
     parents = np.array([[-1] + [int(rng.integers(-1, j)) for j in range(1, n)] for _ in range(3)],
                        np.int32)
-    m = np.asarray(tree_mod.ancestor_mask(jnp.asarray(parents)))
+    m = np.asarray(tree_structure(jnp.asarray(parents)).anc)
     for b in range(3):
       for i in range(n):
         expect = set()

@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from bole_jax.pallas.tree_utils import tree_structure
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -30,28 +32,9 @@ class Tree:
     return jnp.arange(n)[None, :] < self.num_nodes[:, None]
 
 
-def ancestor_mask(parents: jax.Array, num_nodes: jax.Array | None = None) -> jax.Array:
-  """Ancestor-or-self mask [B, N, N] bool: mask[b, i, j] is True iff j is on i's root path.
-
-  Pointer doubling: ceil(log2 N) boolean matrix products, so any depth costs the same.
-  Padding nodes (index >= num_nodes) see only themselves.
-  """
-  b, n = parents.shape
-  eye = jnp.eye(n, dtype=jnp.float32)[None]
-  par = jax.nn.one_hot(parents, n, dtype=jnp.float32)  # -1 -> all zeros
-  if num_nodes is not None:
-    par = jnp.where((jnp.arange(n) < num_nodes[:, None])[..., None], par, 0.0)
-  reach = eye + par  # paths of length <= 1
-  jump = par  # ancestor at distance exactly 2^s
-  for _ in range(max(1, (n - 1).bit_length())):
-    jump = jnp.minimum(jnp.einsum("bij,bjk->bik", jump, jump), 1.0)
-    reach = jnp.minimum(reach + jnp.einsum("bij,bjk->bik", reach, jump), 1.0)
-  return reach > 0.5
-
-
 def depths(parents: jax.Array, num_nodes: jax.Array | None = None) -> jax.Array:
-  """Depth of every node [B, N] int32 (root = 0)."""
-  return (jnp.sum(ancestor_mask(parents, num_nodes), axis=-1) - 1).astype(jnp.int32)
+  """Depth of every node [B, N] int32 (root = 0, padding 0)."""
+  return tree_structure(parents, num_nodes).depth
 
 
 def select_from_pool(root_token: jax.Array, cand_tokens: jax.Array, cand_parents: jax.Array,

@@ -1,0 +1,350 @@
+"""`LLM`: the user-facing offline generation API.
+
+    llm = bole_jax.LLM("path/to/hf_folder")          # or LLM() for the embedded demo model
+    outs = llm.generate(["def fib(n):"], max_new_tokens=64)
+    print(outs[0].text, outs[0].stats)
+
+Shapes are bucketed (batch and KV capacity to powers of two, prompt chunks to a fixed set) so that
+repeated calls reuse compiled programs. Prompts longer than one chunk are prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bole_jax.model import ModelConfig, init_cache, init_params
+from bole_jax.model.weights import load_hf_checkpoint
+from bole_jax.sampling import SamplingParams, validate_sampling
+from bole_jax.model.mtp import init_mtp_cache, require_mtp
+from bole_jax.spec_decode import loop
+from bole_jax.spec_decode.drafter import DraftState
+from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take several calls)
+SEGMENT_STEPS = 16  # decode steps per jitted segment (host checks stops / progress between)
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+  return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  """One request's result. `stats` holds per-request numbers (see LLM.generate)."""
+
+  text: str
+  token_ids: list[int]
+  prompt_token_ids: list[int]
+  finish_reason: str  # "stop" (EOS or stop string) or "length"
+  stats: dict[str, Any]
+
+
+class Tokenizer:
+  """Thin wrapper over a `tokenizers` tokenizer.json (no transformers needed at run time)."""
+
+  def __init__(self, path: Path):
+    from tokenizers import Tokenizer as _Tok
+
+    self._tok = _Tok.from_file(str(path))
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=True)
+
+  def token_to_id(self, tok: str) -> int | None:
+    return self._tok.token_to_id(tok)
+
+
+class LLM:
+  """Offline generation over a hybrid (GDN + attention) model.
+
+  Args:
+    model: a local Hugging Face folder (config.json, *.safetensors, tokenizer.json), a
+      `ModelConfig` (random weights, prompts must be token ids), or None for the demo model
+      embedded in the package.
+    dtype: "bfloat16" / "float32" (default: the checkpoint's dtype, float32 on CPU).
+    max_batch_size: requests decoded together; more prompts run in several batches.
+    seed: PRNG seed for random weights (ModelConfig only).
+  """
+
+  def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
+               dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
+               params: Any = None, spec_options: dict | None = None):
+    if max_batch_size < 1:
+      raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    self.max_batch_size = max_batch_size
+    # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
+    self.spec_options = dict(spec_options or {})
+    self.tokenizer: Tokenizer | None = None
+    if dtype is None and jax.default_backend() == "cpu":
+      dtype = "float32"  # bf16 matmuls are emulated (slow) on CPU
+    if isinstance(model, ModelConfig):
+      self.cfg = model
+      self.params = params if params is not None else init_params(
+          model, jax.random.key(seed), dtype or model.dtype)
+      self.path = None
+    else:
+      path = Path(model) if model is not None else DEFAULT_MODEL_DIR
+      if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {path} (pass a local Hugging Face "
+                                "folder with config.json and *.safetensors)")
+      self.cfg, self.params = load_hf_checkpoint(path, dtype=dtype)
+      self.path = path
+      tok = path / "tokenizer.json"
+      if tok.exists():
+        self.tokenizer = Tokenizer(tok)
+    self.eos_ids = tuple(self.cfg.eos_token_ids) or (-1,)
+
+  # ------------------------------------------------------------------ helpers
+  def _encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
+    ids = []
+    for i, p in enumerate(prompts):
+      if isinstance(p, str):
+        if self.tokenizer is None:
+          raise ValueError("this model has no tokenizer.json: pass prompts as lists of token ids")
+        toks = self.tokenizer.encode(p)
+      else:
+        toks = [int(t) for t in p]
+        bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+          raise ValueError(f"prompt {i}: token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+      if not toks:
+        raise ValueError(f"prompt {i} is empty (after tokenisation)")
+      ids.append(toks)
+    return ids
+
+  def _decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+  # ------------------------------------------------------------------ API
+  def generate(self, prompts: str | Sequence[str | Sequence[int]], max_new_tokens: int = 128,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               stop: str | Sequence[str] | None = None, spec: str | None = None,
+               max_context: int | None = None, progress: bool = False,
+               oracle: Sequence[Sequence[int]] | None = None) -> list[GenerationOutput]:
+    """Generate continuations for a list of prompts (strings or token-id lists).
+
+    Sampling is greedy for temperature 0; otherwise temperature, then top-k (0 = off), then
+    top-p (1 = off). Generation stops at an EOS token, a stop string (excluded from the text), or
+    max_new_tokens. `stats` per request: prompt_tokens, generated_tokens, steps (decode steps the
+    request was active, prefill excluded), tokens_per_step, time_s (wall time of its batch),
+    tokens_per_s (its generated tokens / time_s), mode, drafter.
+
+    spec: "ar", "bole" (default when the model has an MTP head), "pernode" or "chain".
+    oracle: benchmarks only, with spec_options={"synthetic_accept": p}: the target's own
+      continuation of every prompt, which the synthetic-acceptance drafter places in the tree
+      (each depth correct with probability p). Outputs then say drafter="synthetic acceptance".
+    """
+    if isinstance(prompts, str):
+      prompts = [prompts]
+    if not prompts:
+      return []
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    validate_sampling(temperature, top_p, top_k)
+    mode = self.default_spec if spec is None else spec
+    if mode != "ar":
+      spec_cfg = self._spec_config(mode)
+      require_mtp(self.cfg, self.params)
+      if (spec_cfg.synthetic_accept is None) != (oracle is None):
+        raise ValueError("the synthetic-acceptance drafter needs both spec_options="
+                         "{'synthetic_accept': p} and generate(..., oracle=continuations)")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+      raise ValueError("stop strings must be non-empty")
+    ids = self._encode(prompts)
+    max_context = max_context or self.cfg.max_position_embeddings
+    for i, t in enumerate(ids):
+      if len(t) + max_new_tokens > max_context:
+        raise ValueError(f"prompt {i} has {len(t)} tokens; with max_new_tokens={max_new_tokens} "
+                         f"it exceeds the maximum context of {max_context} tokens")
+
+    outputs: list[GenerationOutput] = []
+    bar = None
+    if progress:
+      from tqdm.auto import tqdm
+      bar = tqdm(total=len(ids) * max_new_tokens, unit="tok", desc=f"generate[{mode}]")
+    for start in range(0, len(ids), self.max_batch_size):
+      chunk = ids[start:start + self.max_batch_size]
+      orc = None if oracle is None else oracle[start:start + self.max_batch_size]
+      outputs += self._generate_batch(chunk, max_new_tokens, temperature, top_p, top_k,
+                                      seed + start, stops, mode, bar, orc)
+    if bar is not None:
+      bar.close()
+    return outputs
+
+  def start_batch(self, ids: Sequence[Sequence[int]], max_new: int, *, mode: str = "ar",
+                  temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, oracle=None,
+                  extra_capacity: int = 0) -> loop.DecodeState:
+    """Prefill a batch of token-id prompts and return the DecodeState the jitted loop advances
+    (the first generated token already emitted). Public for benchmarks and notebooks:
+
+        state = llm.start_batch(ids, 64, mode="bole")
+        state = llm.segment_fn("bole")(llm.params, state, jnp.int32(16))   # 16 steps
+    """
+    cfg = self.cfg
+    n = len(ids)
+    b = _pow2(n)
+    lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
+    spec = None if mode == "ar" else self._spec_config(mode)
+    slack = spec.slack if spec else 0
+    capacity = _pow2(int(lens.max()) + max_new + slack + extra_capacity + 1, lo=64)
+    dtype = self.params["embed"].dtype
+    cache = init_cache(cfg, b, capacity, dtype)
+    draft_kv = None
+    if spec:
+      draft_kv = init_mtp_cache(cfg, b, capacity + spec.shape.draft_slots + 1, dtype)
+    # Chunked prefill: every request advances by up to PREFILL_CHUNK tokens per call.
+    toks = np.zeros((b, int(lens.max())), np.int32)
+    for i, t in enumerate(ids):
+      toks[i, :len(t)] = t
+    h_last = None
+    chunk = min(PREFILL_CHUNK, _pow2(int(lens.max()), lo=16))
+    for s in range(0, int(lens.max()), chunk):
+      piece = np.zeros((b, chunk), np.int32)
+      width = min(chunk, toks.shape[1] - s)
+      piece[:, :width] = toks[:, s:s + width]
+      num_new = np.clip(lens - s, 0, chunk).astype(np.int32)
+      h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, jnp.asarray(piece),
+                                                   jnp.asarray(num_new), h_last, draft_kv, cfg=cfg)
+    sp = SamplingParams.make(b, temperature, top_p, top_k)
+    key = jax.random.key(seed)
+    key, sub = jax.random.split(key)
+    tok0 = loop.first_token(self.params, h_last, sp, sub, cfg=cfg)
+    extra = None
+    if spec:
+      p = spec.shape.depth + 1
+      extra = DraftState(
+          kv=draft_kv,
+          pend_tokens=jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0),
+          pend_hidden=jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last),
+          pend_count=jnp.ones((b,), jnp.int32),
+          oracle=None if oracle is None else jnp.asarray(self._pad_oracle(oracle, b, max_new)))
+    state = loop.DecodeState(
+        cache=cache,
+        out=jnp.full((b, max_new), -1, jnp.int32),
+        num_out=jnp.zeros((b,), jnp.int32),
+        next_token=jnp.zeros((b,), jnp.int32),
+        done=jnp.asarray(np.arange(b) >= n),
+        max_out=jnp.full((b,), max_new, jnp.int32),
+        steps=jnp.zeros((b,), jnp.int32),
+        sampling=sp, key=key, eos=jnp.asarray(self.eos_ids, jnp.int32), extra=extra)
+    return loop.emit(state, tok0[:, None], jnp.ones((b,), jnp.int32))
+
+  def _generate_batch(self, ids, max_new, temperature, top_p, top_k, seed, stops, mode, bar,
+                      oracle=None):
+    n = len(ids)
+    spec = None if mode == "ar" else self._spec_config(mode)
+    t0 = time.perf_counter()
+    state = self.start_batch(ids, max_new, mode=mode, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, oracle=oracle)
+    jax.block_until_ready(state.out)
+    ttft = time.perf_counter() - t0
+    segment = self.segment_fn(mode)
+    stopped_at: dict[int, int] = {}
+    prev = 0
+    while True:
+      done = np.asarray(state.done)
+      num_out = np.asarray(state.num_out)
+      if bar is not None:
+        total = int(num_out[:n].sum())
+        bar.update(total - prev)
+        prev = total
+      if stops and self.tokenizer is not None:
+        out = np.asarray(state.out)
+        newly = []
+        for i in range(n):
+          if i in stopped_at:
+            continue
+          cut = self._find_stop(out[i, :num_out[i]], stops)
+          if cut is not None:
+            stopped_at[i] = cut
+            newly.append(i)
+        if newly:
+          state = dataclasses.replace(state, done=state.done.at[jnp.asarray(newly)].set(True))
+          done = np.asarray(state.done)
+      if done.all():
+        break
+      state = segment(self.params, state, jnp.int32(SEGMENT_STEPS))
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+      bar.update(max_new * n - prev)
+    out = np.asarray(state.out)
+    num_out = np.asarray(state.num_out)
+    steps = np.asarray(state.steps)
+    results = []
+    drafter = "none" if mode == "ar" else (
+        "mtp" if spec.synthetic_accept is None
+        else f"synthetic acceptance (p={spec.synthetic_accept})")
+    eos_set = set(self.eos_ids)
+    for i in range(n):
+      toks_i = [int(t) for t in out[i, :num_out[i]]]
+      reason = "length"
+      if i in stopped_at:
+        toks_i, reason = toks_i[:stopped_at[i]], "stop"
+      elif toks_i and toks_i[-1] in eos_set:
+        reason = "stop"
+      text = self._decode(toks_i)
+      if reason == "stop" and stops:
+        for s_ in stops:
+          j = text.find(s_)
+          if j >= 0:
+            text = text[:j]
+      gen = len(toks_i)
+      results.append(GenerationOutput(
+          text=text, token_ids=toks_i, prompt_token_ids=list(ids[i]), finish_reason=reason,
+          stats=dict(mode=mode, drafter=drafter, prompt_tokens=len(ids[i]), generated_tokens=gen,
+                     steps=int(steps[i]),
+                     tokens_per_step=float((num_out[i] - 1) / max(int(steps[i]), 1)),
+                     ttft_s=ttft, time_s=elapsed, tokens_per_s=gen / elapsed)))
+    return results
+
+  @staticmethod
+  def _pad_oracle(oracle, b, max_new) -> np.ndarray:
+    arr = np.zeros((b, max_new + 1), np.int32)
+    for i, o in enumerate(oracle):
+      o = list(o)[:max_new + 1]
+      arr[i, :len(o)] = o
+    return arr
+
+  def _find_stop(self, toks: np.ndarray, stops: list[str]) -> int | None:
+    """Number of tokens to keep when a stop string appears in the decoded tokens, else None."""
+    text = self._decode(toks)
+    if not any(s in text for s in stops):
+      return None
+    for k in range(1, len(toks) + 1):  # shortest prefix containing a stop string
+      t = self._decode(toks[:k])
+      if any(s in t for s in stops):
+        return k
+    return len(toks)
+
+  @property
+  def default_spec(self) -> str:
+    """'bole' when the model has an MTP head (the drafter), else plain autoregressive."""
+    return "bole" if self.cfg.mtp_num_layers and "mtp" in self.params else "ar"
+
+  def _spec_config(self, mode: str) -> SpecConfig:
+    if mode not in ("ar",) + SPEC_MODES:
+      raise ValueError(f"unknown spec mode {mode!r}: expected one of {('ar',) + SPEC_MODES}")
+    return SpecConfig.for_mode(mode, **self.spec_options)
+
+  @functools.lru_cache(maxsize=None)
+  def segment_fn(self, mode: str):
+    """The jitted segment for `mode`: (params, state, max_steps) -> state (state donated)."""
+    if mode == "ar":
+      step = functools.partial(loop.ar_step, cfg=self.cfg)
+    else:
+      step = functools.partial(spec_step, cfg=self.cfg, spec=self._spec_config(mode))
+    return jax.jit(functools.partial(loop.run_segment, step_fn=step), donate_argnames=("state",))

@@ -1,0 +1,90 @@
+"""One speculative decoding step: draft -> select -> verify -> accept -> commit.
+
+Modes share everything but the GDN state handling and the tree shape:
+  bole     top-k tree, closed-form tree verify from one state, factor commit (the method)
+  pernode  same tree, per-node full states in a scratch buffer + copy commit (SGLang "tree")
+  chain    top-1 chain, one state snapshot per position (vLLM style)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from bole_jax.model import logits as lm_logits
+from bole_jax.model.config import ModelConfig
+from bole_jax.spec_decode import drafter, tree as tree_mod, verify
+from bole_jax.spec_decode.acceptance import accept
+from bole_jax.spec_decode.drafter import TreeShape
+from bole_jax.spec_decode.loop import DecodeState, emit
+
+SPEC_MODES = ("bole", "pernode", "chain")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Static speculation settings (hashable)."""
+
+  mode: str = "bole"
+  shape: TreeShape = TreeShape()
+  backend: str = "auto"  # kernels: "auto" | "pallas" | "reference"
+  synthetic_accept: float | None = None  # synthetic drafter: per-depth acceptance probability
+
+  def __post_init__(self):
+    if self.mode not in SPEC_MODES:
+      raise ValueError(f"unknown spec mode {self.mode!r}; expected one of {SPEC_MODES} or 'ar'")
+    if self.mode == "chain" and self.shape.topk != 1:
+      raise ValueError("chain mode drafts with topk=1")
+    if self.mode == "chain" and self.shape.num_nodes != self.shape.depth + 1:
+      raise ValueError("chain mode verifies depth + 1 nodes")
+
+  @staticmethod
+  def for_mode(mode: str, topk: int = 4, depth: int = 8, num_nodes: int = 64,
+               backend: str = "auto", synthetic_accept: float | None = None) -> "SpecConfig":
+    if mode == "chain":
+      topk, num_nodes = 1, depth + 1
+    return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept)
+
+  @property
+  def slack(self) -> int:
+    """KV slots a request needs beyond its committed tokens during a step."""
+    return self.shape.num_nodes
+
+
+def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):
+  """Catch up the MTP cache and expand the candidate pool. Returns (pool, DraftState)."""
+  ds = state.extra
+  lengths = state.cache.lengths
+  h_root, ds = drafter.catch_up(params, cfg, ds, lengths)
+  forced = None
+  if spec.synthetic_accept is not None:
+    forced = drafter.synthetic_chain(ds.oracle, state.num_out, spec.shape.depth,
+                                     spec.synthetic_accept, cfg.vocab_size, key)
+  pool, kv = drafter.expand(params, cfg, spec.shape, ds.kv, h_root, lengths, forced)
+  return pool, dataclasses.replace(ds, kv=kv)
+
+
+def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
+  """Per-request top (N-1) by rho, cut to the KV room each request has left."""
+  n = spec.shape.num_nodes
+  t = tree_mod.select_from_pool(state.next_token, pool.tokens, pool.parents, pool.scores, n - 1, n)
+  room = state.cache.capacity - state.cache.lengths
+  return tree_mod.truncate(t, room)
+
+
+def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig) -> DecodeState:
+  key, k_draft, k_acc = jax.random.split(state.key, 3)
+  active = ~state.done
+  pool, ds = draft(params, cfg, spec, state, k_draft)
+  tree = select(spec, state, pool)
+  hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
+                                              backend=spec.backend)
+  acc = accept(tree, lm_logits(params, cfg, hidden), state.sampling, k_acc,
+               max_depth=spec.shape.depth, max_children=spec.shape.topk)
+  cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode)
+  ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
+  state = dataclasses.replace(state, cache=cache, extra=ds, key=key,
+                              steps=state.steps + active.astype(jnp.int32))
+  return emit(state, acc.tokens, acc.num_accepted)

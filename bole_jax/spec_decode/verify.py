@@ -1,0 +1,153 @@
+"""Tree verification forward of the hybrid target, and the commit of the accepted path.
+
+verify_forward runs every node of each request's draft tree through the target in ONE forward:
+  * GDN layers: the tree causal conv, then the tree gated delta rule from the ONE committed state
+    (`bole`: closed form, returns token-level factors; `pernode`: the SGLang-style baseline with
+    one full state per node; `chain`: one snapshot per position, chains only);
+  * attention layers: the node keys/values are written after each request's committed prefix
+    (slot lengths + i), and each node attends to the prefix plus its ancestors-or-self;
+  * positions are lengths + depth.
+Nothing committed is modified (the KV rows after the prefix are scratch). `commit` then folds in
+the accepted path: GDN state and conv state at the last accepted node, KV rows of the path moved
+to consecutive slots, lengths advanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from bole_jax.model.cache import AttnCache, Cache, GDNCache
+from bole_jax.model.config import LINEAR, ModelConfig
+from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
+from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
+from bole_jax.pallas import tree_conv, tree_gdn, tree_pernode
+from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
+from bole_jax.spec_decode import state_factors
+from bole_jax.spec_decode.acceptance import Accepted
+from bole_jax.spec_decode.tree import Tree
+
+GDN_MODES = ("bole", "pernode", "chain")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNVerifyOut:
+  """What one GDN layer's verify leaves for the commit (only one of factors / node_states is set).
+
+  conv_in: [B, N, C] pre-conv inputs of the nodes (bole: the conv commit reads the accepted path).
+  factors: TreeFactors (bole): k [B, N, Hk, dk], u [B, N, HV, dv], gamma [B, N, HV].
+  node_states: [B, N, HV, dk, dv] fp32 (pernode / chain): the baseline's per-node state scratch.
+  conv_windows: [B, N, K-1, C] (pernode / chain): each node's conv window scratch.
+  """
+
+  conv_in: Any = None
+  factors: Any = None
+  node_states: Any = None
+  conv_windows: Any = None
+
+
+def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) -> jax.Array:
+  """[B, N, S] bool: node i sees the committed prefix and its ancestors-or-self (at slot L + j)."""
+  s = jnp.arange(capacity)[None, None, :]
+  rel = s - lengths[:, None, None]  # tree node index of slot s
+  n = ts.anc.shape[1]
+  in_tree = (rel >= 0) & (rel < n)
+  anc = jnp.take_along_axis(ts.anc, jnp.clip(rel, 0, n - 1).astype(jnp.int32).repeat(n, axis=1),
+                            axis=2)
+  return (rel < 0) | (in_tree & anc)
+
+
+def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
+                    mode: str, backend: str):
+  qkv, z, g, beta = gdn_in_proj(p, x, cfg)
+  if mode == "bole":
+    y = tree_conv.tree_causal_conv(qkv, cache.conv, p["conv_w"], tree.parents, tree.num_nodes,
+                                   backend=backend)
+    aux = GDNVerifyOut(conv_in=qkv)
+  else:
+    y, windows = tree_pernode.tree_pernode_conv(qkv, cache.conv, p["conv_w"], tree.parents,
+                                                tree.num_nodes, backend=backend)
+    aux = GDNVerifyOut(conv_windows=windows)
+  q, k, v = _split_qkv(y, cfg)
+  if mode == "bole":
+    o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
+                                          tree.num_nodes, backend=backend, tree=ts)
+    aux = dataclasses.replace(aux, factors=factors)
+  elif mode == "pernode":
+    o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, cache.state, tree.parents,
+                                                 tree.num_nodes, backend=backend)
+    aux = dataclasses.replace(aux, node_states=states)
+  else:
+    o, states = tree_pernode.chain_verify(q, k, v, g, beta, cache.state, tree.parents, tree.num_nodes,
+                                          backend=backend)
+    aux = dataclasses.replace(aux, node_states=states)
+  return gdn_out(p, o.astype(x.dtype), z, cfg), aux
+
+
+def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: str = "bole",
+                   backend: str = "auto"):
+  """Run all tree nodes through the target.
+
+  Returns hidden [B, N, H] (after the final norm), the cache with the node KV rows written after
+  each prefix (lengths unchanged, committed rows untouched), and one GDNVerifyOut per GDN layer
+  (None for attention layers).
+  """
+  if mode not in GDN_MODES:
+    raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
+  ts = tree_structure(tree.parents, tree.num_nodes)
+  positions = cache.lengths[:, None] + tree.depth  # [B, N]
+  n = tree.tokens.shape[1]
+  slots = jnp.where(tree.valid, cache.lengths[:, None] + jnp.arange(n)[None], 2**30)
+  mask = None
+  x = params["embed"][tree.tokens]
+  layers, auxs = [], []
+  for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
+    if cfg.layer_types[i] == LINEAR:
+      h, aux = _gdn_tree_layer(lp["gdn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), c,
+                               tree, ts, cfg, mode, backend)
+      x = mlp_block(lp, x + h, cfg)
+    else:
+      if mask is None:
+        mask = tree_attention_mask(cache.lengths, ts, c.k.shape[1])
+      x, c = attention_layer(lp, x, positions, c, slots, mask, cfg)
+      aux = None
+    layers.append(c)
+    auxs.append(aux)
+  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
+
+
+def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
+           mode: str = "bole") -> Cache:
+  """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
+
+  GDN: the state at the last accepted node (bole: rebuilt from factors, one gather + matmul;
+  baselines: a copy of that node's scratch state) and the conv state along the accepted path.
+  Attention: the path's KV rows move from slot L + path[j] to slot L + j.
+  """
+  last = jnp.where(active, acc.last, -1)  # -1: keep the committed state
+  num = jnp.where(active, acc.num_accepted, 0)
+  d1 = acc.path.shape[1]
+  j = jnp.arange(d1)[None]
+  src = cache.lengths[:, None] + acc.path
+  dst = jnp.where(j < num[:, None], cache.lengths[:, None] + j, 2**30)
+  layers = []
+  for c, aux in zip(cache.layers, auxs):
+    if isinstance(c, GDNCache):
+      if mode == "bole":
+        state = state_factors.commit_state(c.state, aux.factors, tree.parents, last)
+        conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
+      else:
+        state = tree_pernode.commit_pernode(c.state, aux.node_states, last)
+        conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
+      layers.append(GDNCache(conv=conv, state=state))
+    else:
+      b = jnp.arange(c.k.shape[0])[:, None]
+      k_rows = c.k[b, jnp.minimum(src, c.k.shape[1] - 1)]
+      v_rows = c.v[b, jnp.minimum(src, c.v.shape[1] - 1)]
+      layers.append(AttnCache(k=write_rows(c.k, k_rows, dst), v=write_rows(c.v, v_rows, dst)))
+  return Cache(layers=tuple(layers), lengths=cache.lengths + num)
