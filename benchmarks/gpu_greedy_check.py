@@ -45,6 +45,7 @@ def main(argv=None):
   ap.add_argument("--new", type=int, default=256)
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--modes", nargs="+", default=["bole", "pernode", "chain"])
+  ap.add_argument("--drafters", nargs="+", default=["synthetic"], choices=["synthetic", "mtp"])
   ap.add_argument("--out", default="benchmarks/results")
   a = ap.parse_args(argv)
   env = bench.environment()
@@ -55,7 +56,8 @@ def main(argv=None):
   ar = LLM(cfg, params=params).generate(ids, max_new_tokens=a.new, spec="ar")
   rows = []
   for mode in a.modes:
-    for drafter, opts in (("mtp", {}), ("synthetic p=0.8", dict(synthetic_accept=0.8))):
+    drafters = {"mtp": ("mtp", {}), "synthetic": ("synthetic p=0.8", dict(synthetic_accept=0.8))}
+    for drafter, opts in (drafters[d] for d in a.drafters):
       llm = LLM(cfg, params=params, spec_options=opts)
       out = llm.generate(ids, max_new_tokens=a.new, spec=mode,
                          oracle=[o.token_ids for o in ar] if opts else None)

@@ -116,6 +116,23 @@ def torch_logits(model, ids) -> np.ndarray:
     return model(torch.as_tensor(np.asarray(ids)), use_cache=False).logits.float().numpy()
 
 
+# transformers renamed the output field / kwarg `past_key_values` to `cache` (5.2x); the GPU image
+# has 5.17: accept both.
+def _cache_of(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def _cache_kw() -> str:
+    import inspect
+
+    from transformers import Qwen3NextForCausalLM
+    return "cache" if "cache" in inspect.signature(Qwen3NextForCausalLM.forward).parameters \
+        else "past_key_values"
+
+
+_CACHE_KW = _cache_kw()
+
+
 @torch.no_grad()
 def torch_greedy_run(model, prompt, steps: int) -> dict:
     """Greedy continuation of one prompt with transformers' own cache (prefill, then 1-token steps).
@@ -124,7 +141,7 @@ def torch_greedy_run(model, prompt, steps: int) -> dict:
     prefill_cache: per layer (conv_state [1, C, K], recurrent_state [1, HV, dk, dv]) for GDN layers
     or (keys, values) [1, Hkv, T, D] for attention layers, copied right after the prefill."""
     out = model(torch.as_tensor(np.asarray(prompt))[None], use_cache=True)
-    c = out.cache
+    c = _cache_of(out)
     prefill_cache = [(c.layers[i].conv_states[0].clone(), c.layers[i].recurrent_states[0].clone())
                      if t == "linear_attention" else (c.layers[i].keys.clone(), c.layers[i].values.clone())
                      for i, t in enumerate(model.config.layer_types)]
@@ -133,7 +150,7 @@ def torch_greedy_run(model, prompt, steps: int) -> dict:
         step_logits.append(out.logits[0, -1].float().numpy())
         nxt = out.logits[0, -1].argmax()
         tokens.append(int(nxt))
-        out = model(nxt.view(1, 1), cache=out.cache, use_cache=True)
+        out = model(nxt.view(1, 1), use_cache=True, **{_CACHE_KW: _cache_of(out)})
     return dict(tokens=tokens, logits=np.stack(step_logits), prefill_cache=prefill_cache)
 
 

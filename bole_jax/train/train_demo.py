@@ -95,6 +95,35 @@ def mtp_loss(mtp, params, cfg, x):
   return jnp.mean(ce), jnp.mean(jnp.argmax(lg, -1) == labels)
 
 
+def reshard(folder: Path, max_bytes: int) -> None:
+  """Split folder/model.safetensors into HF shards of at most max_bytes with an index (keeps
+  every file of the shipped model small)."""
+  from safetensors.numpy import load_file, save_file
+
+  src = folder / "model.safetensors"
+  if src.stat().st_size <= max_bytes:
+    return
+  tensors = load_file(str(src))
+  shards, cur, size = [], {}, 0
+  for name in sorted(tensors):
+    nbytes = tensors[name].nbytes
+    if cur and size + nbytes > max_bytes:
+      shards.append(cur)
+      cur, size = {}, 0
+    cur[name] = tensors[name]
+    size += nbytes
+  shards.append(cur)
+  weight_map = {}
+  for i, shard in enumerate(shards, 1):
+    fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, str(folder / fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in shard})
+  total = sum(t.nbytes for t in tensors.values())
+  (folder / "model.safetensors.index.json").write_text(json.dumps(
+      dict(metadata=dict(total_size=total), weight_map=weight_map), indent=1))
+  src.unlink()
+
+
 def main(argv=None):
   import optax
 
@@ -109,6 +138,7 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--seq", type=int, default=512)
   ap.add_argument("--lr", type=float, default=2e-3)
+  ap.add_argument("--shard-mb", type=int, default=15, help="max size of one weights file")
   a = ap.parse_args(argv)
 
   t_start = time.time()
@@ -191,6 +221,7 @@ def main(argv=None):
   params = dict(params, mtp=mtp)
   a.out.mkdir(parents=True, exist_ok=True)
   save_hf_checkpoint(a.out, cfg, params, dtype="bfloat16")
+  reshard(a.out, a.shard_mb << 20)
   shutil.copy(a.tokenizer, a.out / "tokenizer.json")
   tc = a.tokenizer.parent / "tokenizer_config.json"
   if tc.exists():
