@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import time
@@ -25,11 +26,15 @@ from bole_jax.model.cache import AttnCache, GDNCache
 
 def environment() -> dict:
   """What a result needs to be comparable: device, jax version, git commit."""
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=__file__.rsplit("/", 2)[0], timeout=10).stdout.strip()
-  except Exception:  # noqa: BLE001 - best effort outside a checkout
-    commit = "unknown"
+  # The GPU machine gets a copy of the tree without usable git history: callers pass the commit.
+  commit = os.environ.get("BOLE_GIT_COMMIT", "")
+  if not commit:
+    try:
+      commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                              timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - best effort outside a checkout
+      commit = ""
   d = jax.devices()[0]
   return dict(device=d.device_kind, platform=d.platform, num_devices=jax.device_count(),
               jax=jax.__version__, python=platform.python_version(), git_commit=commit or "unknown")
