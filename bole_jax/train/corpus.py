@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 TEXT_SUFFIXES = {".py", ".txt", ".rst", ".md"}
-EXCLUDE = ("human_eval", "humaneval", "spec_bench", "bfcl", "test_data", "/site-packages/")
+EXCLUDE = ("human_eval", "humaneval", "spec_bench", "bfcl")  # evaluation sets: never trained on
 
 
 def default_roots() -> list[Path]:
@@ -27,6 +27,9 @@ def default_roots() -> list[Path]:
 def corpus_files(roots: Iterable[Path] | None = None, seed: int = 0) -> list[Path]:
   """All text files under `roots` (sorted, then shuffled with `seed`: deterministic)."""
   files = []
+  # The default roots are the standard library (its site-packages varies per machine: skipped);
+  # roots given explicitly are taken whole.
+  skip = ("/site-packages/",) if not roots else ()
   for root in (list(roots) if roots else default_roots()):
     root = Path(root)
     if root.is_file():
@@ -34,7 +37,7 @@ def corpus_files(roots: Iterable[Path] | None = None, seed: int = 0) -> list[Pat
       continue
     for p in sorted(root.rglob("*")):
       s = str(p).lower()
-      if p.is_file() and p.suffix in TEXT_SUFFIXES and not any(x in s for x in EXCLUDE):
+      if p.is_file() and p.suffix in TEXT_SUFFIXES and not any(x in s for x in EXCLUDE + skip):
         files.append(p)
   random.Random(seed).shuffle(files)
   return files
