@@ -193,9 +193,12 @@ def test_gdn_chunked_matches_recurrent_and_torch(chunk):
     o_r, s_r = _recurrent_rule(q, k, v, g, beta, s0)
     assert rel_err(o_c, o_r) <= TOL and rel_err(s_c, s_r) <= TOL
     t = torch.as_tensor
-    o_tc, s_tc = torch_chunk_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta), chunk_size=chunk, initial_state=t(s0),
+    # Older transformers (5.17, the GPU image) expect q/k already expanded to the value heads.
+    r = v.shape[2] // q.shape[2]
+    qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
+    o_tc, s_tc = torch_chunk_gated_delta_rule(t(qe), t(ke), t(v), t(g), t(beta), chunk_size=chunk, initial_state=t(s0),
                                               output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_tr, s_tr = torch_recurrent_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta), initial_state=t(s0),
+    o_tr, s_tr = torch_recurrent_gated_delta_rule(t(qe), t(ke), t(v), t(g), t(beta), initial_state=t(s0),
                                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert rel_err(o_c, o_tc.numpy()) <= TOL and rel_err(s_c, s_tc.numpy()) <= TOL
     assert rel_err(o_r, o_tr.numpy()) <= TOL and rel_err(s_r, s_tr.numpy()) <= TOL
