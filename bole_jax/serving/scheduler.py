@@ -1,0 +1,840 @@
+"""Continuous batching: one engine thread advances a fixed set of decode slots; requests come and go.
+
+Design
+------
+- Slots. The engine keeps ONE running `DecodeState` with `num_slots` rows (axis 0 of every batched
+  array), the same KV capacity S in every row and an output buffer of `max_context` tokens per row.
+  Its shapes never change, so the decode segment compiles once per (mode, slots, capacity).
+- Segments. Each iteration advances the state by at most `segment_steps` decode steps in one jitted
+  call (`LLM.segment_fn(mode)`, state donated) and reads back only the tokens emitted since the
+  last read. Requests join and leave between segments.
+- Insertion. A new request is prefilled alone (`LLM.start_batch` with batch 1 and capacity S) and
+  its row is written into a free slot by `insert_slot` (jitted, state donated):
+  `dynamic_update_slice` along axis 0 of every batched leaf (cache layers and lengths, out,
+  num_out, next_token, done, max_out, steps, sampling arrays, the drafter's `DraftState`). The PRNG
+  key and the EOS ids are shared by all rows and stay as they are.
+- Leaving. A finished (EOS, max_tokens, stop string, stop token) or cancelled request's row is
+  marked done by `release_slots`; the step functions leave done rows' results unused, so the slot is
+  free for the next insertion. Nothing is copied or compacted.
+- Admission. FIFO; a waiting request is prefilled as soon as a slot is free, up to
+  `prefill_budget` prompt tokens per iteration (at least one request) so that a burst of arrivals
+  does not stall the running rows for too long. The number of slots is min(--max-batch, what fits
+  in free device memory), from the bytes one slot needs (`slot_bytes`, computed from the config).
+- Host side, per request: incremental detokenisation that never splits a UTF-8 character
+  (`IncrementalDetokenizer`), stop strings matched across deltas by holding back a possible stop
+  prefix (`StopMatcher`), per-request stop token ids, cancellation at any time.
+
+Sampling seeds: all rows share one PRNG stream (`DecodeState.key`, split once per step for the
+whole batch), so a per-request seed cannot be honoured exactly. What is done: the request's seed
+keys its own prefill, so the FIRST token is a pure function of (prompt, sampling params, seed);
+later tokens come from the shared stream and depend on what else is running. Greedy requests are
+deterministic regardless. Exact per-request seeds need one key per row in `DecodeState` (a change
+to `sampling.sample` and the acceptance).
+
+Not done yet (hooks noted in the code):
+- prefix cache: `_prefill` is where a cached prefix's state would be copied in before the suffix is
+  prefilled (GDN layers need the recurrent state AT the prefix end, so entries are per prefix length);
+- chunked prefill interleaved with decode segments (a long prompt stalls the other rows while it is
+  prefilled; `prefill_budget` only bounds how many new prompts are prefilled per iteration);
+- batched prefill of several new requests in one call.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bole_jax.model.config import ModelConfig
+from bole_jax.model.mtp import require_mtp
+from bole_jax.sampling import validate_sampling
+from bole_jax.spec_decode.loop import DecodeState
+from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig
+
+log = logging.getLogger("bole_jax.serving")
+
+DEFAULT_MAX_CONTEXT = 8192  # when neither --max-context nor a smaller max_position_embeddings
+
+
+class RequestError(ValueError):
+  """A request the client got wrong (HTTP 400). `param`/`code` follow the OpenAI error shape."""
+
+  def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.param = param
+    self.code = code
+
+
+# ------------------------------------------------------------------ memory
+def _pow2(n: int, lo: int = 1) -> int:
+  return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig | None,
+               dtype) -> dict[str, int]:
+  """Device bytes one decode slot needs, by part (an estimate for admission, not an allocation).
+
+  attention_kv: K and V of every full-attention layer, `capacity` tokens.
+  gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer.
+  drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
+  output:       the [max_context] int32 output row and per-row scalars.
+  step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
+                layer the tree's token-level factors (bole) or one full state per node (pernode,
+                chain). Activations of the layer being computed are not counted (small).
+  """
+  it = jnp.dtype(dtype).itemsize
+  kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it
+  gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
+  conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it
+  parts = {
+      "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
+      "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state),
+      "output": out_len * 4 + 64,
+  }
+  if spec is None:
+    parts["step_transient"] = cfg.vocab_size * 4
+  else:
+    n, depth = spec.shape.num_nodes, spec.shape.depth
+    parts["drafter"] = (cfg.mtp_num_layers * (capacity + spec.shape.draft_slots + 1) * kv_per_token
+                        + (depth + 1) * (cfg.hidden_size * it + 4))
+    if spec.mode == "bole":
+      per_node = (cfg.gdn_num_key_heads * cfg.gdn_key_dim
+                  + cfg.gdn_num_value_heads * (cfg.gdn_value_dim + 1)) * 4 + cfg.conv_dim * it
+    else:
+      per_node = gdn_state + conv
+    parts["step_transient"] = n * cfg.vocab_size * 4 + len(cfg.gdn_layers) * n * per_node
+  return parts
+
+
+def plan_slots(per_slot: int, max_batch: int, device=None,
+               memory_fraction: float = 0.9) -> tuple[int, dict | None]:
+  """Number of decode slots: min(max_batch, what fits in the device's free memory).
+
+  Free memory comes from `device.memory_stats()` (after the weights are loaded); backends that do
+  not report it (CPU) get max_batch. One slot's worth is kept back for the prefill of a new request
+  (its batch-1 cache exists next to the running state until it is inserted).
+  """
+  if max_batch < 1:
+    raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # some backends raise instead of returning None
+    stats = None
+  if not stats or "bytes_limit" not in stats:
+    return max_batch, None
+  free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  fit = int(free * memory_fraction) // per_slot - 1
+  if fit < 1:
+    raise ValueError(
+        f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB, "
+        f"{free / 2**20:.1f} MiB are free: lower --max-context (or use a smaller model / dtype)")
+  return min(max_batch, fit), stats
+
+
+# ------------------------------------------------------------------ jitted slot surgery
+def _shared_fields_cleared(state: DecodeState) -> DecodeState:
+  return dataclasses.replace(state, key=None, eos=None)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_slot(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
+  """Write the batch-1 state `row` into row `slot` of `state` (every batched leaf, axis 0).
+
+  `row` must come from `LLM.start_batch` with the same mode and capacity (and its `out` widened to
+  the state's); the PRNG key and EOS ids of `state` are kept.
+  """
+  put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0)
+  new = jax.tree.map(put, _shared_fields_cleared(state), _shared_fields_cleared(row))
+  return dataclasses.replace(new, key=state.key, eos=state.eos)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release_slots(state: DecodeState, mask: jax.Array) -> DecodeState:
+  """Mark rows `mask [B]` done (free). Their temperature is reset to 0 so that a batch whose live
+  rows are all greedy keeps the argmax-only sampling path."""
+  sp = state.sampling
+  sp = dataclasses.replace(sp, temperature=jnp.where(mask, 0.0, sp.temperature))
+  return dataclasses.replace(state, done=state.done | mask, sampling=sp)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def read_new_tokens(state: DecodeState, start: jax.Array, *, width: int):
+  """Tokens out[b, start[b] : start[b] + width] ([B, width], -1 past the end), num_out, done, steps."""
+  idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], state.out.shape[1] - 1)
+  return jnp.take_along_axis(state.out, idx, axis=1), state.num_out, state.done, state.steps
+
+
+# ------------------------------------------------------------------ host-side text
+class IncrementalDetokenizer:
+  """Turns a growing token list into text deltas that never end inside a UTF-8 character.
+
+  Byte-level BPE tokens can hold part of a character: the decode of such a prefix ends with U+FFFD.
+  Only a small window is decoded per token (from `_prefix` on): the delta is the window's text
+  beyond the text of [_prefix, _read), and it is released once it no longer ends in U+FFFD.
+  """
+
+  def __init__(self, tokenizer):
+    self.tok = tokenizer
+    self.ids: list[int] = []
+    self._prefix = 0  # window start (a character boundary)
+    self._read = 0  # tokens whose text has been released
+
+  def push(self, token: int) -> str:
+    self.ids.append(int(token))
+    return self._delta(final=False)
+
+  def flush(self) -> str:
+    """Release whatever is left (an incomplete character at the very end becomes U+FFFD)."""
+    return self._delta(final=True)
+
+  def _delta(self, final: bool) -> str:
+    if self.tok is None or self._read == len(self.ids):
+      return ""
+    prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
+    text = self.tok.decode(self.ids[self._prefix:])
+    if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
+      self._prefix, self._read = self._read, len(self.ids)
+      return text[len(prefix_text):]
+    return ""
+
+
+class StopMatcher:
+  """Cuts a stream of text deltas at the first stop string, across delta boundaries.
+
+  The longest suffix of the unsent text that is a prefix of some stop string is held back, so a
+  stop string never straddles already-sent text: every occurrence lies in the unsent buffer.
+  """
+
+  def __init__(self, stops: Sequence[str]):
+    self.stops = [s for s in stops if s]
+    self._unsent = ""
+
+  def push(self, text: str) -> tuple[str, bool]:
+    """Returns (text safe to send, stopped)."""
+    if not self.stops:
+      return text, False
+    self._unsent += text
+    hits = [j for j in (self._unsent.find(s) for s in self.stops) if j >= 0]
+    if hits:
+      out, self._unsent = self._unsent[:min(hits)], ""
+      return out, True
+    hold = 0
+    for s in self.stops:
+      for k in range(min(len(s) - 1, len(self._unsent)), hold, -1):
+        if self._unsent.endswith(s[:k]):
+          hold = k
+          break
+    cut = len(self._unsent) - hold
+    out, self._unsent = self._unsent[:cut], self._unsent[cut:]
+    return out, False
+
+  def flush(self) -> str:
+    out, self._unsent = self._unsent, ""
+    return out
+
+
+# ------------------------------------------------------------------ requests
+@dataclasses.dataclass
+class Delta:
+  """One streamed event of a request: new text (may be empty) and, on the last, finish_reason.
+
+  finish_reason: None while running, then "stop" (EOS, stop string or stop token), "length"
+  (max_tokens), "cancelled" or "error" (`error` holds the message).
+  """
+
+  index: int  # which prompt of its HTTP request (several prompts can share one event queue)
+  text: str
+  finish_reason: str | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass
+class RequestParams:
+  max_tokens: int
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+
+
+class Request:
+  """A submitted request: iterate it for `Delta`s, `result()` to wait, `cancel()` to abort.
+
+  Timing fields (time.perf_counter seconds): t_submit, t_first (first token on the host), t_end.
+  """
+
+  def __init__(self, prompt_ids: list[int], params: RequestParams, tokenizer, *,
+               events: queue.Queue | None = None, index: int = 0, request_id: str | None = None,
+               internal: bool = False, inbox: queue.Queue | None = None):
+    self.id = request_id or uuid.uuid4().hex
+    self.internal = internal  # engine-made (warm-up, dummy rows): kept out of the metrics
+    self.prompt_ids = prompt_ids
+    self.params = params
+    self.index = index
+    self.events = events if events is not None else queue.Queue()
+    self.token_ids: list[int] = []  # tokens of the completion (stop token / string excluded)
+    self.text = ""
+    self.finish_reason: str | None = None
+    self.error: str | None = None
+    self.steps = 0  # decode steps the request was in a running slot
+    self.t_submit = time.perf_counter()
+    self.t_first: float | None = None
+    self.t_end: float | None = None
+    self._detok = IncrementalDetokenizer(tokenizer)
+    self._stops = StopMatcher(params.stop)
+    self._finished = threading.Event()
+    self.cancelled = False
+    self._inbox = inbox  # the engine's, to wake it on cancel()
+
+  # ---- client side
+  def cancel(self) -> None:
+    """Ask the engine to drop this request (its slot is freed before the next segment)."""
+    self.cancelled = True
+    if self._inbox is not None:
+      self._inbox.put(("cancel", self))
+
+  @property
+  def finished(self) -> bool:
+    return self._finished.is_set()
+
+  def __iter__(self) -> Iterator[Delta]:
+    """The request's deltas until the last one (only when this request owns its event queue)."""
+    while True:
+      d = self.events.get()
+      yield d
+      if d.finish_reason is not None:
+        return
+
+  def result(self, timeout: float | None = None) -> "Request":
+    if not self._finished.wait(timeout):
+      raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+    return self
+
+  @property
+  def completion_tokens(self) -> int:
+    return len(self.token_ids)
+
+  # ---- engine side
+  def _consume(self, tok: int, eos: frozenset) -> str | None:
+    """Account one generated token; returns a finish reason when it ends the request."""
+    p = self.params
+    if tok in p.stop_token_ids:
+      return "stop"
+    self.token_ids.append(tok)
+    piece = self._detok.push(tok)
+    if piece:
+      out, stopped = self._stops.push(piece)
+      self._send(out)
+      if stopped:
+        return "stop"
+    if tok in eos:
+      return "stop"
+    if len(self.token_ids) >= p.max_tokens:
+      return "length"
+    return None
+
+  def _send(self, text: str) -> None:
+    if text:
+      self.text += text
+      self.events.put(Delta(self.index, text))
+
+  def _finish(self, reason: str, error: str | None = None) -> bool:
+    """Send the last delta; False when the request had already finished."""
+    if self._finished.is_set():
+      return False
+    tail = ""
+    if reason in ("length", "stop") and error is None:
+      out, stopped = self._stops.push(self._detok.flush())
+      tail = out if stopped else out + self._stops.flush()
+      self.text += tail
+    self.finish_reason, self.error = reason, error
+    self.t_end = time.perf_counter()
+    self.events.put(Delta(self.index, tail, reason, error))
+    self._finished.set()
+    return True
+
+
+# ------------------------------------------------------------------ metrics
+class Histogram:
+  """A Prometheus histogram (cumulative buckets, sum, count)."""
+
+  def __init__(self, name: str, help_: str, buckets: Sequence[float]):
+    self.name, self.help, self.buckets = name, help_, tuple(buckets)
+    self.counts = [0] * len(self.buckets)
+    self.sum = 0.0
+    self.count = 0
+
+  def observe(self, v: float) -> None:
+    self.sum += v
+    self.count += 1
+    for i, b in enumerate(self.buckets):
+      if v <= b:
+        self.counts[i] += 1
+
+  def render(self) -> list[str]:
+    lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    for b, c in zip(self.buckets, self.counts):
+      lines.append(f'{self.name}_bucket{{le="{b:g}"}} {c}')
+    lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6g}",
+              f"{self.name}_count {self.count}"]
+    return lines
+
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+  """Engine counters (guarded by `lock`; the engine writes, /metrics reads)."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.ttft = Histogram("bole_time_to_first_token_seconds",
+                          "Submission to first generated token (queueing and prefill included).",
+                          _LATENCY_BUCKETS)
+    self.tpot = Histogram("bole_time_per_output_token_seconds",
+                          "Mean time between generated tokens after the first, per request.",
+                          (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
+    self.e2e = Histogram("bole_request_latency_seconds", "Submission to completion.",
+                         _LATENCY_BUCKETS)
+    self.accepted = Histogram("bole_tokens_per_step",
+                              "Generated tokens per decode step, per request (1 for ar; accepted "
+                              "draft tokens + 1 for speculative modes).",
+                              (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10))
+    self.finished = collections.Counter()
+    self.prompt_tokens = 0
+    self.generation_tokens = 0
+    self.decode_tokens = 0  # generated by decode steps (first tokens come from prefill)
+    self.slot_steps = 0  # sum over decode steps of the active slots
+    self.segments = 0
+    self.segment_seconds = 0.0
+    self.prefill_seconds = 0.0
+
+  def on_finish(self, r: Request) -> None:
+    with self.lock:
+      self.finished[r.finish_reason] += 1
+      self.generation_tokens += r.completion_tokens
+      self.e2e.observe(r.t_end - r.t_submit)
+      if r.t_first is not None:
+        self.ttft.observe(r.t_first - r.t_submit)
+        if r.completion_tokens > 1:
+          self.tpot.observe((r.t_end - r.t_first) / (r.completion_tokens - 1))
+      if r.steps:
+        self.accepted.observe((r.completion_tokens - 1) / r.steps)
+
+
+# ------------------------------------------------------------------ the engine
+class Scheduler:
+  """Continuous-batching engine over `num_slots` decode rows of one `LLM`.
+
+  Args:
+    llm: a loaded `bole_jax.LLM` (its spec_options fix the tree shape of the spec modes).
+    mode: "ar", "bole", "pernode" or "chain" (default: llm.default_spec).
+    max_batch: upper bound on the slots (decode rows); memory may allow fewer.
+    max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
+      8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
+    segment_steps: decode steps per jitted segment (smaller: lower latency to join/leave and
+      finer streaming; larger: fewer host round trips).
+    prefill_budget: prompt tokens prefilled per iteration before decoding resumes (>= 1 request).
+    memory_fraction: share of the free device memory the slots may use.
+    seed: seed of the engine's shared PRNG stream.
+  Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
+  """
+
+  def __init__(self, llm, *, mode: str | None = None, max_batch: int = 8,
+               max_context: int | None = None, segment_steps: int = 8,
+               prefill_budget: int = 4096, memory_fraction: float = 0.9, max_waiting: int = 4096,
+               seed: int = 0):
+    self.llm = llm
+    cfg = llm.cfg
+    self.mode = mode or llm.default_spec
+    if self.mode not in ("ar",) + SPEC_MODES:
+      raise ValueError(f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}")
+    self.spec = None
+    if self.mode != "ar":
+      self.spec = SpecConfig.for_mode(self.mode, **llm.spec_options)
+      if self.spec.synthetic_accept is not None:
+        raise ValueError("the synthetic-acceptance drafter is for offline benchmarks, not serving")
+      require_mtp(cfg, llm.params)
+    if segment_steps < 1:
+      raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
+    slack = self.spec.slack if self.spec else 0
+    limit = cfg.max_position_embeddings
+    if max_context is None:
+      self.capacity = _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64)
+      self.max_context = min(limit, self.capacity - slack - 1)
+    else:
+      if not 2 <= max_context <= limit:
+        raise ValueError(f"--max-context must be in [2, {limit}] (the model's "
+                         f"max_position_embeddings), got {max_context}")
+      self.max_context = max_context
+      # start_batch rounds the KV capacity to a power of two; the tree needs `slack` extra rows.
+      self.capacity = _pow2(max_context + slack + 1, lo=64)
+      tight = self.capacity // 2 - slack - 1
+      if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
+        log.warning("--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
+                    "halve the KV memory", max_context, self.capacity, tight)
+    self.segment_steps = segment_steps
+    self.prefill_budget = prefill_budget
+    self.max_waiting = max_waiting
+    self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
+    dtype = llm.params["embed"].dtype
+    self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, dtype)
+    self.num_slots, self.device_memory = plan_slots(sum(self.slot_bytes.values()), max_batch,
+                                                    memory_fraction=memory_fraction)
+    self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
+    self.tokenizer = llm.tokenizer
+    self.metrics = Metrics()
+    self._segment = llm.segment_fn(self.mode)
+    self._seed = seed
+    self._inbox: queue.Queue = queue.Queue()
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._slots: list[Request | None] = [None] * self.num_slots
+    self._seen = np.zeros(self.num_slots, np.int32)  # tokens of each slot already on the host
+    self._steps = np.zeros(self.num_slots, np.int32)  # host copy of state.steps at the last read
+    self._state: DecodeState | None = None
+    self.state_bytes = 0  # bytes of the running state (its shapes never change)
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self.error: str | None = None  # set when the engine thread died
+    self._queued = 0  # submitted, still in the inbox
+    self._queued_lock = threading.Lock()
+
+  # ---------------------------------------------------------------- client API (any thread)
+  def check(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
+    """Raise RequestError for what the client got wrong (the HTTP layer answers 400)."""
+    n = len(prompt_ids)
+    if n == 0:
+      raise RequestError("the prompt is empty (after tokenisation)", "prompt")
+    vocab = self.llm.cfg.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+      raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+    if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) \
+        or params.max_tokens < 1:
+      raise RequestError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
+                         "max_tokens")
+    if n + params.max_tokens > self.max_context:
+      raise RequestError(
+          f"this server's maximum context length is {self.max_context} tokens, but "
+          f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} for "
+          "the completion): shorten the prompt or lower max_tokens", "max_tokens",
+          "context_length_exceeded")
+    try:
+      validate_sampling(params.temperature, params.top_p, params.top_k)
+    except ValueError as e:
+      raise RequestError(str(e), str(e).split()[0]) from None
+    if any(not isinstance(s, str) or not s for s in params.stop):
+      raise RequestError("stop strings must be non-empty strings", "stop")
+
+  def submit(self, prompt_ids: Sequence[int], params: RequestParams, *,
+             events: queue.Queue | None = None, index: int = 0) -> Request:
+    """Validate and enqueue a request (token ids). `events`: a queue shared by several requests
+    (their `Delta.index` tells them apart); by default the request has its own."""
+    prompt_ids = [int(t) for t in prompt_ids]
+    self.check(prompt_ids, params)
+    if self.error is not None:
+      raise RuntimeError(f"the engine stopped: {self.error}")
+    if self.queue_depth >= self.max_waiting:
+      raise OverflowError(f"too many waiting requests ({self.max_waiting}): retry later")
+    req = Request(prompt_ids, params, self.tokenizer, events=events, index=index,
+                  inbox=self._inbox)
+    with self._queued_lock:
+      self._queued += 1
+    self._inbox.put(("add", req))
+    return req
+
+  @property
+  def queue_depth(self) -> int:
+    """Requests submitted and not yet in a slot (nor finished)."""
+    return len(self._waiting) + self._queued
+
+  @property
+  def active_slots(self) -> int:
+    return sum(r is not None for r in self._slots)
+
+  def start(self, warmup: bool = True) -> "Scheduler":
+    """Compile (`warmup`) and start the engine thread."""
+    if self._thread is None:
+      if warmup:
+        self.warmup()
+      self._ensure_state()
+      self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._inbox.put(("wake", None))
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    self._fail_all("cancelled")
+    if self._state is not None and self.error is None:  # free every row (start() may follow)
+      self._state = release_slots(self._state, jnp.ones((self.num_slots,), bool))
+
+  def _fail_all(self, reason: str, error: str | None = None) -> None:
+    """Finish every request the engine knows of (queued, waiting, running)."""
+    pending = []
+    try:
+      while True:
+        kind, req = self._inbox.get_nowait()
+        if kind == "add":
+          with self._queued_lock:
+            self._queued -= 1
+          pending.append(req)
+    except queue.Empty:
+      pass
+    for r in pending + list(self._waiting) + [r for r in self._slots if r is not None]:
+      self._end(r, reason, error)
+    self._waiting.clear()
+    self._slots = [None] * self.num_slots
+
+  def warmup(self) -> None:
+    """Compile prefill, insertion, one segment, the readback and the release (engine idle)."""
+    assert self.active_slots == 0, "warm up before serving"
+    self._ensure_state()
+    row, _ = self._prefill(Request([1], RequestParams(max_tokens=2), None, internal=True))
+    self._state = insert_slot(self._state, row, jnp.int32(0))
+    self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
+    jax.block_until_ready(read_new_tokens(self._state, jnp.asarray(self._seen),
+                                          width=self.segment_steps * self.tokens_per_step))
+    self._release([0])
+    self._steps[0] = 0
+
+  # ---------------------------------------------------------------- engine thread
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        self.step(block=True)
+    except Exception as e:  # the state was donated: nothing sensible is left to continue with
+      log.exception("engine thread died")
+      self.error = f"{type(e).__name__}: {e}"
+      self._fail_all("error", self.error)
+
+  def step(self, block: bool = False) -> None:
+    """One engine iteration: take new requests and cancellations, admit, decode one segment."""
+    idle = self.active_slots == 0 and not self._waiting
+    self._drain_inbox(timeout=0.5 if (block and idle) else None)
+    self._ensure_state()
+    self._admit()
+    if self.active_slots:
+      self._decode()
+
+  def _drain_inbox(self, timeout: float | None) -> None:
+    msgs = []
+    try:
+      msgs.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
+      while True:
+        msgs.append(self._inbox.get_nowait())
+    except queue.Empty:
+      pass
+    free = []
+    for kind, req in msgs:
+      if kind == "add":
+        with self._queued_lock:
+          self._queued -= 1
+        self._waiting.append(req)
+      elif kind == "cancel" and not req.finished:
+        if req in self._waiting:
+          self._waiting.remove(req)
+          self._end(req, "cancelled")
+        elif req in self._slots:
+          free.append(self._slots.index(req))
+          self._end(req, "cancelled")
+    self._release(free)
+
+  def _ensure_state(self) -> None:
+    """The running state: every slot a copy of a 1-token dummy row, all done (free)."""
+    if self._state is not None:
+      return
+    row, _ = self._prefill(Request([1], RequestParams(max_tokens=1), None, internal=True))
+    b = self.num_slots
+    state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
+    self._state = dataclasses.replace(state, key=jax.random.key(self._seed), eos=row.eos,
+                                      done=jnp.ones((b,), bool))
+    self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state)))
+
+  def _prefill(self, req: Request) -> tuple[DecodeState, int]:
+    """Batch-1 prefill of `req` into a row of the running state's shapes -> (row, first token).
+
+    Prefix-cache hook: a cache hit would start from the stored state of the longest cached prefix
+    and prefill only the rest (the GDN recurrent state must be the one AT the prefix end).
+    """
+    slack = self.spec.slack if self.spec else 0
+    n = len(req.prompt_ids)
+    # start_batch sizes the cache as pow2(prompt + max_new + slack + extra + 1): with max_new = 1
+    # and this `extra` it is exactly self.capacity (and every row has the same shapes).
+    extra = self.capacity - (n + 1 + slack + 1)
+    assert extra >= 0, (n, self.capacity)
+    p = req.params
+    row = self.llm.start_batch([req.prompt_ids], 1, mode=self.mode, temperature=p.temperature,
+                               top_p=p.top_p, top_k=p.top_k, seed=p.seed, extra_capacity=extra)
+    assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)
+    tok0 = int(row.next_token[0])
+    out = np.full((1, self.max_context), -1, np.int32)
+    out[0, 0] = tok0
+    # start_batch's done/max_out describe max_new = 1: restate them for this request.
+    row = dataclasses.replace(row, out=jnp.asarray(out),
+                              max_out=jnp.full((1,), p.max_tokens, jnp.int32),
+                              done=jnp.zeros((1,), bool))
+    return row, tok0
+
+  def _admit(self) -> None:
+    budget = self.prefill_budget
+    first = True
+    while self._waiting and None in self._slots and (first or budget > 0):
+      req = self._waiting.popleft()
+      if req.cancelled:
+        self._end(req, "cancelled")
+        continue
+      first = False
+      budget -= len(req.prompt_ids)
+      self._admit_one(req, self._slots.index(None))
+
+  def _admit_one(self, req: Request, slot: int) -> None:
+    t0 = time.perf_counter()
+    try:
+      row, tok0 = self._prefill(req)
+    except Exception as e:  # a failed prefill must not take the engine down
+      log.exception("prefill failed")
+      self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+      return
+    req.t_first = time.perf_counter()
+    with self.metrics.lock:
+      self.metrics.prefill_seconds += req.t_first - t0
+      self.metrics.prompt_tokens += len(req.prompt_ids)
+    reason = req._consume(tok0, self.eos)
+    if reason is not None:
+      self._end(req, reason)
+      return
+    self._state = insert_slot(self._state, row, jnp.int32(slot))
+    self._slots[slot] = req
+    self._seen[slot] = 1
+    self._steps[slot] = 0
+
+  def _decode(self) -> None:
+    """One segment for all slots, then hand the new tokens to their requests."""
+    t0 = time.perf_counter()
+    self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
+    width = self.segment_steps * self.tokens_per_step
+    window, num_out, done, steps = jax.device_get(
+        read_new_tokens(self._state, jnp.asarray(self._seen), width=width))
+    with self.metrics.lock:
+      self.metrics.segments += 1
+      self.metrics.segment_seconds += time.perf_counter() - t0
+    free = []
+    for slot, req in enumerate(self._slots):
+      if req is None:
+        continue
+      new = int(num_out[slot] - self._seen[slot])
+      assert 0 <= new <= width, (new, width)
+      took = int(steps[slot] - self._steps[slot])
+      req.steps += took
+      with self.metrics.lock:
+        self.metrics.decode_tokens += new
+        self.metrics.slot_steps += took
+      self._seen[slot] = num_out[slot]
+      self._steps[slot] = steps[slot]
+      reason = None
+      for tok in window[slot, :new]:
+        reason = req._consume(int(tok), self.eos)
+        if reason is not None:
+          break
+      if reason is None and done[slot]:
+        reason = "length"  # done on the device without an EOS: max_out reached
+      if reason is not None:
+        free.append(slot)
+        self._end(req, reason)
+    self._release(free)
+
+  def _release(self, slots: list[int]) -> None:
+    if not slots:
+      return
+    mask = np.zeros(self.num_slots, bool)
+    mask[slots] = True
+    self._state = release_slots(self._state, jnp.asarray(mask))
+    for s in slots:
+      self._slots[s] = None
+
+  def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+    if req._finish(reason, error) and not req.internal:
+      self.metrics.on_finish(req)
+
+  # ---------------------------------------------------------------- metrics
+  def stats(self) -> dict[str, Any]:
+    """A snapshot for /metrics and tests."""
+    m = self.metrics
+    with m.lock:
+      snap = dict(queue_depth=self.queue_depth, active_slots=self.active_slots,
+                  num_slots=self.num_slots, capacity=self.capacity, max_context=self.max_context,
+                  mode=self.mode, slot_bytes=dict(self.slot_bytes),
+                  finished=dict(m.finished), prompt_tokens=m.prompt_tokens,
+                  generation_tokens=m.generation_tokens, decode_tokens=m.decode_tokens,
+                  slot_steps=m.slot_steps, segments=m.segments,
+                  segment_seconds=m.segment_seconds, prefill_seconds=m.prefill_seconds,
+                  mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1))
+    snap["state_bytes"] = self.state_bytes
+    try:
+      dev = jax.devices()[0].memory_stats() or {}
+    except Exception:
+      dev = {}
+    snap["device_bytes_in_use"] = dev.get("bytes_in_use")
+    snap["device_bytes_limit"] = dev.get("bytes_limit")
+    return snap
+
+  def render_prometheus(self) -> str:
+    """All metrics in the Prometheus text exposition format (version 0.0.4)."""
+    s = self.stats()
+    lines: list[str] = []
+
+    def metric(name, kind, help_, value, labels=""):
+      lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{labels} {value}"])
+
+    metric("bole_queue_depth", "gauge", "Requests waiting for a slot.", s["queue_depth"])
+    metric("bole_active_slots", "gauge", "Decode slots holding a request.", s["active_slots"])
+    metric("bole_slots", "gauge", "Decode slots (max batch after memory admission).", s["num_slots"])
+    metric("bole_kv_capacity_tokens", "gauge", "KV capacity of one slot.", s["capacity"])
+    metric("bole_slot_bytes", "gauge", "Estimated device bytes per slot.",
+           sum(s["slot_bytes"].values()))
+    metric("bole_state_bytes", "gauge", "Bytes of the running decode state (all slots).",
+           s["state_bytes"])
+    if s["device_bytes_in_use"] is not None:
+      metric("bole_device_memory_used_bytes", "gauge", "Device memory in use.",
+             s["device_bytes_in_use"])
+      metric("bole_device_memory_limit_bytes", "gauge", "Device memory limit.",
+             s["device_bytes_limit"])
+    lines += ["# HELP bole_requests_finished_total Finished requests by finish reason.",
+              "# TYPE bole_requests_finished_total counter"]
+    for reason in ("stop", "length", "cancelled", "error"):
+      lines.append(f'bole_requests_finished_total{{finish_reason="{reason}"}} '
+                   f'{s["finished"].get(reason, 0)}')
+    metric("bole_prompt_tokens_total", "counter", "Prefilled prompt tokens.", s["prompt_tokens"])
+    metric("bole_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+           s["generation_tokens"])
+    metric("bole_decode_tokens_total", "counter", "Tokens generated by decode steps.",
+           s["decode_tokens"])
+    metric("bole_decode_slot_steps_total", "counter",
+           "Decode steps summed over active slots (decode_tokens / this = tokens per step).",
+           s["slot_steps"])
+    metric("bole_segments_total", "counter", "Jitted decode segments run.", s["segments"])
+    metric("bole_segment_seconds_total", "counter", "Time in decode segments.",
+           f'{s["segment_seconds"]:.6g}')
+    metric("bole_prefill_seconds_total", "counter", "Time in prefills.",
+           f'{s["prefill_seconds"]:.6g}')
+    with self.metrics.lock:
+      for h in (self.metrics.ttft, self.metrics.tpot, self.metrics.e2e, self.metrics.accepted):
+        lines += h.render()
+    return "\n".join(lines) + "\n"
