@@ -2,6 +2,13 @@
 
     python -m bole_jax.train.train_demo --out DIR [--minutes 8] [--seed 0]
 
+The shipped default model was made on the H200 image with (see benchmarks/results/
+demo_train_log.json; the step counts below make the run independent of timing):
+
+    python -m bole_jax.train.train_demo --out DIR --seed 0 --target-steps 1975 --mtp-steps 1393 \
+        --corpus /usr/lib/python3.12 /opt/torch/.venv/lib/python3.12/site-packages \
+        --max-bytes 120000000
+
 Phase 1 trains the target (GDN + gated attention) on next-token prediction; phase 2 freezes it and
 trains the MTP head on the target's hidden states (input: embedding of x_p and the target hidden
 at p-1 after the final norm; label: x_{p+1}). Data: the offline corpus of `corpus.py` (Python
@@ -139,6 +146,10 @@ def main(argv=None):
   ap.add_argument("--seq", type=int, default=512)
   ap.add_argument("--lr", type=float, default=2e-3)
   ap.add_argument("--shard-mb", type=int, default=15, help="max size of one weights file")
+  ap.add_argument("--target-steps", type=int, default=None,
+                  help="fixed step count for the target phase (default: fill the time budget); "
+                       "fixing both step counts makes a run reproducible")
+  ap.add_argument("--mtp-steps", type=int, default=None, help="fixed step count for the MTP phase")
   a = ap.parse_args(argv)
 
   t_start = time.time()
@@ -170,7 +181,7 @@ def main(argv=None):
   def val_loss(params, x):
     return target_loss(params, cfg, x)[0]
 
-  def run_phase(name, loss_fn, trainable, frozen, seconds):
+  def run_phase(name, loss_fn, trainable, frozen, seconds, fixed_steps=None):
     """Train `trainable` on loss_fn(trainable, frozen, x) -> (loss, metric) for ~seconds."""
 
     @jax.jit
@@ -189,7 +200,7 @@ def main(argv=None):
       probe, st, loss, _ = step(probe, st, frozen, jnp.asarray(next(data)), 0.0)
     jax.block_until_ready(loss)
     per_step = (time.time() - t1) / 5
-    total = max(int((seconds - (time.time() - t0)) / per_step), 50)
+    total = fixed_steps or max(int((seconds - (time.time() - t0)) / per_step), 50)
     print(f"[{name}] compile {t1 - t0:.0f}s, {per_step*1e3:.0f} ms/step, {total} steps "
           f"({a.batch * a.seq / per_step / 1e3:.0f}k tok/s)", flush=True)
     log = []
@@ -205,9 +216,9 @@ def main(argv=None):
 
   params, log_t, ps_t, n_t = run_phase(
       "target", lambda p, _, x: (target_loss(p, cfg, x[:, :-1])[0], jnp.float32(0)), params, None,
-      t_budget)
+      t_budget, a.target_steps)
   mtp, log_m, ps_m, n_m = run_phase(
-      "mtp", lambda m, p, x: mtp_loss(m, p, cfg, x), mtp, params, m_budget)
+      "mtp", lambda m, p, x: mtp_loss(m, p, cfg, x), mtp, params, m_budget, a.mtp_steps)
 
   # Validation: target loss and MTP top-1 agreement on held-out documents.
   vrng = np.random.default_rng(a.seed + 1)
