@@ -26,6 +26,7 @@ from bole_jax.model.weights import load_hf_checkpoint
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
 from bole_jax.spec_decode import loop
+from bole_jax.spec_decode.budget import resolve_spec_options
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
@@ -87,6 +88,7 @@ class LLM:
     self.max_batch_size = max_batch_size
     # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
     self.spec_options = dict(spec_options or {})
+    self._resolved_spec_options: dict[int, dict] = {}  # batch bucket -> options + calibrated width
     self.tokenizer: Tokenizer | None = None
     if dtype is None and jax.default_backend() == "cpu":
       dtype = "float32"  # bf16 matmuls are emulated (slow) on CPU
@@ -187,18 +189,21 @@ class LLM:
 
   def start_batch(self, ids: Sequence[Sequence[int]], max_new: int, *, mode: str = "ar",
                   temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, oracle=None,
-                  extra_capacity: int = 0) -> loop.DecodeState:
+                  extra_capacity: int = 0, spec_batch: int | None = None) -> loop.DecodeState:
     """Prefill a batch of token-id prompts and return the DecodeState the jitted loop advances
     (the first generated token already emitted). Public for benchmarks and notebooks:
 
         state = llm.start_batch(ids, 64, mode="bole")
         state = llm.segment_fn("bole")(llm.params, state, jnp.int32(16))   # 16 steps
+
+    spec_batch: the batch bucket whose (calibrated) tree shape to lay the state out for; pass
+    the same value to `segment_fn` (default for both: max_batch_size).
     """
     cfg = self.cfg
     n = len(ids)
     b = _pow2(n)
     lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
-    spec = None if mode == "ar" else self._spec_config(mode)
+    spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
     slack = spec.slack if spec else 0
     capacity = _pow2(int(lens.max()) + max_new + slack + extra_capacity + 1, lo=64)
     dtype = self.params["embed"].dtype
@@ -246,13 +251,14 @@ class LLM:
   def _generate_batch(self, ids, max_new, temperature, top_p, top_k, seed, stops, mode, bar,
                       oracle=None):
     n = len(ids)
-    spec = None if mode == "ar" else self._spec_config(mode)
+    bucket = _pow2(n)  # the tree width follows the batch actually decoded
+    spec = None if mode == "ar" else self._spec_config(mode, bucket)
     t0 = time.perf_counter()
     state = self.start_batch(ids, max_new, mode=mode, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, oracle=oracle)
+                             top_k=top_k, seed=seed, oracle=oracle, spec_batch=bucket)
     jax.block_until_ready(state.out)
     ttft = time.perf_counter() - t0
-    segment = self.segment_fn(mode)
+    segment = self.segment_fn(mode, bucket)
     stopped_at: dict[int, int] = {}
     prev = 0
     while True:
@@ -335,16 +341,25 @@ class LLM:
     """'bole' when the model has an MTP head (the drafter), else plain autoregressive."""
     return "bole" if self.cfg.mtp_num_layers and "mtp" in self.params else "ar"
 
-  def _spec_config(self, mode: str) -> SpecConfig:
+  def _spec_config(self, mode: str, batch: int | None = None) -> SpecConfig:
+    """SpecConfig for `mode` at a batch bucket (default: max_batch_size). The tree width comes
+    from a matching calibration table (bole-jax calibrate), else a safe default (logged once);
+    explicit spec_options win."""
     if mode not in ("ar",) + SPEC_MODES:
       raise ValueError(f"unknown spec mode {mode!r}: expected one of {('ar',) + SPEC_MODES}")
-    return SpecConfig.for_mode(mode, **self.spec_options)
+    batch = batch or self.max_batch_size
+    if batch not in self._resolved_spec_options:
+      self._resolved_spec_options[batch] = resolve_spec_options(
+          self.cfg, self.spec_options, batch=batch, param_dtype=self.params["embed"].dtype,
+          model_dir=self.path)
+    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch])
 
   @functools.lru_cache(maxsize=None)
-  def segment_fn(self, mode: str):
-    """The jitted segment for `mode`: (params, state, max_steps) -> state (state donated)."""
+  def segment_fn(self, mode: str, batch: int | None = None):
+    """The jitted segment for `mode` (and batch bucket, which sets the calibrated tree width):
+    (params, state, max_steps) -> state, with the state donated."""
     if mode == "ar":
       step = functools.partial(loop.ar_step, cfg=self.cfg)
     else:
-      step = functools.partial(spec_step, cfg=self.cfg, spec=self._spec_config(mode))
+      step = functools.partial(spec_step, cfg=self.cfg, spec=self._spec_config(mode, batch))
     return jax.jit(functools.partial(loop.run_segment, step_fn=step), donate_argnames=("state",))

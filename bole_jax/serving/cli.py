@@ -2,14 +2,23 @@
 
   bole-jax generate "def fibonacci(n):"                     # embedded demo model
   bole-jax generate --model DIR --file prompts.txt --output out.jsonl --json
+  bole-jax serve --model DIR --port 8000                    # OpenAI-compatible server
   echo "hello" | bole-jax generate --max-new-tokens 32
+  bole-jax calibrate --preset qwen3.5-9b --out table.json   # verify budget per batch bucket
+  bole-jax bench --preset qwen3.5-9b --out DIR              # ar / bole / pernode / chain
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+
+BENCH_MODES = ("ar", "bole", "pernode", "chain")
+XLA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "bole_jax", "xla")  # persistent compilation cache of calibrate / bench
 
 
 def _read_prompts(args) -> list[str]:
@@ -66,6 +75,121 @@ def _cmd_generate(args) -> int:
   return 0
 
 
+def _cmd_serve(args) -> int:
+  import logging
+
+  from bole_jax.serving.server import serve
+
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+  logging.getLogger("bole_jax").setLevel(logging.INFO)
+  try:
+    serve(args.model, spec=args.spec, host=args.host, port=args.port, max_batch=args.max_batch,
+          max_context=args.max_context, dtype=args.dtype, segment_steps=args.segment_steps,
+          served_model_name=args.served_model_name)
+  except OSError as e:  # e.g. the port is taken
+    print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _cmd_calibrate(args) -> int:
+  from pathlib import Path
+
+  from bole_jax import bench
+  from bole_jax.spec_decode import budget
+
+  budget.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
+                                repeats=args.repeats)
+  if args.compile_cache and args.compile_cache.lower() != "none":
+    bench.enable_compile_cache(args.compile_cache)
+  if args.model is not None:
+    from bole_jax.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype)
+    cfg, params = llm.cfg, llm.params
+  else:
+    import jax
+
+    from bole_jax.model import init_params
+    from bole_jax.model.presets import preset
+
+    cfg = preset(args.preset or "qwen3.5-9b", mtp=False)
+    params = init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
+  table = budget.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
+                           mode=args.mode, topk=args.topk, depth=args.depth,
+                           backend=args.backend, repeats=args.repeats,
+                           early_stop=not args.no_early_stop, workers=args.compile_workers,
+                           progress=not args.no_progress)
+  out = args.out
+  if out is None:
+    out = (Path(args.model) / budget.CALIBRATION_FILE if args.model is not None else
+           budget.default_table_dir() / f"{args.preset or 'qwen3.5-9b'}_"
+           f"{table['device'].replace(' ', '_')}.json")
+  if args.merge and Path(out).is_file():
+    table = budget.merge_tables(budget.load_table(out), table)
+  print(budget.format_table(table))
+  print(f"wrote {budget.save_table(table, out)}")
+  return 0
+
+
+def _cmd_bench(args) -> int:
+  from bole_jax import bench
+
+  result = bench.run_e2e(args)
+  if result["compiles_pending"]:  # do not wait for compilations of skipped points
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+  return 0
+
+
+def add_bench_args(ap) -> None:
+  """Options of `bole-jax bench` and benchmarks/bench_e2e.py (run by `bench.run_e2e`)."""
+  src = ap.add_mutually_exclusive_group()
+  src.add_argument("--preset", help="random-weight model dims with the synthetic-acceptance "
+                   "drafter (default qwen3.5-9b; see bole_jax/model/presets.py, or tiny)")
+  src.add_argument("--model", help="local Hugging Face folder (with an MTP head): MTP drafter")
+  ap.add_argument("--prompts-file", help="with --model: .jsonl with 'prompt' (HumanEval) or "
+                  "'turns' (Spec-Bench), .jsonl.gz, or one prompt per line")
+  ap.add_argument("--modes", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES)
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+  ap.add_argument("--prompt-len", type=int, default=128,
+                  help="random prompt tokens (presets) / max prompt tokens kept (--model)")
+  ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
+  ap.add_argument("--warm", type=int, default=3, help="warm-up decode steps per point")
+  ap.add_argument("--topk", type=int, default=4)
+  ap.add_argument("--depth", type=int, default=8)
+  ap.add_argument("--nodes", default="auto",
+                  help="tree width N per request, or 'auto': calibration table / safe default")
+  ap.add_argument("--budget", default="auto",
+                  help="total verified nodes per batch: an int, 'none', or 'auto' (with the table)")
+  ap.add_argument("--calibration", help="calibration table (default: the usual locations)")
+  ap.add_argument("--accept-mean", type=float, default=6.4,
+                  help="synthetic drafter: target mean tokens per step (sets p)")
+  ap.add_argument("--accept-prob", type=float, help="synthetic drafter: p itself")
+  ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"])
+  ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                  help="weights dtype (default: bfloat16 for presets, the checkpoint's for "
+                  "--model)")
+  ap.add_argument("--breakdown-batch", type=int, default=16,
+                  help="batch whose step is split into stages (nearest run batch; 0 = off)")
+  ap.add_argument("--breakdown-modes", nargs="+", choices=BENCH_MODES[1:],
+                  help="spec modes whose step is split (default: all run)")
+  ap.add_argument("--breakdown-reps", type=int, default=5)
+  ap.add_argument("--quick", action="store_true", help="short timing windows (smoke runs)")
+  ap.add_argument("--time-budget", type=float, default=480.0,
+                  help="seconds; points not started by then are skipped (compilation counts)")
+  ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                  help="threads compiling programs ahead of their points")
+  ap.add_argument("--compile-cache", default=XLA_CACHE,
+                  help="persistent XLA compilation cache folder ('none' = off)")
+  ap.add_argument("--stop-at-eos", action="store_true",
+                  help="let EOS end requests (default: ignore EOS, full batches throughout)")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--out", default="benchmarks/results/e2e", help="folder for JSON and plots")
+  ap.add_argument("--no-plots", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="bole-jax", description=__doc__.split("\n")[0])
   sub = p.add_subparsers(dest="cmd", required=True)
@@ -86,6 +210,51 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--batch-size", type=int, default=64, help="max requests decoded together")
   g.add_argument("--no-progress", action="store_true")
   g.set_defaults(func=_cmd_generate)
+  s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+  s.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
+  s.add_argument("--spec", default=None, choices=["ar", "bole", "pernode", "chain"],
+                 help="decoding mode (default: bole when the model has an MTP head, else ar)")
+  s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--max-batch", type=int, default=8,
+                 help="decode slots (requests decoded together); capped by device memory")
+  s.add_argument("--max-context", type=int, default=None,
+                 help="prompt + max_tokens limit per request (sets the KV capacity per slot)")
+  s.add_argument("--segment-steps", type=int, default=8,
+                 help="decode steps per jitted segment (requests join/leave between segments)")
+  s.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+  s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  s.set_defaults(func=_cmd_serve)
+
+  c = sub.add_parser("calibrate", help="time tree verify vs decode and write the budget table")
+  src = c.add_mutually_exclusive_group()
+  src.add_argument("--model", help="local Hugging Face folder (table default: DIR/"
+                   "bole_calibration.json)")
+  src.add_argument("--preset", help="random-weight model dims (default qwen3.5-9b)")
+  c.add_argument("--out", help="table path (default: next to the model, or the user cache)")
+  c.add_argument("--eps", type=float, default=0.1,
+                 help="B_ver = max N with T_ver(N) <= (1 + eps) T_dec")
+  c.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+  c.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+  c.add_argument("--kv", type=int, nargs="+", default=[1024], help="KV capacity buckets")
+  c.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"])
+  c.add_argument("--topk", type=int, default=4)
+  c.add_argument("--depth", type=int, default=8)
+  c.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"])
+  c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  c.add_argument("--repeats", type=int, default=10)
+  c.add_argument("--compile-workers", type=int, default=8,
+                 help="programs compiled at once (threads) before each timing wave")
+  c.add_argument("--compile-cache", default=XLA_CACHE,
+                 help="persistent XLA compilation cache folder ('none' = off)")
+  c.add_argument("--no-early-stop", action="store_true", help="time every node bucket")
+  c.add_argument("--merge", action="store_true",
+                 help="keep the buckets of an existing --out table that this run does not time")
+  c.add_argument("--no-progress", action="store_true")
+  c.set_defaults(func=_cmd_calibrate)
+  b = sub.add_parser("bench", help="offline decode throughput: ar / bole / pernode / chain")
+  add_bench_args(b)
+  b.set_defaults(func=_cmd_bench)
   return p
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.config import ModelConfig
-from bole_jax.spec_decode import drafter, tree as tree_mod, verify
+from bole_jax.spec_decode import budget as budget_mod, drafter, tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept
 from bole_jax.spec_decode.drafter import TreeShape
 from bole_jax.spec_decode.loop import DecodeState, emit
@@ -31,10 +31,14 @@ class SpecConfig:
   shape: TreeShape = TreeShape()
   backend: str = "auto"  # kernels: "auto" | "pallas" | "reference"
   synthetic_accept: float | None = None  # synthetic drafter: per-depth acceptance probability
+  budget: int | None = None  # total verified nodes across the batch (None: N per request)
 
   def __post_init__(self):
     if self.mode not in SPEC_MODES:
       raise ValueError(f"unknown spec mode {self.mode!r}; expected one of {SPEC_MODES} or 'ar'")
+    if self.budget is not None and (type(self.budget) is not int or self.budget < 1):
+      raise ValueError(f"budget must be a positive int (total verified nodes across the batch) "
+                       f"or None, got {self.budget!r}")
     if self.mode == "chain" and self.shape.topk != 1:
       raise ValueError("chain mode drafts with topk=1")
     if self.mode == "chain" and self.shape.num_nodes != self.shape.depth + 1:
@@ -42,10 +46,11 @@ class SpecConfig:
 
   @staticmethod
   def for_mode(mode: str, topk: int = 4, depth: int = 8, num_nodes: int = 64,
-               backend: str = "auto", synthetic_accept: float | None = None) -> "SpecConfig":
+               backend: str = "auto", synthetic_accept: float | None = None,
+               budget: int | None = None) -> "SpecConfig":
     if mode == "chain":
       topk, num_nodes = 1, depth + 1
-    return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept)
+    return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept, budget)
 
   @property
   def slack(self) -> int:
@@ -67,10 +72,17 @@ def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):
 
 
 def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
-  """Per-request top (N-1) by rho, cut to the KV room each request has left."""
+  """The candidates to verify, by rho, prefix-connected, within each request's KV room.
+
+  budget None: each request's top N-1. budget K: the batch-wide top-K over rho (roots
+  included, at most N-1 drafts per request; `budget.select_counts`)."""
   n = spec.shape.num_nodes
-  t = tree_mod.select_from_pool(state.next_token, pool.tokens, pool.parents, pool.scores, n - 1, n)
   room = state.cache.capacity - state.cache.lengths
+  num = n - 1
+  if spec.budget is not None:
+    num = budget_mod.select_counts(pool.scores, ~state.done, spec.budget,
+                                   jnp.clip(room - 1, 0, n - 1))
+  t = tree_mod.select_from_pool(state.next_token, pool.tokens, pool.parents, pool.scores, num, n)
   return tree_mod.truncate(t, room)
 
 
