@@ -40,3 +40,21 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny model folder (MTP head, EOS 0) with the package's tokenizer (vocab 8192) and chat
+    template: what the CLI, LLM and server tests load through the real loading path."""
+    import shutil
+
+    from bole_jax.llm import DEFAULT_MODEL_DIR
+    from bole_jax.model import ModelConfig, init_params
+    from bole_jax.model.weights import save_hf_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny_model")
+    cfg = ModelConfig.tiny("qwen3_next", vocab_size=8192, mtp_num_layers=1, eos_token_ids=(0,))
+    save_hf_checkpoint(d, cfg, init_params(cfg, jax.random.key(0), "float32"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, d / f)
+    return d

@@ -5,29 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from bole_jax import LLM, ModelConfig
-from bole_jax.llm import DEFAULT_MODEL_DIR
-from bole_jax.model import init_params
-from bole_jax.model.weights import save_hf_checkpoint
 from bole_jax.serving import cli
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  """A tiny model folder with the package's tokenizer (vocab 8192) and an MTP head."""
-  import shutil
-
-  d = tmp_path_factory.mktemp("tiny_model")
-  cfg = ModelConfig.tiny("qwen3_next", vocab_size=8192, mtp_num_layers=1, eos_token_ids=(0,))
-  save_hf_checkpoint(d, cfg, init_params(cfg, jax.random.key(0), "float32"))
-  shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", d / "tokenizer.json")
-  return d
 
 
 @pytest.fixture(scope="module")

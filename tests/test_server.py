@@ -7,18 +7,13 @@ outputs are compared with `LLM.generate` on the same weights.
 import http.client
 import json
 import re
-import shutil
 import socket
 import threading
 import time
 
-import jax
 import pytest
 
-from bole_jax import LLM, ModelConfig
-from bole_jax.llm import DEFAULT_MODEL_DIR
-from bole_jax.model import init_params
-from bole_jax.model.weights import save_hf_checkpoint
+from bole_jax import LLM
 from bole_jax.serving import cli
 from bole_jax.serving.scheduler import (IncrementalDetokenizer, RequestParams, Scheduler,
                                         StopMatcher, plan_slots, slot_bytes)
@@ -29,17 +24,6 @@ PROMPTS = ["def add(a, b):", "Hello world", "import numpy as np\n"]
 CHAT = [{"role": "user", "content": "Write a haiku."}]
 MAX_TOKENS = 12
 MAX_CONTEXT = 127  # + 1 -> KV capacity 128 per slot (ar)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-  """A tiny model folder with the package's tokenizer (vocab 8192), chat template and MTP head."""
-  d = tmp_path_factory.mktemp("tiny_serve_model")
-  cfg = ModelConfig.tiny("qwen3_next", vocab_size=8192, mtp_num_layers=1, eos_token_ids=(0,))
-  save_hf_checkpoint(d, cfg, init_params(cfg, jax.random.key(0), "float32"))
-  for f in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(DEFAULT_MODEL_DIR / f, d / f)
-  return d
 
 
 @pytest.fixture(scope="module")

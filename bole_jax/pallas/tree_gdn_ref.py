@@ -25,16 +25,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
+from bole_jax.model.gdn import l2_normalize  # the model's own q/k norm (eps = L2_EPS)
+from bole_jax.pallas.tree_utils import (TreeFactors, TreeStructure, node_validity,
                                         tree_structure)
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def l2_normalize(x: jax.Array) -> jax.Array:
-    """x * rsqrt(sum x^2 + 1e-6) over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
 def _prepare(q, k, v, g, beta, parents, num_nodes, scale):
