@@ -55,15 +55,16 @@ def test_commit_every_node(case, seed):
     _check_commit_every_node(seed, *shape, backend="reference", max_path=max_path)
 
 
-@pytest.mark.parametrize("n,hk,hv,dk,dv,kinds", [
-    (1, 1, 1, 16, 16, ("random",)),
-    (9, 2, 4, 16, 32, ("chain", "star", "forest")),
-    (40, 1, 2, 24, 16, ("deep", "random", "bushy")),
+@pytest.mark.parametrize("n,hk,hv,dk,dv,kinds,max_path", [
+    (1, 1, 1, 16, 16, ("random",), None),
+    (9, 2, 4, 16, 32, ("chain", "star", "forest"), None),
+    (33, 2, 4, 16, 16, ("random",), 8),
+    (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
 ])
-def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds):
+def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path):
     """The Pallas commit (interpret mode) matches the recurrence's state at every node."""
     _check_commit_every_node(RUN_SEED, n, hk, hv, dk, dv, kinds, backend="pallas",
-                             interpret=True, block_v=16)
+                             interpret=True, block_v=16, max_path=max_path)
 
 
 def test_commit_kernel_lowers_to_triton():

@@ -43,7 +43,7 @@ from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, next
                                         resolve_backend, tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
-           "resolve_backend"]
+           "commit_path_weights", "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
 _PRECISIONS = {None: None, "highest": jax.lax.Precision.HIGHEST,
@@ -345,57 +345,78 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
 # ------------------------------------------------------------------------- selected-state commit
 
 
-def _commit_kernel(acc_ref, par_ref, k_ref, u_ref, gamma_ref, s_ref, o_ref):
-    # Blocks: par [N]; k [N, dk]; u [N, bv]; gamma [N]; s, o [dk, bv]. Walks up from the accepted
-    # node: S_sel = P_sel S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T, as fp32
-    # rank-1 updates (depth + 1 of them): exact, and no dot-size constraints.
-    sel = acc_ref[...]
-    s_pre = s_ref[...]
-    gamma_sel = gamma_ref[jnp.maximum(sel, 0)]
-
-    n = par_ref.shape[0]
-
-    def body(c):
-        node, steps, acc = c
-        w = jnp.exp(jnp.minimum(gamma_sel - gamma_ref[node], 0.0))
-        acc = acc + (w * k_ref[node])[:, None] * u_ref[node][None, :]
-        return par_ref[node], steps + 1, acc
-
-    def cond(c):  # the step bound only guards against malformed (cyclic) parents
-        return (c[0] >= 0) & (c[1] < n)
-
-    delta = jax.lax.while_loop(cond, body, (sel, jnp.int32(0), jnp.zeros_like(s_pre)))[2]
-    o_ref[...] = jnp.where(sel >= 0, jnp.exp(gamma_sel) * s_pre + delta, s_pre)
+def _commit_kernel(path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref):
+    # Blocks: path [Lp] node ids along the accepted root path (padded with the accepted node
+    # itself, weight 0, so the gather stays in cache); w [Lp] = exp(gamma_sel - gamma_j) or 0;
+    # p [] = P_sel (1 when nothing was accepted); k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # S_sel = P_sel S_pre + K_path^T diag(w) U_path: one gather of the path rows (no dependent
+    # pointer chase) and one fp32 [dk, Lp] x [Lp, bv] dot.
+    rows = path_ref[...]
+    kw = k_ref[rows, :] * w_ref[...][:, None]  # [Lp, dk]
+    delta = _dot(kw.T, u_ref[rows, :], jax.lax.Precision.HIGHEST)
+    o_ref[...] = p_ref[...] * s_ref[...] + delta
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
+    """Inputs of the commit kernel: path [B, L] int32 (padding repeats the accepted node),
+    w [B, L, HV] fp32 (0 on padding), p_sel [B, HV] fp32 (1 when accepted = -1)."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    path, valid = _path_rows(parents, accepted, length)
+    rows = jnp.arange(path.shape[0])[:, None]
+    gamma_path = factors.gamma[rows, path]  # [B, L, HV]
+    ok = valid[:, :, None] & (accepted >= 0)[:, None, None]
+    w = jnp.where(ok, jnp.exp(jnp.minimum(gamma_path[:, :1] - gamma_path, 0.0)), 0.0)
+    p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_path[:, 0]), 1.0)
+    return path, w, p_sel
+
+
+def _path_rows(parents, accepted, length):
+    parents = jnp.asarray(parents, jnp.int32)
+    n = parents.shape[1]
+    sel = jnp.clip(accepted, 0, n - 1)
+    cur, out, valid = accepted, [], []
+    for _ in range(length):
+        valid.append(cur >= 0)
+        out.append(jnp.where(cur >= 0, cur, sel))
+        nxt = jnp.take_along_axis(parents, jnp.clip(cur, 0, n - 1)[:, None], axis=1)[:, 0]
+        cur = jnp.where(cur >= 0, nxt, -1)
+    return jnp.stack(out, axis=1), jnp.stack(valid, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
-                        num_warps: int = 4, interpret: bool = False):
+                        num_warps: int = 4, max_path: int | None = None,
+                        interpret: bool = False):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
-    tile) reads its S_pre tile once, walks the accepted node's root path adding fp32 rank-1
-    updates, writes the new tile: the bytes floor of a commit (read S, write S, path rows)."""
+    tile) reads its S_pre tile once, gathers the accepted node's root-path factor rows (the path
+    is walked up front in XLA: [B, L] ids), adds their fp32 rank-L update in one dot and writes
+    the new tile: the bytes floor of a commit (read S, write S, path rows).
+
+    max_path: static bound on nodes on a root path (tree depth bound); None = N (always exact).
+    """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(block_v, dvp)
+    length = next_pow2(min(n, max_path or n))  # >= 16: a legal dot dim; padding rows weigh 0
+    path, w, p_sel = commit_path_weights(factors, parents, accepted, length)
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     new = pl.pallas_call(
         _commit_kernel,
         grid=(dvp // bv, hv, b),
-        in_specs=[pl.BlockSpec((None,), lambda t, h, i: (i,)),
-                  pl.BlockSpec((None, n), lambda t, h, i: (i, 0)),
+        in_specs=[pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
+                  pl.BlockSpec((None, length, None), lambda t, h, i: (i, 0, h)),
+                  pl.BlockSpec((None, None), lambda t, h, i: (i, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
                   pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
-                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
         out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
         out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
-    )(jnp.asarray(accepted, jnp.int32), jnp.asarray(parents, jnp.int32), kf, uf,
-      factors.gamma, s)
+    )(path, w, p_sel, kf, uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -46,17 +46,18 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     parents [B, N] int32; accepted [B] int32 = last accepted node (-1: nothing accepted, the
     state is kept). Returns [B, HV, dk, dv] fp32.
 
-    backend "reference" (the default off GPU): gathers + one batched einsum; max_path: static
-    bound on nodes on any root path (the tree depth bound): only that many factor rows are
-    gathered (None = N, always exact); precision: of the [dk, path] x [path, dv] matmul
-    ("highest" = fp32; None = backend default, TF32 on GPU). backend "pallas" (the default on
-    GPU): `tree_gdn.commit_state_pallas`, fp32 rank-1 updates along the exact path (max_path and
-    precision do not apply), at the commit's bytes floor.
+    max_path: static bound on nodes on any root path (the tree depth bound): only that many
+    factor rows are gathered (None = N, always exact).
+    backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
+    [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
+    backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows
+    gathered per state tile and added in one fp32 dot (precision does not apply), at the
+    commit's bytes floor.
     """
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
-                                   num_warps=num_warps, interpret=interpret)
+                                   num_warps=num_warps, max_path=max_path, interpret=interpret)
     return _commit_state_einsum(state, factors, parents, accepted, max_path=max_path,
                                 precision=precision)
 
