@@ -508,7 +508,9 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                interpret=INTERPRET, config=cfg)[1] for s in sets]
         point["bole_commit"] = []
         variants = [dict(backend="pallas", block_v=32, num_warps=4),
-                    dict(backend="pallas", block_v=64, num_warps=8),
+                    dict(backend="pallas", block_v=64, num_warps=4),
+                    dict(backend="pallas", block_v=64, num_warps=4, max_path=MAX_DEPTH),
+                    dict(backend="pallas", block_v=128, num_warps=8, max_path=MAX_DEPTH),
                     dict(backend="reference", max_path=MAX_DEPTH, precision="highest")]
         for kw in variants:
             fn = jax.jit(lambda s, f, kw=kw: commit_state(s, f, parents_d, accepted,
