@@ -363,26 +363,19 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
 # ------------------------------------------------------------------------- selected-state commit
 
 
-def _commit_kernel(path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref):
-    # Blocks: path [L] node ids along the accepted root path (padding repeats the accepted node
-    # with weight 0); w [L] = exp(gamma_sel - gamma_j) or 0; p [] = P_sel (1 when nothing was
-    # accepted); k [N, dk]; u [N, bv]; s, o [dk, bv].
+def _commit_kernel(count_ref, path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref):
+    # Blocks: count [] = nodes on the accepted root path (0: nothing accepted); path [L] their
+    # ids, accepted node first; w [L] = exp(gamma_sel - gamma_j); p [] = P_sel (1 when nothing
+    # was accepted); k [N, dk]; u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T as exact fp32 rank-1 updates. The path is known
-    # up front, so the row loads are independent (no pointer chase) and can all be in flight.
-    # (A [dk, L] x [L, bv] dot at IEEE fp32 measured 10x slower on the H200: no dot here.)
-    length = path_ref.shape[0]
-
+    # up front, so the row loads do not wait on each other (no pointer chase), and the loop runs
+    # the real path length, not the bound L. (A [dk, L] x [L, bv] dot at IEEE fp32 measured up
+    # to 10x slower on the H200: no dot here.)
     def update(m, acc):
         node = path_ref[m]
         return acc + (w_ref[m] * k_ref[node])[:, None] * u_ref[node][None, :]
 
-    acc = p_ref[...] * s_ref[...]
-    if length <= 16:
-        for m in range(length):
-            acc = update(m, acc)
-    else:
-        acc = jax.lax.fori_loop(0, length, update, acc)
-    o_ref[...] = acc
+    o_ref[...] = jax.lax.fori_loop(0, count_ref[...], update, p_ref[...] * s_ref[...])
 
 
 def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
@@ -430,13 +423,15 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     bv = min(block_v, dvp)
     length = next_pow2(min(n, max_path or n), minimum=1)  # power-of-two blocks; padding weighs 0
     path, w, p_sel = commit_path_weights(factors, parents, accepted, length)
+    count = jnp.sum(w[:, :, 0] > 0, axis=1, dtype=jnp.int32)  # w = exp(<= 0) > 0 on the path
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     new = pl.pallas_call(
         _commit_kernel,
         grid=(dvp // bv, hv, b),
-        in_specs=[pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
+        in_specs=[pl.BlockSpec((None,), lambda t, h, i: (i,)),
+                  pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
                   pl.BlockSpec((None, length, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, None), lambda t, h, i: (i, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
@@ -447,5 +442,5 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
-    )(path, w, p_sel, kf, uf, s)
+    )(count, path, w, p_sel, kf, uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -39,7 +39,7 @@ def accepted_path(parents, accepted, length: int):
 
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
-                 interpret: bool | None = None, block_v: int = 32, num_warps: int = 4):
+                 interpret: bool | None = None, block_v: int = 64, num_warps: int = 4):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
