@@ -28,7 +28,8 @@ class TreeFactors:
 
     With them, the state after any node `sel` is
     S_sel = exp(gamma_sel) S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T.
-    Padding nodes have all-zero factors.
+    Padding nodes have all-zero factors. An SSD layer (`tree_ssd`) returns the same type with
+    k = Mamba2's B and u = v = dt x (no normalisation, no pseudo values).
     """
 
     k: jax.Array  # [B, N, Hk, dk] fp32, L2-normalised keys
