@@ -25,7 +25,7 @@ from bole_jax import bench  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.model import forward, init_cache, init_params  # noqa: E402
 from bole_jax.model import logits as lm_logits  # noqa: E402
-from bole_jax.model.presets import preset  # noqa: E402
+from bole_jax.model.presets import peaked_lm_head, preset  # noqa: E402
 
 
 def top2_gap(llm, prompt, cont, pos):
@@ -46,11 +46,15 @@ def main(argv=None):
   ap.add_argument("--prompts", type=int, default=4)
   ap.add_argument("--modes", nargs="+", default=["bole", "pernode", "chain"])
   ap.add_argument("--drafters", nargs="+", default=["synthetic"], choices=["synthetic", "mtp"])
+  ap.add_argument("--independent-lm-head", action="store_true",
+                  help="untied presets: keep an independent random lm_head (near-tie logits)")
   ap.add_argument("--out", default="benchmarks/results")
   a = ap.parse_args(argv)
   env = bench.environment()
   cfg = preset(a.preset, mtp=True)
   params = init_params(cfg, jax.random.key(0), "bfloat16")
+  if not a.independent_lm_head:
+    params = peaked_lm_head(params, cfg)
   rng = np.random.default_rng(0)
   ids = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 64, 101, 12)[:a.prompts]]
   ar = LLM(cfg, params=params).generate(ids, max_new_tokens=a.new, spec="ar")

@@ -50,3 +50,19 @@ def preset(name: str, *, mtp: bool = True, dtype: str = "bfloat16", **overrides)
             max_position_embeddings=262144)
   kw.update(overrides)
   return ModelConfig(**kw)
+
+
+def peaked_lm_head(params: dict, cfg: ModelConfig) -> dict:
+  """Random-weight benchmarks of untied models: lm_head initialised as a copy of embed^T.
+
+  Same shapes and bytes as an untied model, but logits keep a clear top-1 margin (the input
+  token's own embedding dominates, as with tied weights). With an independent random lm_head the
+  248k logits are nearly Gaussian: the top-2 gap is ~1% of the logit scale, so bf16 rounding
+  differences between a one-token decode and a tree verify flip greedy tokens within a few steps
+  (measured on the H200 at 9B dims: benchmarks/results/greedy_check_qwen3.5-9b.json), after which
+  the synthetic drafter's oracle (the AR continuation) is never accepted again.
+  """
+  if cfg.tie_word_embeddings or "lm_head" not in params:
+    return params
+  return {**params, "lm_head": params["embed"].T.astype(params["lm_head"].dtype)}
+
