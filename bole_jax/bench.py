@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import parallel
 from bole_jax.model import ModelConfig
 from bole_jax.model.cache import AttnCache, GDNCache
 
@@ -281,7 +282,7 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
                   max_children=spec.shape.topk)
 
   def commit(cache, auxs, tree, acc, done):
-    return verify.commit(cache, auxs, tree, acc, ~done, mode=spec.mode)
+    return verify.commit(cache, auxs, tree, acc, ~done, mode=spec.mode, cfg=cfg)
 
   def emit(state, ds, acc, hidden):
     active = ~state.done
@@ -327,24 +328,38 @@ def _median_ms(fn, reps: int, prepare=None) -> float:
 _copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
 
 
-def step_breakdown(progs: dict, params, state, reps: int = 5) -> dict:
+def step_breakdown(progs: dict, params, state, reps: int = 5, reshard: bool = False) -> dict:
   """Median ms of every stage of one step on the same state (each stage timed alone, its
   inputs produced by the previous stages outside the timed region; donated inputs are fresh
-  copies made before the clock starts)."""
-  pool, ds = progs["draft"](params, state)
-  tree = progs["select"](state, pool)
-  logits, hidden, vcache, auxs = progs["verify"](params, tree, _copy(state.cache))
-  acc = progs["accept"](tree, logits, state)
-  light = _light(state, ds)
+  copies made before the clock starts).
+
+  reshard (tensor parallelism): a stage was compiled ahead of time from the previous stage's
+  output shapes, whose shardings its own compilation chose; its inputs are moved to the
+  shardings it was compiled for, also outside the timed region."""
+
+  def args(name, *a):
+    return jax.device_put(a, progs[name].input_shardings[0]) if reshard else a
+
+  def run(name):
+    return lambda a: progs[name](*a)
+
+  a_draft = args("draft", params, state)
+  pool, ds = run("draft")(a_draft)
+  a_select = args("select", state, pool)
+  tree = run("select")(a_select)
+  logits, hidden, vcache, auxs = run("verify")(args("verify", params, tree, _copy(state.cache)))
+  a_accept = args("accept", tree, logits, state)
+  acc = run("accept")(a_accept)
+  a_emit = args("emit", *_light(state, ds), acc, hidden)
   return dict(
-      draft=_median_ms(lambda _: progs["draft"](params, state), reps),
-      select=_median_ms(lambda _: progs["select"](state, pool), reps),
-      verify=_median_ms(lambda c: progs["verify"](params, tree, c), reps,
-                        lambda: _copy(state.cache)),
-      accept=_median_ms(lambda _: progs["accept"](tree, logits, state), reps),
-      commit=_median_ms(lambda c: progs["commit"](c, auxs, tree, acc, state.done), reps,
-                        lambda: _copy(vcache)),
-      emit=_median_ms(lambda _: progs["emit"](*light, acc, hidden), reps))
+      draft=_median_ms(run("draft"), reps, lambda: a_draft),
+      select=_median_ms(run("select"), reps, lambda: a_select),
+      verify=_median_ms(run("verify"), reps,
+                        lambda: args("verify", params, tree, _copy(state.cache))),
+      accept=_median_ms(run("accept"), reps, lambda: a_accept),
+      commit=_median_ms(run("commit"), reps,
+                        lambda: args("commit", _copy(vcache), auxs, tree, acc, state.done)),
+      emit=_median_ms(run("emit"), reps, lambda: a_emit))
 
 
 # ---------------------------------------------------------------- the run
@@ -397,21 +412,23 @@ def _check_e2e_args(a) -> None:
 def _e2e_model(a):
   """(cfg, params, prompt token-id lists, synthetic drafter?)."""
   from bole_jax.llm import LLM
-  from bole_jax.model import init_params
   from bole_jax.model.mtp import require_mtp
-  from bole_jax.model.presets import preset
+  from bole_jax.model.presets import peaked_lm_head, preset
 
+  tp = getattr(a, "tp", 1)
   if a.model is not None:
-    llm = LLM(a.model, dtype=a.dtype)
+    llm = LLM(a.model, dtype=a.dtype, tp=tp)
     if llm.tokenizer is None:
       raise ValueError(f"{a.model} has no tokenizer.json: prompts cannot be encoded")
     if any(m != "ar" for m in a.modes):
       require_mtp(llm.cfg, llm.params)
     ids = [llm.tokenizer.encode(p)[-a.prompt_len:] for p in load_prompts(a.prompts_file)]
     return llm.cfg, llm.params, [t for t in ids if t], False
-  cfg = preset(a.preset, mtp=True)
+  cfg = preset(a.preset, mtp=True, tp=parallel.check_tp(tp))
   dtype = a.dtype or "bfloat16"
-  params = init_params(cfg, jax.random.key(a.seed), dtype)
+  parallel.log_layout(cfg)
+  params = parallel.init_params(cfg, jax.random.key(a.seed), dtype)  # on the mesh when tp > 1
+  params = peaked_lm_head(params, cfg)  # keeps the synthetic oracle valid in bf16 (presets.py)
   rng = np.random.default_rng(a.seed)
   ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
   return cfg, params, ids, True
@@ -532,12 +549,14 @@ def run_e2e(a) -> dict:
   for b in a.batch:
     pl = plan[b]
     for m, llm in pl["llms"].items():
-      shapes = jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m)), bases[b])
+      shapes = parallel.annotate(
+          jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m)), bases[b]), cfg)
       jobs[b, m] = workers.submit(llm.segment_fn(m).lower(params, shapes, jnp.int32(0)).compile)
   if bd_batch:
     for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
       spec = plan[bd_batch]["specs"][m]
-      shapes = jax.eval_shape(lambda s: _derive_state(s, m, spec), bases[bd_batch])
+      shapes = parallel.annotate(jax.eval_shape(lambda s: _derive_state(s, m, spec),
+                                                bases[bd_batch]), cfg)
       for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
         jobs[bd_batch, m, name] = workers.submit(low.compile)
   phases["lower_s"] = time.perf_counter() - t
@@ -621,7 +640,7 @@ def run_e2e(a) -> dict:
         skipped.append(dict(batch=b, mode=m, reason="breakdown: time budget"))
       elif b == bd_batch and all(stage_progs.values()):
         try:
-          ms = step_breakdown(stage_progs, params, state, a.breakdown_reps)
+          ms = step_breakdown(stage_progs, params, state, a.breakdown_reps, reshard=cfg.tp > 1)
         except Exception as e:  # noqa: BLE001
           traceback.print_exc()
           errors.append(dict(batch=b, mode=m, error=f"breakdown: {_short(e)}"))

@@ -15,12 +15,13 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import parallel
 from bole_jax.model import ModelConfig, init_cache, init_params
 from bole_jax.model.weights import load_hf_checkpoint
 from bole_jax.sampling import SamplingParams, validate_sampling
@@ -68,6 +69,18 @@ class Tokenizer:
     return self._tok.token_to_id(tok)
 
 
+def _tensor_parallel_model(cfg: ModelConfig, tp: int | None, params, seed: int, dtype):
+  """(cfg with tp, params in its layout on the mesh) for LLM(ModelConfig, tp=...) with tp > 1."""
+  if tp is not None and tp != cfg.tp and cfg.tp > 1:
+    raise ValueError(f"this ModelConfig has tp={cfg.tp} (its params are laid out for {cfg.tp} "
+                     f"devices): pass tp={cfg.tp}, or a config with tp=1 and canonical params")
+  laid_out = cfg.tp > 1  # params given with a tp > 1 config are already in that layout
+  cfg = dataclasses.replace(cfg, tp=tp or cfg.tp)
+  if params is None:
+    return cfg, parallel.init_params(cfg, jax.random.key(seed), dtype or cfg.dtype)
+  return cfg, (parallel.place_params(params, cfg) if laid_out else parallel.shard_params(params, cfg))
+
+
 class LLM:
   """Offline generation over a hybrid (GDN + attention) model.
 
@@ -78,13 +91,20 @@ class LLM:
     dtype: "bfloat16" / "float32" (default: the checkpoint's dtype, float32 on CPU).
     max_batch_size: requests decoded together; more prompts run in several batches.
     seed: PRNG seed for random weights (ModelConfig only).
+    params: weights for a `ModelConfig` model, in that config's layout: canonical (params.py)
+      when its tp is 1, else the tensor-parallel layout (e.g. another LLM's .params).
+    tp: tensor-parallel devices (default: the ModelConfig's tp, else 1). > 1 splits the weights,
+      caches and kernels over the first tp devices (bole_jax/parallel.py); self.cfg.tp says it,
+      and self.params are then in the tensor-parallel layout.
   """
 
   def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
                dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
-               params: Any = None, spec_options: dict | None = None):
+               params: Any = None, spec_options: dict | None = None, tp: int | None = None):
     if max_batch_size < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if tp is not None:
+      tp = parallel.check_tp(tp)
     self.max_batch_size = max_batch_size
     # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
     self.spec_options = dict(spec_options or {})
@@ -92,21 +112,31 @@ class LLM:
     self.tokenizer: Tokenizer | None = None
     if dtype is None and jax.default_backend() == "cpu":
       dtype = "float32"  # bf16 matmuls are emulated (slow) on CPU
-    if isinstance(model, ModelConfig):
+    if isinstance(model, ModelConfig) and (tp is None or tp == model.tp) and model.tp == 1:
       self.cfg = model
       self.params = params if params is not None else init_params(
           model, jax.random.key(seed), dtype or model.dtype)
+      self.path = None
+    elif isinstance(model, ModelConfig):
+      self.cfg, self.params = _tensor_parallel_model(model, tp, params, seed, dtype)
       self.path = None
     else:
       path = Path(model) if model is not None else DEFAULT_MODEL_DIR
       if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {path} (pass a local Hugging Face "
                                 "folder with config.json and *.safetensors)")
-      self.cfg, self.params = load_hf_checkpoint(path, dtype=dtype)
+      if tp is None or tp == 1:
+        self.cfg, self.params = load_hf_checkpoint(path, dtype=dtype)
+      else:  # each tensor goes to the mesh as it is read: no device holds the whole model
+        layout = dataclasses.replace(ModelConfig.from_pretrained(path), tp=tp)
+        cfg, self.params = load_hf_checkpoint(
+            path, dtype=dtype, place=functools.partial(parallel.layout_leaf, layout))
+        self.cfg = dataclasses.replace(cfg, tp=tp)
       self.path = path
       tok = path / "tokenizer.json"
       if tok.exists():
         self.tokenizer = Tokenizer(tok)
+    parallel.log_layout(self.cfg)
     self.eos_ids = tuple(self.cfg.eos_token_ids) or (-1,)
 
   # ------------------------------------------------------------------ helpers
@@ -206,11 +236,7 @@ class LLM:
     spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
     slack = spec.slack if spec else 0
     capacity = _pow2(int(lens.max()) + max_new + slack + extra_capacity + 1, lo=64)
-    dtype = self.params["embed"].dtype
-    cache = init_cache(cfg, b, capacity, dtype)
-    draft_kv = None
-    if spec:
-      draft_kv = init_mtp_cache(cfg, b, capacity + spec.shape.draft_slots + 1, dtype)
+    cache, draft_kv = self.prefill_caches(b, capacity, mode=mode, spec_batch=spec_batch)
     # Chunked prefill: every request advances by up to PREFILL_CHUNK tokens per call.
     toks = np.zeros((b, int(lens.max())), np.int32)
     for i, t in enumerate(ids):
@@ -224,6 +250,33 @@ class LLM:
       num_new = np.clip(lens - s, 0, chunk).astype(np.int32)
       h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, jnp.asarray(piece),
                                                    jnp.asarray(num_new), h_last, draft_kv, cfg=cfg)
+    return self.state_after_prefill(cache, draft_kv, h_last, n, max_new, mode=mode,
+                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                    oracle=oracle, spec_batch=spec_batch)
+
+  def prefill_caches(self, batch: int, capacity: int, *, mode: str = "ar",
+                     spec_batch: int | None = None):
+    """Empty caches for a prefill: (target `Cache` of KV capacity `capacity`, the MTP drafter's KV
+    cache, or None for ar). The MTP cache has room for a step's draft rows past `capacity`."""
+    spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
+    dtype = self.params["embed"].dtype
+    # parallel.zeros: under tensor parallelism the caches are made in place on the mesh.
+    cache = parallel.zeros(lambda: init_cache(self.cfg, batch, capacity, dtype), self.cfg)
+    draft_kv = None
+    if spec:
+      draft_kv = parallel.zeros(lambda: init_mtp_cache(
+          self.cfg, batch, capacity + spec.shape.draft_slots + 1, dtype), self.cfg)
+    return cache, draft_kv
+
+  def state_after_prefill(self, cache, draft_kv, h_last, n: int, max_new: int, *,
+                          mode: str = "ar", temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
+                          oracle=None, spec_batch: int | None = None) -> loop.DecodeState:
+    """The DecodeState once the prompts are in `cache` (and `draft_kv`): samples the first token
+    from h_last [B, H] (each prompt's last hidden state) with `seed` and emits it. Rows >= n are
+    padding (done). Used by `start_batch` and by the serving engine's chunked prefill."""
+    cfg = self.cfg
+    b = h_last.shape[0]
+    spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
     sp = SamplingParams.make(b, temperature, top_p, top_k)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
@@ -246,7 +299,7 @@ class LLM:
         max_out=jnp.full((b,), max_new, jnp.int32),
         steps=jnp.zeros((b,), jnp.int32),
         sampling=sp, key=key, eos=jnp.asarray(self.eos_ids, jnp.int32), extra=extra)
-    return loop.emit(state, tok0[:, None], jnp.ones((b,), jnp.int32))
+    return parallel.place(loop.emit(state, tok0[:, None], jnp.ones((b,), jnp.int32)), cfg)
 
   def _generate_batch(self, ids, max_new, temperature, top_p, top_k, seed, stops, mode, bar,
                       oracle=None):
@@ -362,4 +415,5 @@ class LLM:
       step = functools.partial(loop.ar_step, cfg=self.cfg)
     else:
       step = functools.partial(spec_step, cfg=self.cfg, spec=self._spec_config(mode, batch))
+    step = parallel.constrained_step(step, self.cfg)  # tp > 1: the carried state keeps its layout
     return jax.jit(functools.partial(loop.run_segment, step_fn=step), donate_argnames=("state",))

@@ -13,7 +13,7 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
-from bole_jax.model.cache import AttnCache, GDNCache
+from bole_jax.model.cache import GDNCache
 from bole_jax.model import logits as lm_logits
 from bole_jax.spec_decode import tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept_greedy

@@ -1,7 +1,9 @@
 """The continuous-batching scheduler and the OpenAI-compatible server, on a tiny model (CPU).
 
-One server per module (spec="ar", 4 slots); one bole server for the speculative path. Greedy
-outputs are compared with `LLM.generate` on the same weights.
+One server per module (spec="ar", 4 slots, prefix cache in 16-token blocks, prefill in 32-token
+chunks); one bole server for the speculative path; schedulers driven step by step (same shapes, so
+nothing recompiles) for chunked prefill, cancellation mid-prefill, eviction and the memory cap.
+Greedy outputs are compared with `LLM.generate` on the same weights.
 """
 
 import http.client
@@ -11,12 +13,14 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from bole_jax import LLM
 from bole_jax.serving import cli
+from bole_jax.serving.prefix_cache import block_bytes
 from bole_jax.serving.scheduler import (IncrementalDetokenizer, RequestParams, Scheduler,
-                                        StopMatcher, plan_slots, slot_bytes)
+                                        StopMatcher, plan_memory, plan_slots, slot_bytes)
 from bole_jax.serving.server import ChatTemplate, OpenAIServer, build_server
 from bole_jax.spec_decode.step import SpecConfig
 
@@ -24,6 +28,13 @@ PROMPTS = ["def add(a, b):", "Hello world", "import numpy as np\n"]
 CHAT = [{"role": "user", "content": "Write a haiku."}]
 MAX_TOKENS = 12
 MAX_CONTEXT = 127  # + 1 -> KV capacity 128 per slot (ar)
+BLOCK = 16  # prefix-cache block (and prefill piece) of the test engines
+_rng = np.random.default_rng(7)
+_ids = lambda n: [int(t) for t in _rng.integers(1, 8192, n)]  # token-id prompts, no EOS (0)
+_PREFIX = _ids(40)  # 2.5 blocks shared by SHARED
+SHARED = [_PREFIX + _ids(6), _PREFIX + _ids(10)]  # 46 and 50 tokens
+OTHER = _ids(46)  # 2 full blocks of its own
+LONG = _ids(100)  # 7 prefill pieces
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +51,21 @@ def chat_ids(model_dir, llm):
 
 @pytest.fixture(scope="module")
 def reference(llm, chat_ids):
-  """LLM.generate's greedy outputs for PROMPTS and the chat prompt (one batch: one compile)."""
-  outs = llm.generate(PROMPTS + [chat_ids], max_new_tokens=MAX_TOKENS, spec="ar")
-  return outs
+  """LLM.generate's greedy outputs for PROMPTS, the chat prompt, SHARED, OTHER and LONG (one
+  batch: one compile)."""
+  return llm.generate(PROMPTS + [chat_ids] + SHARED + [OTHER, LONG], max_new_tokens=MAX_TOKENS,
+                      spec="ar")
+
+
+def _ref(reference, ids):
+  return next(r for r in reference if r.prompt_token_ids == ids)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, llm):
   srv = build_server(llm=llm, spec="ar", port=0, max_batch=4, max_context=MAX_CONTEXT,
-                     segment_steps=4, served_model_name="tiny")
+                     segment_steps=4, served_model_name="tiny", prefix_block=BLOCK,
+                     prefill_chunk=2 * BLOCK)
   srv.start()
   yield srv
   srv.shutdown()
@@ -144,6 +161,23 @@ def test_memory_admission(llm):
   assert plan_slots(100, 64, Dev(2_000, 1_000), memory_fraction=1.0)[0] == 9  # 10 fit, 1 kept
   with pytest.raises(ValueError, match="lower --max-context"):
     plan_slots(1000, 8, Dev(1_500, 0))
+  # Slots and the prefix cache share the usable memory: min(free * fraction, --memory-gb).
+  gib = 2**30
+  plan = plan_memory(1000, 64, memory_gb=5_500 / gib, device=Dev(10_000, 0), memory_fraction=1.0)
+  assert (plan.num_slots, plan.prefix_bytes, plan.usable_bytes) == (4, 500, 5_500)
+  plan = plan_memory(1000, 64, memory_gb=5_500 / gib, prefix_cache_gb=2_000 / gib,
+                     device=Dev(10_000, 0), memory_fraction=1.0)
+  assert (plan.num_slots, plan.prefix_bytes, plan.planned_bytes) == (2, 2_000, 5_000)
+  plan = plan_memory(1000, 64, device=Dev(4_000, 1_000), memory_fraction=1.0)
+  assert (plan.num_slots, plan.prefix_bytes, plan.limit_bytes) == (2, 0, None)
+
+  class Cpu:
+    def memory_stats(self):
+      return None
+
+  plan = plan_memory(1000, 6, device=Cpu())
+  assert plan.num_slots == 6 and plan.prefix_bytes == 2**30 and plan.usable_bytes is None
+  assert plan_memory(1000, 6, memory_gb=4_500 / gib, device=Cpu()).num_slots == 3
 
 
 def test_scheduler_stop_tokens_seed_and_cancel(server, slow_engine, reference, llm):
@@ -183,7 +217,153 @@ def test_scheduler_rejects_bad_requests(server):
     sched.submit([5], RequestParams(max_tokens=4, top_p=1.5))
 
 
+# ------------------------------------------------------------------ prefix cache, chunked prefill
+def _metric(text, name):
+  m = re.search(rf"^{name} ([-+0-9.eE]+)$", text, re.M)
+  assert m, name
+  return float(m.group(1))
+
+
+def test_prefix_cache_hits_match_generate(server, reference):
+  """Prompts sharing 2.5 blocks: later ones resume from the cached checkpoint, same greedy text."""
+  _, before = _request(server, "GET", "/metrics")
+  cached = []
+  for ids in (SHARED[0], SHARED[1], SHARED[1], SHARED[0]):
+    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0}
+    status, out = _request(server, "POST", "/v1/completions", body)
+    assert status == 200, out
+    assert out["choices"][0]["text"] == _ref(reference, ids).text
+    cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+  # SHARED[0] stores blocks 0-1; SHARED[1] resumes after them and stores its block 2 (its own
+  # tokens 32-47); again: 3 blocks; SHARED[0] again: its 46 tokens reuse the 2 shared blocks.
+  assert cached == [0, 2 * BLOCK, 3 * BLOCK, 2 * BLOCK]
+  chunks = _stream(server, "/v1/completions", {"prompt": SHARED[1], "max_tokens": MAX_TOKENS,
+                                                "temperature": 0,
+                                                "stream_options": {"include_usage": True}})
+  assert "".join(c["choices"][0]["text"] for c in chunks[:-2]) == _ref(reference, SHARED[1]).text
+  assert chunks[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 * BLOCK}
+  _, after = _request(server, "GET", "/metrics")
+  delta = lambda name: _metric(after, name) - _metric(before, name)
+  assert delta("bole_prefix_cache_queries_total") == 5
+  assert delta("bole_prefix_cache_hits_total") == 4
+  assert delta("bole_prefix_cache_cached_tokens_total") == 10 * BLOCK
+  assert delta("bole_prefix_cache_query_tokens_total") == 2 * 46 + 3 * 50
+  assert 0 < _metric(after, "bole_prefix_cache_hit_rate") <= 1
+  assert 0 < _metric(after, "bole_prefix_cache_cached_token_fraction") < 1
+
+
+@pytest.fixture
+def stepped(llm):
+  """A scheduler of the module server's shapes, driven by step() on the test thread (no engine
+  thread): prefill one 16-token piece per iteration."""
+  def make(**kw):
+    kw = {"prefix_block": BLOCK, "prefill_chunk": BLOCK, **kw}
+    return Scheduler(llm, mode="ar", max_batch=4, max_context=MAX_CONTEXT, segment_steps=4, **kw)
+  return make
+
+
+def _run(sched, ids, max_tokens=MAX_TOKENS):
+  r = sched.submit(ids, RequestParams(max_tokens=max_tokens))
+  while not r.finished:
+    sched.step()
+  return r
+
+
+def test_chunked_prefill_interleaves_with_decoding(stepped, reference, llm):
+  """A long prompt is prefilled one piece per iteration; the running request gets a decode
+  segment (4 tokens) between every two pieces."""
+  sched = stepped()
+  short = sched.submit(llm.tokenizer.encode(PROMPTS[1]), RequestParams(max_tokens=100))
+  sched.step()
+  assert sched.active_slots == 1 and len(short.token_ids) == 1 + 4
+  long = sched.submit(LONG, RequestParams(max_tokens=MAX_TOKENS))
+  trace = []
+  while long.t_first is None:
+    sched.step()
+    trace.append((long.prefilled, len(short.token_ids)))
+  assert [p for p, _ in trace] == [16, 32, 48, 64, 80, 96, 100]
+  assert [n for _, n in trace] == [5 + 4 * (i + 1) for i in range(len(trace))]
+  assert sched.stats()["prefill_pieces"] == 1 + 7
+  while not long.finished:
+    sched.step()
+  assert long.token_ids == _ref(reference, LONG).token_ids
+  short.cancel()
+  sched.step()
+  assert sched.active_slots == 0 and short.finish_reason == "cancelled"
+
+
+def test_cancel_mid_prefill_frees_the_slot(stepped, llm):
+  sched = stepped()
+  ids = llm.tokenizer.encode(PROMPTS[0])
+  running = [sched.submit(ids, RequestParams(max_tokens=100)) for _ in range(3)]
+  sched.step()  # three short prompts fit one iteration's budget
+  assert sched.active_slots == 3
+  long = sched.submit(LONG, RequestParams(max_tokens=MAX_TOKENS))
+  sched.step()
+  assert sched.prefilling is long and long.prefilled == BLOCK and sched.queue_depth == 1
+  long.cancel()
+  sched.step()
+  assert long.finish_reason == "cancelled" and long.t_first is None
+  assert sched.prefilling is None and sched.queue_depth == 0 and sched.active_slots == 3
+  last = sched.submit(ids, RequestParams(max_tokens=100))
+  sched.step()
+  assert sched.active_slots == 4 and last.t_first is not None  # the slot is free
+  for r in running + [last]:
+    r.cancel()
+  sched.step()
+  assert sched.active_slots == 0 and sched.stats()["finished"]["cancelled"] == 5
+
+
+def test_prefix_cache_eviction_recomputes(stepped, reference, llm):
+  """A budget of two blocks: a chain that does not fit stops storing; another prompt's blocks
+  evict the least recent leaves; the evicted prefix is recomputed with the same output."""
+  per_block = block_bytes(llm.cfg, BLOCK, llm.params["embed"].dtype, mtp=False)
+  sched = stepped(prefix_cache_gb=2.5 * per_block / 2**30, prefill_chunk=4 * BLOCK)
+  outs = [_run(sched, ids) for ids in (SHARED[0], SHARED[1], OTHER, SHARED[1], SHARED[0])]
+  for r in outs:
+    assert r.token_ids == _ref(reference, r.prompt_ids).token_ids
+  assert [r.cached_tokens for r in outs] == [0, 2 * BLOCK, 0, 0, 2 * BLOCK]
+  pc = sched.stats()["prefix_cache"]
+  assert pc["entries"] == 2 and pc["bytes"] == 2 * per_block <= pc["budget_bytes"]
+  # SHARED[1]'s third block found its chain pinned (rejected); OTHER evicted SHARED's two blocks,
+  # SHARED[1] then OTHER's two.
+  assert pc["rejected"] >= 1 and pc["evicted"] == 4
+  assert pc["hits"] == 2 and pc["misses"] == 3
+
+
+def test_memory_gb_caps_slots_and_prefix_cache(llm):
+  per_slot = sum(slot_bytes(llm.cfg, 128, MAX_CONTEXT, None, "float32").values())
+  sched = Scheduler(llm, mode="ar", max_batch=8, max_context=MAX_CONTEXT, segment_steps=4,
+                    prefix_block=BLOCK, memory_gb=3.5 * per_slot / 2**30)
+  assert sched.num_slots == 2  # 3.5 slots: 2 + the prefill's; the rest is the prefix cache
+  mem = sched.stats()["memory"]
+  assert mem["prefix_cache_budget_bytes"] == sched.prefix.budget_bytes
+  assert sched.prefix.budget_bytes == mem["usable_bytes"] - 3 * per_slot
+  assert 0 < sched.prefix.budget_bytes < per_slot
+  text = sched.render_prometheus()
+  assert _metric(text, "bole_memory_limit_bytes") == int(3.5 * per_slot)
+  assert _metric(text, "bole_slots") == 2
+  with pytest.raises(ValueError, match="--memory-gb"):
+    Scheduler(llm, mode="ar", max_batch=8, max_context=MAX_CONTEXT,
+              memory_gb=1.5 * per_slot / 2**30)
+
+
 # ------------------------------------------------------------------ HTTP API
+def test_health_says_starting_while_compiling(model_dir):
+  """HTTP is up before the engine: /health answers 503 "starting" during warm-up."""
+  sched = Scheduler(LLM(model_dir), mode="ar", max_batch=2, max_context=64, segment_steps=4)
+  srv = OpenAIServer(sched, model_name="tiny", port=0)
+  http = threading.Thread(target=srv.httpd.serve_forever, daemon=True)
+  http.start()
+  try:
+    sched.warming_up = True
+    assert _request(srv, "GET", "/health") == (503, {"status": "starting", "error": None})
+  finally:
+    srv.httpd.shutdown()
+    http.join()
+    srv.httpd.server_close()
+
+
 def test_health_models_metrics(server):
   assert _request(server, "GET", "/health") == (200, {"status": "ok", "error": None})
   status, models = _request(server, "GET", "/v1/models")
@@ -197,7 +377,10 @@ def test_health_models_metrics(server):
     assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
   for name in ("bole_time_to_first_token_seconds_bucket", "bole_time_per_output_token_seconds_sum",
                "bole_tokens_per_step_count", "bole_queue_depth", "bole_active_slots",
-               "bole_state_bytes", "bole_slot_bytes"):
+               "bole_state_bytes", "bole_slot_bytes", "bole_prefix_cache_hit_rate",
+               "bole_prefix_cache_cached_token_fraction", "bole_prefix_cache_hits_total",
+               "bole_prefix_cache_budget_bytes", "bole_prefill_chunk_tokens",
+               "bole_memory_planned_bytes"):
     assert re.search(rf"^{name}[ {{]", text, re.M), name
   assert "# TYPE bole_time_to_first_token_seconds histogram" in text
 
@@ -211,7 +394,8 @@ def test_greedy_completions_match_generate(server, reference):
     assert choice["text"] == ref.text and choice["finish_reason"] == ref.finish_reason
     assert out["usage"] == {"prompt_tokens": len(ref.prompt_token_ids),
                             "completion_tokens": len(ref.token_ids),
-                            "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids)}
+                            "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids),
+                            "prompt_tokens_details": {"cached_tokens": 0}}
   # Several prompts in one request, and token-id prompts.
   body = {"prompt": [PROMPTS[1], reference[2].prompt_token_ids], "max_tokens": MAX_TOKENS,
           "temperature": 0}
@@ -350,15 +534,35 @@ def test_cli_serve_arguments(model_dir, capsys):
   args = cli.build_parser().parse_args(["serve", "--model", str(model_dir), "--port", "0",
                                         "--max-batch", "2", "--spec", "ar"])
   assert args.func is cli._cmd_serve and args.host == "127.0.0.1" and args.max_batch == 2
+  assert (args.prefill_chunk, args.prefix_block, args.prefix_cache_gb, args.memory_gb) == (
+      1024, 256, None, None)
+  args = cli.build_parser().parse_args(["serve", "--prefix-cache-gb", "0", "--memory-gb", "2.5",
+                                        "--prefix-block", "64", "--prefill-chunk", "512"])
+  assert (args.prefill_chunk, args.prefix_block, args.prefix_cache_gb, args.memory_gb) == (
+      512, 64, 0.0, 2.5)
   assert cli.main(["serve", "--model", str(model_dir), "--max-context", "1"]) == 2
   assert "--max-context" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ speculative decoding
+def test_scheduler_tree_width_follows_its_batch(model_dir):
+  """The slots' tree shape is the one resolved at --max-batch (not at the LLM's
+  max_batch_size): slack, slot memory and the segment all use it."""
+  llm = LLM(model_dir)  # max_batch_size 64; no calibration table: the default widths
+  sched = Scheduler(llm, mode="bole", max_batch=2, max_context=64, segment_steps=4)
+  want = llm._spec_config("bole", 2)
+  assert sched.spec == want
+  assert want.shape.num_nodes != llm._spec_config("bole", 64).shape.num_nodes
+  fixed = Scheduler(LLM(model_dir, spec_options=dict(num_nodes=8)), mode="bole", max_batch=2,
+                    max_context=64, segment_steps=4)
+  assert fixed.spec.shape.num_nodes == 8
+
+
 def test_bole_server_greedy_matches_generate(model_dir, reference):
   """The tree-speculative engine behind the server: greedy output is the target's greedy output."""
   llm = LLM(model_dir, spec_options=dict(topk=2, depth=3, num_nodes=8))
-  sched = Scheduler(llm, mode="bole", max_batch=2, max_context=64, segment_steps=4)
+  sched = Scheduler(llm, mode="bole", max_batch=2, max_context=64, segment_steps=4,
+                    prefix_block=BLOCK, prefill_chunk=2 * BLOCK)
   srv = OpenAIServer(sched, model_name="tiny", port=0).start()
   try:
     outs = {}
@@ -374,6 +578,15 @@ def test_bole_server_greedy_matches_generate(model_dir, reference):
       t.join(120)
     for i, ref in enumerate(reference[:3]):
       assert "".join(c["choices"][0]["text"] for c in outs[i][:-1]) == ref.text
+    # The prefix cache in a spec mode: the checkpoints also hold the drafter's (MTP) KV rows and
+    # the hidden state its next entry needs.
+    cached = []
+    for ids in (SHARED[0], SHARED[1], SHARED[1]):
+      status, out = _request(srv, "POST", "/v1/completions",
+                             {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+      assert status == 200 and out["choices"][0]["text"] == _ref(reference, ids).text
+      cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 2 * BLOCK, 3 * BLOCK]
     s = sched.stats()
     assert s["mode"] == "bole" and s["slot_steps"] > 0 and s["mean_tokens_per_step"] >= 1.0
     assert s["slot_bytes"]["drafter"] > 0

@@ -25,7 +25,12 @@ _CONFIG = "model_config.json"
 
 def save_params(path: str | os.PathLike, params: dict, cfg: ModelConfig | None = None, *, force: bool = False):
     """Write params (and cfg, when given) under the folder `path`. An existing checkpoint there is
-    an error unless force=True."""
+    an error unless force=True. Params in a tensor-parallel layout (cfg.tp > 1) are saved in the
+    canonical one."""
+    if cfg is not None and cfg.tp > 1:
+        from bole_jax import parallel
+
+        params = parallel.unshard_params(params, cfg)
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:

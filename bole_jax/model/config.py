@@ -87,6 +87,10 @@ class ModelConfig:
     dtype: str = "bfloat16"  # checkpoint dtype name ("float32" | "bfloat16" | "float16")
     mtp_num_layers: int = 0  # MTP (multi-token prediction) decoder layers; 0 = no MTP head
     max_position_embeddings: int = 32768
+    # Tensor-parallel shards (not from config.json). > 1: params, caches and the GDN kernels are
+    # split over a "tp" device mesh and fused channel axes are stored shard-major (see
+    # bole_jax/parallel.py); 1: no parallelism, every code path as without it.
+    tp: int = 1
 
     def __post_init__(self):
         if self.family not in _HF_TEXT_MODEL_TYPE:
@@ -106,6 +110,8 @@ class ModelConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if type(self.tp) is not int or self.tp < 1:
+            raise ValueError(f"tp must be a positive int (tensor-parallel devices), got {self.tp!r}")
         if any(self.is_moe_layer(i) for i in range(self.num_layers)):
             if not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
                 raise ValueError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")

@@ -10,10 +10,13 @@ Shapes: B batch, T tokens, S KV slots; other letters as in config.ModelConfig.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import parallel
 from bole_jax.model.cache import GDNCache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -153,8 +156,8 @@ def _split_qkv(y: jax.Array, cfg: ModelConfig):
     return q, k, v
 
 
-def _gdn_core(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg):
-    y, conv = causal_conv(qkv, cache.conv, p["conv_w"], num_new)
+def _gdn_core(rule, conv_w, qkv, g, beta, cache: GDNCache, num_new, cfg):
+    y, conv = causal_conv(qkv, cache.conv, conv_w, num_new)
     q, k, v = _split_qkv(y, cfg)
     valid = (jnp.arange(qkv.shape[1])[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
     # Padding tokens: g = beta = 0 leaves the state exactly unchanged; zeroing k, v as well keeps
@@ -165,15 +168,25 @@ def _gdn_core(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg):
     return o, GDNCache(conv=conv, state=state)
 
 
+def _gdn_core_per_shard(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
+    """`_gdn_core` on each device's own heads under tensor parallelism (parallel.py), else as is."""
+    heads, cache_specs = parallel.split_at(2), parallel.gdn_cache_specs(cfg)
+    core = parallel.over_gdn_heads(
+        functools.partial(_gdn_core, rule, cfg=parallel.gdn_local_cfg(cfg)), cfg,
+        in_specs=(parallel.split_at(1), heads, heads, heads, cache_specs, parallel.REPLICATED),
+        out_specs=(heads, cache_specs))
+    return core(p["conv_w"], qkv, g, beta, cache, num_new)
+
+
 def gdn_core_chunked(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig, chunk: int = 64):
     """Conv + chunked gated delta rule (prefill, T > 1). Returns (o [B, T, HV, dv], GDNCache')."""
     rule = lambda *a: chunk_gated_delta_rule(*a, chunk=chunk)
-    return _gdn_core(rule, p, qkv, g, beta, cache, num_new, cfg)
+    return _gdn_core_per_shard(rule, p, qkv, g, beta, cache, num_new, cfg)
 
 
 def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
     """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns."""
-    return _gdn_core(recurrent_gated_delta_rule, p, qkv, g, beta, cache, num_new, cfg)
+    return _gdn_core_per_shard(recurrent_gated_delta_rule, p, qkv, g, beta, cache, num_new, cfg)
 
 
 def gdn_out(p: dict, o: jax.Array, z: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -186,9 +199,18 @@ def gdn_out(p: dict, o: jax.Array, z: jax.Array, cfg: ModelConfig) -> jax.Array:
 # ----------------------------------------------------------------------------- MLP / MoE
 
 
-def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """silu(x @ W_gate) * (x @ W_up) @ W_down with W_gate_up = [W_gate | W_up]."""
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, shards: int = 1) -> jax.Array:
+    """silu(x @ W_gate) * (x @ W_up) @ W_down with W_gate_up = [W_gate | W_up].
+
+    shards > 1 (tensor parallelism): W_gate_up's columns are stored shard-major,
+    [gate_0 | up_0 | gate_1 | up_1 | ...] (parallel.py), and split per shard, so each device
+    pairs its own gate and up columns."""
+    if shards == 1:
+        gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    else:
+        lead = x.shape[:-1]
+        h = (x @ w_gate_up).reshape(*lead, shards, 2, -1)
+        gate, up = h[..., 0, :].reshape(*lead, -1), h[..., 1, :].reshape(*lead, -1)
     return (jax.nn.silu(gate) * up) @ w_down
 
 
@@ -242,13 +264,31 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig, experts_impl=None) -> jax.Array
     if experts_impl is None:  # static choice: gathering weights pays off only when few are read
         experts_impl = moe_experts_gather if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts \
             else moe_experts_sorted
-    routed = experts_impl(p, x, top_w, top_e)
-    shared = jax.nn.sigmoid(x @ p["shared_gate"]) * swiglu(x, p["shared_gate_up"], p["shared_down"])
+    num_experts = p["w_gate_up"].shape[0]
+    if parallel.shards(cfg, num_experts) > 1:  # expert parallelism: each device its E / tp experts
+        routed = parallel.over_experts(functools.partial(moe_experts_local, experts_impl), cfg,
+                                       num_experts)(p, x, top_w, top_e)
+    else:
+        routed = experts_impl(p, x, top_w, top_e)
+    shared = jax.nn.sigmoid(x @ p["shared_gate"]) * swiglu(
+        x, p["shared_gate_up"], p["shared_down"], parallel.shards(cfg, p["shared_down"].shape[0]))
     return (routed + shared).reshape(shape)
+
+
+def moe_experts_local(experts_impl, p, x, top_w, top_e, first):
+    """The routed output restricted to the experts held in p, global ids [first, first + E_local)
+    (expert parallelism, parallel.over_experts). Pairs routed elsewhere go to the last local
+    expert with weight 0: computed, contributing nothing. (Leaving them out of every ragged_dot
+    group would save that work, but the rows past sum(group_sizes) are only known to be zero on
+    CPU.)"""
+    e_local = p["w_gate_up"].shape[0]
+    e = top_e - first
+    mine = (e >= 0) & (e < e_local)
+    return experts_impl(p, x, jnp.where(mine, top_w, 0), jnp.where(mine, e, e_local - 1))
 
 
 def mlp(p: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The layer's feed-forward block: MoE when its params have a router, else dense SwiGLU."""
     if "router" in p:
         return moe(p, x, cfg)
-    return swiglu(x, p["w_gate_up"], p["w_down"])
+    return swiglu(x, p["w_gate_up"], p["w_down"], parallel.shards(cfg, p["w_down"].shape[0]))

@@ -29,6 +29,7 @@ import os
 import re
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -327,13 +328,17 @@ def _name_list(names, limit=12) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, dtype=None):
+def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, dtype=None,
+                       place: Callable[[tuple, jax.Array], jax.Array] | None = None):
     """Load a local Hugging Face folder into (cfg, params).
 
     Args:
       path: folder with config.json and model.safetensors (or an index + shards).
       cfg: use this config instead of reading config.json.
       dtype: params dtype (default cfg.dtype, the checkpoint's own).
+      place: called on each converted leaf as place(path in params, leaf) -> leaf, before the next
+        tensor is read (tensor parallelism: `parallel.layout_leaf` puts each leaf on the mesh at
+        once, so no device holds the whole model).
     Returns (cfg, params); cfg.mtp_num_layers reflects the MTP tensors actually present.
     Raises CheckpointError naming any missing file, missing/unexpected tensor or shape mismatch.
     """
@@ -391,7 +396,8 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
             fn, stored = present[n]
             arrays.append(jnp.asarray(readers[fn].get(stored)))
         for p, leaf in zip(e.paths, e.to_params(*arrays)):
-            _set(params, p, leaf.astype(dtype))
+            leaf = leaf.astype(dtype)
+            _set(params, p, leaf if place is None else place(p, leaf))
     return cfg, params
 
 
@@ -399,7 +405,12 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
 
 
 def hf_state_dict(cfg: ModelConfig, params: dict, dtype=None) -> dict[str, np.ndarray]:
-    """params -> {HF tensor name: numpy array} in the family's layout (per-expert MoE keys)."""
+    """params -> {HF tensor name: numpy array} in the family's layout (per-expert MoE keys).
+    Params in a tensor-parallel layout (cfg.tp > 1) are converted back to the canonical one."""
+    if cfg.tp > 1:
+        from bole_jax import parallel
+
+        params, cfg = parallel.unshard_params(params, cfg), dataclasses.replace(cfg, tp=1)
     out = {}
     for e in checkpoint_entries(cfg):
         if any(p[0] == "mtp" for p in e.paths) and "mtp" not in params:

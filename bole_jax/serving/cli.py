@@ -54,7 +54,7 @@ def _cmd_generate(args) -> int:
   from bole_jax.llm import LLM
 
   prompts = _read_prompts(args)
-  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.batch_size)
+  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.batch_size, tp=args.tp)
   outs = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
                       spec=args.spec, progress=not args.no_progress)
@@ -82,10 +82,19 @@ def _cmd_serve(args) -> int:
 
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
   logging.getLogger("bole_jax").setLevel(logging.INFO)
+  tp = {}
+  opts = {k: v for k, v in (("num_nodes", args.tree_nodes), ("calibration", args.calibration))
+          if v is not None}
+  if args.tp != 1 or opts:  # the server builds its own LLM otherwise
+    from bole_jax.llm import LLM
+
+    tp = dict(llm=LLM(args.model, dtype=args.dtype, tp=args.tp, spec_options=opts or None))
   try:
     serve(args.model, spec=args.spec, host=args.host, port=args.port, max_batch=args.max_batch,
           max_context=args.max_context, dtype=args.dtype, segment_steps=args.segment_steps,
-          served_model_name=args.served_model_name)
+          served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk,
+          prefix_block=args.prefix_block, prefix_cache_gb=args.prefix_cache_gb,
+          memory_gb=args.memory_gb, **tp)
   except OSError as e:  # e.g. the port is taken
     print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
     return 2
@@ -105,16 +114,17 @@ def _cmd_calibrate(args) -> int:
   if args.model is not None:
     from bole_jax.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, tp=args.tp)
     cfg, params = llm.cfg, llm.params
   else:
     import jax
 
-    from bole_jax.model import init_params
+    from bole_jax import parallel
     from bole_jax.model.presets import preset
 
-    cfg = preset(args.preset or "qwen3.5-9b", mtp=False)
-    params = init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
+    cfg = preset(args.preset or "qwen3.5-9b", mtp=False, tp=parallel.check_tp(args.tp))
+    parallel.log_layout(cfg)
+    params = parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
   table = budget.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
                            mode=args.mode, topk=args.topk, depth=args.depth,
                            backend=args.backend, repeats=args.repeats,
@@ -186,8 +196,15 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--stop-at-eos", action="store_true",
                   help="let EOS end requests (default: ignore EOS, full batches throughout)")
   ap.add_argument("--seed", type=int, default=0)
+  add_tp_arg(ap)
   ap.add_argument("--out", default="benchmarks/results/e2e", help="folder for JSON and plots")
   ap.add_argument("--no-plots", action="store_true")
+
+
+def add_tp_arg(ap) -> None:
+  ap.add_argument("--tp", type=int, default=1,
+                  help="tensor-parallel devices: weights, caches and kernels split over the first "
+                  "TP devices of this host (docs/parallel.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
   g.add_argument("--batch-size", type=int, default=64, help="max requests decoded together")
   g.add_argument("--no-progress", action="store_true")
+  add_tp_arg(g)
   g.set_defaults(func=_cmd_generate)
   s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
   s.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
@@ -222,8 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompt + max_tokens limit per request (sets the KV capacity per slot)")
   s.add_argument("--segment-steps", type=int, default=8,
                  help="decode steps per jitted segment (requests join/leave between segments)")
+  s.add_argument("--tree-nodes", type=int, default=None,
+                 help="draft tree width per request (default: the calibration table at "
+                      "--max-batch, else a safe default)")
+  s.add_argument("--calibration", default=None, help="calibration table (bole-jax calibrate)")
   s.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+  s.add_argument("--prefill-chunk", type=int, default=1024,
+                 help="prompt tokens prefilled between two decode segments, at most (rounded up to "
+                 "whole --prefix-block pieces): long prompts are prefilled over several iterations "
+                 "while the running requests keep streaming")
+  s.add_argument("--prefix-block", type=int, default=256,
+                 help="prefix-cache block in tokens, also the prefill piece: the recurrent state is "
+                 "checkpointed after every full block")
+  s.add_argument("--prefix-cache-gb", type=float, default=None,
+                 help="prefix cache budget in GiB (0 = off; default: the memory the slots leave, "
+                 "1 GiB when the backend reports none)")
+  s.add_argument("--memory-gb", type=float, default=None,
+                 help="cap in GiB on what the decode slots and the prefix cache may use (e.g. to "
+                 "make admission and eviction bind on a small model); see /metrics bole_memory_*")
   s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  add_tp_arg(s)
   s.set_defaults(func=_cmd_serve)
 
   c = sub.add_parser("calibrate", help="time tree verify vs decode and write the budget table")
@@ -251,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--merge", action="store_true",
                  help="keep the buckets of an existing --out table that this run does not time")
   c.add_argument("--no-progress", action="store_true")
+  add_tp_arg(c)
   c.set_defaults(func=_cmd_calibrate)
   b = sub.add_parser("bench", help="offline decode throughput: ar / bole / pernode / chain")
   add_bench_args(b)

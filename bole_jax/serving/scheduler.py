@@ -8,18 +8,29 @@ Design
 - Segments. Each iteration advances the state by at most `segment_steps` decode steps in one jitted
   call (`LLM.segment_fn(mode)`, state donated) and reads back only the tokens emitted since the
   last read. Requests join and leave between segments.
-- Insertion. A new request is prefilled alone (`LLM.start_batch` with batch 1 and capacity S) and
-  its row is written into a free slot by `insert_slot` (jitted, state donated):
+- Chunked prefill. A new request is prefilled alone (batch 1, capacity S) by a `PrefillJob`, in
+  pieces of `prefix_block` tokens that end on block boundaries (the last one shorter), at most
+  `prefill_chunk` prompt tokens per iteration: a long prompt is spread over several iterations and
+  every iteration still runs a decode segment, so the running rows keep streaming. One request is
+  prefilled at a time, oldest first, and only while a slot is free (FIFO: nothing overtakes, and
+  each iteration advances the head request, so nothing starves).
+- Prefix cache (`prefix_cache.py`). After every full block the job stores the block's KV rows and
+  the recurrent-state checkpoint at its end (GDN conv + state, and the MTP rows and last hidden
+  state in the spec modes); a new request restores the longest cached chain of its blocks and
+  prefills only the rest. GDN layers cannot resume anywhere else: that is why pieces are
+  block-aligned. LRU eviction under a byte budget.
+- Insertion. When the last piece is done, `LLM.state_after_prefill` samples the first token with
+  the request's own key and the row is written into a free slot by `insert_slot` (jitted, state
+  donated):
   `dynamic_update_slice` along axis 0 of every batched leaf (cache layers and lengths, out,
   num_out, next_token, done, max_out, steps, sampling arrays, the drafter's `DraftState`). The PRNG
   key and the EOS ids are shared by all rows and stay as they are.
 - Leaving. A finished (EOS, max_tokens, stop string, stop token) or cancelled request's row is
   marked done by `release_slots`; the step functions leave done rows' results unused, so the slot is
   free for the next insertion. Nothing is copied or compacted.
-- Admission. FIFO; a waiting request is prefilled as soon as a slot is free, up to
-  `prefill_budget` prompt tokens per iteration (at least one request) so that a burst of arrivals
-  does not stall the running rows for too long. The number of slots is min(--max-batch, what fits
-  in free device memory), from the bytes one slot needs (`slot_bytes`, computed from the config).
+- Memory. The number of slots is min(--max-batch, what fits), from the bytes one slot needs
+  (`slot_bytes`, computed from the config); the prefix cache gets what the slots leave (or
+  --prefix-cache-gb). `plan_memory` splits min(free device memory, --memory-gb) between them.
 - Host side, per request: incremental detokenisation that never splits a UTF-8 character
   (`IncrementalDetokenizer`), stop strings matched across deltas by holding back a possible stop
   prefix (`StopMatcher`), per-request stop token ids, cancellation at any time.
@@ -31,12 +42,11 @@ later tokens come from the shared stream and depend on what else is running. Gre
 deterministic regardless. Exact per-request seeds need one key per row in `DecodeState` (a change
 to `sampling.sample` and the acceptance).
 
-Not done yet (hooks noted in the code):
-- prefix cache: `_prefill` is where a cached prefix's state would be copied in before the suffix is
-  prefilled (GDN layers need the recurrent state AT the prefix end, so entries are per prefix length);
-- chunked prefill interleaved with decode segments (a long prompt stalls the other rows while it is
-  prefilled; `prefill_budget` only bounds how many new prompts are prefilled per iteration);
-- batched prefill of several new requests in one call.
+Not done yet:
+- batched prefill of several new requests in one call, or a prefill piece fused into the decode
+  step (a piece now runs between segments, so it still adds its time to the running rows' TPOT);
+- checkpoints only where they pay off (branch points, prompt ends): a GDN checkpoint is much bigger
+  than a block's KV on the real models, and every full block stores one.
 """
 
 from __future__ import annotations
@@ -58,12 +68,16 @@ import numpy as np
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
+from bole_jax.serving.prefix_cache import (Entry, PrefixCache, block_bytes, restore_checkpoint,
+                                           restore_kv, take_block)
+from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.loop import DecodeState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig
 
 log = logging.getLogger("bole_jax.serving")
 
 DEFAULT_MAX_CONTEXT = 8192  # when neither --max-context nor a smaller max_position_embeddings
+MIN_PIECE = 64  # smallest prefill piece width (a prompt's last piece is bucketed from here)
 
 
 class RequestError(ValueError):
@@ -116,30 +130,93 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
   return parts
 
 
-def plan_slots(per_slot: int, max_batch: int, device=None,
-               memory_fraction: float = 0.9) -> tuple[int, dict | None]:
-  """Number of decode slots: min(max_batch, what fits in the device's free memory).
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """How the engine's memory is split (bytes).
 
-  Free memory comes from `device.memory_stats()` (after the weights are loaded); backends that do
-  not report it (CPU) get max_batch. One slot's worth is kept back for the prefill of a new request
-  (its batch-1 cache exists next to the running state until it is inserted).
+  num_slots:     decode slots.
+  slot_bytes:    one slot (estimate); the running state holds num_slots of them and one more is
+                 kept for the batch-1 cache of the request being prefilled.
+  prefix_bytes:  the prefix cache's budget (0 = off).
+  limit_bytes:   the --memory-gb cap on slots + prefix cache, or None.
+  usable_bytes:  what slots + prefix cache may use: min(free device memory * memory_fraction,
+                 limit_bytes); None when neither is known (CPU without a cap).
+  device_stats:  device.memory_stats() at planning time, when the backend reports it.
+  """
+
+  num_slots: int
+  slot_bytes: int
+  prefix_bytes: int
+  limit_bytes: int | None
+  usable_bytes: int | None
+  device_stats: dict | None
+
+  @property
+  def planned_bytes(self) -> int:
+    return (self.num_slots + 1) * self.slot_bytes + self.prefix_bytes
+
+
+DEFAULT_PREFIX_CACHE_GB = 1.0  # prefix cache budget when the free memory is unknown (CPU)
+
+
+def plan_memory(per_slot: int, max_batch: int, *, memory_gb: float | None = None,
+                prefix_cache_gb: float | None = None, device=None,
+                memory_fraction: float = 0.9) -> MemoryPlan:
+  """Split the usable memory between decode slots and the prefix cache.
+
+  Usable: min(free device memory * memory_fraction, memory_gb); the free memory comes from
+  `device.memory_stats()` (after the weights are loaded). Slots: min(max_batch, what fits), one
+  slot's worth kept back for the batch-1 cache of the request being prefilled. The prefix cache
+  gets `prefix_cache_gb` (taken before the slots), or by default what the slots leave
+  (DEFAULT_PREFIX_CACHE_GB when the usable memory is unknown). Backends that report no memory
+  (CPU) get max_batch slots unless memory_gb is given.
   """
   if max_batch < 1:
     raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+  if memory_gb is not None and not memory_gb > 0:
+    raise ValueError(f"--memory-gb must be > 0, got {memory_gb}")
+  if prefix_cache_gb is not None and not prefix_cache_gb >= 0:
+    raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {prefix_cache_gb}")
   device = device or jax.devices()[0]
   try:
     stats = device.memory_stats()
   except Exception:  # some backends raise instead of returning None
     stats = None
   if not stats or "bytes_limit" not in stats:
-    return max_batch, None
-  free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-  fit = int(free * memory_fraction) // per_slot - 1
-  if fit < 1:
-    raise ValueError(
-        f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB, "
-        f"{free / 2**20:.1f} MiB are free: lower --max-context (or use a smaller model / dtype)")
-  return min(max_batch, fit), stats
+    stats = None
+  usable = None
+  if stats is not None:
+    usable = int((int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))) * memory_fraction)
+  limit = None if memory_gb is None else int(memory_gb * 2**30)
+  if limit is not None:
+    usable = limit if usable is None else min(usable, limit)
+  prefix = None if prefix_cache_gb is None else int(prefix_cache_gb * 2**30)
+  if usable is None:
+    slots = max_batch
+    if prefix is None:
+      prefix = int(DEFAULT_PREFIX_CACHE_GB * 2**30)
+  else:
+    fit = (usable - (prefix or 0)) // per_slot - 1
+    if fit < 1:
+      room = f"{usable / 2**20:.1f} MiB are usable" + (
+          f" ({prefix / 2**20:.1f} MiB of them for --prefix-cache-gb)" if prefix else "")
+      raise ValueError(
+          f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB "
+          f"(plus one more for the prefill), {room}: lower --max-context (or raise --memory-gb, "
+          "lower --prefix-cache-gb, use a smaller model / dtype)")
+    slots = min(max_batch, fit)
+    if prefix is None:
+      prefix = usable - (slots + 1) * per_slot
+  return MemoryPlan(num_slots=slots, slot_bytes=per_slot, prefix_bytes=max(prefix, 0),
+                    limit_bytes=limit, usable_bytes=usable, device_stats=stats)
+
+
+def plan_slots(per_slot: int, max_batch: int, device=None,
+               memory_fraction: float = 0.9) -> tuple[int, dict | None]:
+  """Number of decode slots without a prefix cache: (slots, device memory stats or None)."""
+  plan = plan_memory(per_slot, max_batch, prefix_cache_gb=0, device=device,
+                     memory_fraction=memory_fraction)
+  return plan.num_slots, plan.device_stats
 
 
 # ------------------------------------------------------------------ jitted slot surgery
@@ -151,8 +228,8 @@ def _shared_fields_cleared(state: DecodeState) -> DecodeState:
 def insert_slot(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
   """Write the batch-1 state `row` into row `slot` of `state` (every batched leaf, axis 0).
 
-  `row` must come from `LLM.start_batch` with the same mode and capacity (and its `out` widened to
-  the state's); the PRNG key and EOS ids of `state` are kept.
+  `row` must come from `LLM.state_after_prefill` with the same mode and capacity (and its `out`
+  widened to the state's); the PRNG key and EOS ids of `state` are kept.
   """
   put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0)
   new = jax.tree.map(put, _shared_fields_cleared(state), _shared_fields_cleared(row))
@@ -274,6 +351,8 @@ class Request:
   """A submitted request: iterate it for `Delta`s, `result()` to wait, `cancel()` to abort.
 
   Timing fields (time.perf_counter seconds): t_submit, t_first (first token on the host), t_end.
+  Prefill progress: `cached_tokens` (prompt tokens restored from the prefix cache), `prefilled`
+  (prompt tokens in its cache so far, cached ones included; len(prompt_ids) once it decodes).
   """
 
   def __init__(self, prompt_ids: list[int], params: RequestParams, tokenizer, *,
@@ -290,6 +369,8 @@ class Request:
     self.finish_reason: str | None = None
     self.error: str | None = None
     self.steps = 0  # decode steps the request was in a running slot
+    self.cached_tokens = 0
+    self.prefilled = 0
     self.t_submit = time.perf_counter()
     self.t_first: float | None = None
     self.t_end: float | None = None
@@ -421,6 +502,12 @@ class Metrics:
     self.segments = 0
     self.segment_seconds = 0.0
     self.prefill_seconds = 0.0
+    self.prefill_tokens = 0  # prompt tokens computed (cached ones excluded)
+    self.prefill_pieces = 0  # jitted prefill calls (one block each at most)
+    self.prefix_queries = 0  # requests looked up in the prefix cache
+    self.prefix_hits = 0  # ... that found at least one cached block
+    self.prefix_query_tokens = 0  # prompt tokens of the looked-up requests
+    self.prefix_cached_tokens = 0  # ... restored from the cache instead of computed
 
   def on_finish(self, r: Request) -> None:
     with self.lock:
@@ -436,6 +523,28 @@ class Metrics:
 
 
 # ------------------------------------------------------------------ the engine
+@dataclasses.dataclass(eq=False)
+class PrefillJob:
+  """A request whose prompt is prefilled piece by piece between decode segments (batch 1).
+
+  cache, draft_kv: its target cache (KV capacity = the slots') and MTP cache, donated by every piece.
+  h_last:  [1, H] hidden state of its last prefilled token (zeros before the first piece).
+  pos:     prompt tokens in `cache` (restored from the prefix cache or computed); a multiple of
+           the block size until the last piece.
+  parent:  the prefix-cache entry of the block ending at `pos` (the next full block is stored
+           under it), None at the start of the prompt.
+  chained: False once a block could not be stored (budget): later blocks would be unreachable.
+  """
+
+  req: Request
+  cache: Any
+  draft_kv: Any
+  h_last: jax.Array
+  pos: int = 0
+  parent: Entry | None = None
+  chained: bool = True
+
+
 class Scheduler:
   """Continuous-batching engine over `num_slots` decode rows of one `LLM`.
 
@@ -447,16 +556,24 @@ class Scheduler:
       8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
     segment_steps: decode steps per jitted segment (smaller: lower latency to join/leave and
       finer streaming; larger: fewer host round trips).
-    prefill_budget: prompt tokens prefilled per iteration before decoding resumes (>= 1 request).
-    memory_fraction: share of the free device memory the slots may use.
+    prefill_chunk: prompt tokens prefilled per iteration between two decode segments (rounded
+      up to whole `prefix_block` pieces): bounds how long a long prompt holds the running rows.
+    prefix_block: tokens per prefix-cache block, which is also the prefill piece (a checkpoint of
+      the recurrent state is taken after every full block).
+    prefix_cache_gb: prefix cache budget in GiB (0 = off; default: the memory the slots leave, see
+      `plan_memory`).
+    memory_gb: cap in GiB on what slots + prefix cache may use (default: no cap beyond the free
+      device memory).
+    memory_fraction: share of the free device memory the slots and the prefix cache may use.
     seed: seed of the engine's shared PRNG stream.
   Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
   """
 
   def __init__(self, llm, *, mode: str | None = None, max_batch: int = 8,
                max_context: int | None = None, segment_steps: int = 8,
-               prefill_budget: int = 4096, memory_fraction: float = 0.9, max_waiting: int = 4096,
-               seed: int = 0):
+               prefill_chunk: int = 1024, prefix_block: int = 256,
+               prefix_cache_gb: float | None = None, memory_gb: float | None = None,
+               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0):
     self.llm = llm
     cfg = llm.cfg
     self.mode = mode or llm.default_spec
@@ -464,7 +581,10 @@ class Scheduler:
       raise ValueError(f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}")
     self.spec = None
     if self.mode != "ar":
-      self.spec = SpecConfig.for_mode(self.mode, **llm.spec_options)
+      # The tree shape of the batch bucket the slots run at (a calibrated width when a table
+      # matches, else the logged default): the same bucket for the segment, the prefill caches
+      # and the rows, so slack and slot memory are sized for the tree actually verified.
+      self.spec = llm._spec_config(self.mode, max_batch)
       if self.spec.synthetic_accept is not None:
         raise ValueError("the synthetic-acceptance drafter is for offline benchmarks, not serving")
       require_mtp(cfg, llm.params)
@@ -480,31 +600,50 @@ class Scheduler:
         raise ValueError(f"--max-context must be in [2, {limit}] (the model's "
                          f"max_position_embeddings), got {max_context}")
       self.max_context = max_context
-      # start_batch rounds the KV capacity to a power of two; the tree needs `slack` extra rows.
+      # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
       self.capacity = _pow2(max_context + slack + 1, lo=64)
       tight = self.capacity // 2 - slack - 1
       if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
         log.warning("--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
                     "halve the KV memory", max_context, self.capacity, tight)
+    if prefix_block < 1:
+      raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
+    if prefill_chunk < 1:
+      raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
     self.segment_steps = segment_steps
-    self.prefill_budget = prefill_budget
+    self.prefix_block = prefix_block
+    # Whole pieces per iteration; at least one, so a prompt always progresses.
+    self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
     self.max_waiting = max_waiting
     self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
-    dtype = llm.params["embed"].dtype
-    self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, dtype)
-    self.num_slots, self.device_memory = plan_slots(sum(self.slot_bytes.values()), max_batch,
-                                                    memory_fraction=memory_fraction)
+    self.dtype = llm.params["embed"].dtype
+    self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, self.dtype)
+    self.memory = plan_memory(sum(self.slot_bytes.values()), max_batch, memory_gb=memory_gb,
+                              prefix_cache_gb=prefix_cache_gb, memory_fraction=memory_fraction)
+    self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
+    self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
+    entry = block_bytes(cfg, prefix_block, self.dtype, mtp=self.spec is not None)
+    if self.prefix.enabled and prefix_block > self.max_context - 2:
+      log.warning("--prefix-block %d leaves no prompt of this server (at most %d tokens) a whole "
+                  "block to reuse: nothing will be cached", prefix_block, self.max_context - 1)
+    elif self.prefix.enabled and entry > self.prefix.budget_bytes:
+      log.warning("the prefix cache budget (%.1f MiB) is smaller than one block (%.1f MiB): "
+                  "nothing will be cached (raise --prefix-cache-gb or lower --prefix-block)",
+                  self.prefix.budget_bytes / 2**20, entry / 2**20)
     self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
     self.tokenizer = llm.tokenizer
     self.metrics = Metrics()
-    self._segment = llm.segment_fn(self.mode)
+    self._segment = llm.segment_fn(self.mode, max_batch)
+    self._spec_batch = max_batch
     self._seed = seed
+    self.warming_up = False
     self._inbox: queue.Queue = queue.Queue()
     self._waiting: collections.deque[Request] = collections.deque()
     self._slots: list[Request | None] = [None] * self.num_slots
     self._seen = np.zeros(self.num_slots, np.int32)  # tokens of each slot already on the host
     self._steps = np.zeros(self.num_slots, np.int32)  # host copy of state.steps at the last read
     self._state: DecodeState | None = None
+    self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
     self.state_bytes = 0  # bytes of the running state (its shapes never change)
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
@@ -558,18 +697,28 @@ class Scheduler:
 
   @property
   def queue_depth(self) -> int:
-    """Requests submitted and not yet in a slot (nor finished)."""
-    return len(self._waiting) + self._queued
+    """Requests submitted and not yet in a slot (nor finished), the one being prefilled included."""
+    return len(self._waiting) + self._queued + (self._job is not None)
 
   @property
   def active_slots(self) -> int:
     return sum(r is not None for r in self._slots)
 
+  @property
+  def prefilling(self) -> Request | None:
+    """The request whose prompt is being prefilled (between decode segments), if any."""
+    job = self._job
+    return None if job is None else job.req
+
   def start(self, warmup: bool = True) -> "Scheduler":
     """Compile (`warmup`) and start the engine thread."""
     if self._thread is None:
       if warmup:
-        self.warmup()
+        self.warming_up = True  # /health: 503 "starting" until the engine runs
+        try:
+          self.warmup()
+        finally:
+          self.warming_up = False
       self._ensure_state()
       self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
       self._thread.start()
@@ -586,7 +735,7 @@ class Scheduler:
       self._state = release_slots(self._state, jnp.ones((self.num_slots,), bool))
 
   def _fail_all(self, reason: str, error: str | None = None) -> None:
-    """Finish every request the engine knows of (queued, waiting, running)."""
+    """Finish every request the engine knows of (queued, waiting, prefilling, running)."""
     pending = []
     try:
       while True:
@@ -597,16 +746,26 @@ class Scheduler:
           pending.append(req)
     except queue.Empty:
       pass
+    job, self._job = self._job, None
+    pending += [job.req] if job is not None else []
     for r in pending + list(self._waiting) + [r for r in self._slots if r is not None]:
       self._end(r, reason, error)
     self._waiting.clear()
     self._slots = [None] * self.num_slots
 
   def warmup(self) -> None:
-    """Compile prefill, insertion, one segment, the readback and the release (engine idle)."""
-    assert self.active_slots == 0, "warm up before serving"
+    """Compile every prefill piece shape, the prefix-cache copies, the first-token sampling,
+    insertion, one segment, the readback and the release (engine idle)."""
+    assert self.active_slots == 0 and self._job is None, "warm up before serving"
     self._ensure_state()
-    row, _ = self._prefill(Request([1], RequestParams(max_tokens=2), None, internal=True))
+    longest = self.max_context - 1  # the longest prompt (max_tokens >= 1)
+    lengths = sorted({min(t, longest) for t in self._piece_sizes()})
+    if self.prefix_block < longest:  # a full block and a partial piece, twice: checkpoint, restore
+      lengths += [self.prefix_block + 1] * 2
+    row = None
+    for n in lengths:
+      row, _ = self._prefill_now(Request([1] * n, RequestParams(max_tokens=1), None, internal=True))
+    self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
     self._state = insert_slot(self._state, row, jnp.int32(0))
     self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
     jax.block_until_ready(read_new_tokens(self._state, jnp.asarray(self._seen),
@@ -625,8 +784,9 @@ class Scheduler:
       self._fail_all("error", self.error)
 
   def step(self, block: bool = False) -> None:
-    """One engine iteration: take new requests and cancellations, admit, decode one segment."""
-    idle = self.active_slots == 0 and not self._waiting
+    """One engine iteration: take new requests and cancellations, prefill up to `prefill_chunk`
+    prompt tokens (admitting the requests whose prefill completes), decode one segment."""
+    idle = self.active_slots == 0 and not self._waiting and self._job is None
     self._drain_inbox(timeout=0.5 if (block and idle) else None)
     self._ensure_state()
     self._admit()
@@ -650,76 +810,165 @@ class Scheduler:
       elif kind == "cancel" and not req.finished:
         if req in self._waiting:
           self._waiting.remove(req)
-          self._end(req, "cancelled")
+        elif self._job is not None and self._job.req is req:
+          self._job = None  # its batch-1 caches go with it; no slot was taken yet
         elif req in self._slots:
           free.append(self._slots.index(req))
-          self._end(req, "cancelled")
+        self._end(req, "cancelled")
     self._release(free)
 
   def _ensure_state(self) -> None:
     """The running state: every slot a copy of a 1-token dummy row, all done (free)."""
     if self._state is not None:
       return
-    row, _ = self._prefill(Request([1], RequestParams(max_tokens=1), None, internal=True))
+    row, _ = self._prefill_now(Request([1], RequestParams(max_tokens=1), None, internal=True))
     b = self.num_slots
     state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
     self._state = dataclasses.replace(state, key=jax.random.key(self._seed), eos=row.eos,
                                       done=jnp.ones((b,), bool))
     self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state)))
 
-  def _prefill(self, req: Request) -> tuple[DecodeState, int]:
-    """Batch-1 prefill of `req` into a row of the running state's shapes -> (row, first token).
+  # ---------------------------------------------------------------- chunked prefill
+  def _piece_width(self, w: int) -> int:
+    """Compiled width of a piece of `w` prompt tokens: the block, or for a prompt's last (partial)
+    piece a power-of-two bucket (from 64) below it."""
+    p = self.prefix_block
+    return p if w == p else min(p, _pow2(w, lo=min(p, MIN_PIECE)))
 
-    Prefix-cache hook: a cache hit would start from the stored state of the longest cached prefix
-    and prefill only the rest (the GDN recurrent state must be the one AT the prefix end).
-    """
-    slack = self.spec.slack if self.spec else 0
-    n = len(req.prompt_ids)
-    # start_batch sizes the cache as pow2(prompt + max_new + slack + extra + 1): with max_new = 1
-    # and this `extra` it is exactly self.capacity (and every row has the same shapes).
-    extra = self.capacity - (n + 1 + slack + 1)
-    assert extra >= 0, (n, self.capacity)
-    p = req.params
-    row = self.llm.start_batch([req.prompt_ids], 1, mode=self.mode, temperature=p.temperature,
-                               top_p=p.top_p, top_k=p.top_k, seed=p.seed, extra_capacity=extra)
+  def _piece_sizes(self) -> list[int]:
+    """Every width `_piece_width` gives for this engine's prompts (compiled by `warmup`)."""
+    return sorted({self._piece_width(w)
+                   for w in range(1, min(self.prefix_block, self.max_context - 1) + 1)})
+
+  def _new_job(self, req: Request) -> "PrefillJob":
+    """Start prefilling `req`: fresh batch-1 caches of the slots' capacity, then the longest
+    cached prefix restored into them (KV rows of every block, the checkpoint of the last)."""
+    cache, draft_kv = self.llm.prefill_caches(1, self.capacity, mode=self.mode,
+                                              spec_batch=self._spec_batch)
+    job = PrefillJob(req, cache, draft_kv, jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype))
+    if not self.prefix.enabled:
+      return job
+    chain = self.prefix.match(req.prompt_ids)
+    p = self.prefix_block
+    for i, e in enumerate(chain):
+      job.cache, job.draft_kv = restore_kv(job.cache, job.draft_kv, e.block, jnp.int32(i * p))
+    if chain:
+      job.cache = restore_checkpoint(job.cache, chain[-1].block, jnp.int32(len(chain) * p))
+      job.h_last = chain[-1].block.h_last  # never donated (prefill_chunk reads it)
+      job.pos, job.parent = len(chain) * p, chain[-1]
+    req.cached_tokens = req.prefilled = job.pos
+    if not req.internal:
+      with self.metrics.lock:
+        self.metrics.prefix_queries += 1
+        self.metrics.prefix_hits += bool(chain)
+        self.metrics.prefix_query_tokens += len(req.prompt_ids)
+        self.metrics.prefix_cached_tokens += job.pos
+    return job
+
+  def _prefill_piece(self, job: "PrefillJob") -> int:
+    """Prefill the job's next piece (up to one block, ending on a block boundary) and checkpoint
+    a completed block into the prefix cache. Returns the prompt tokens prefilled."""
+    ids, p = job.req.prompt_ids, self.prefix_block
+    start = job.pos
+    w = min(p, len(ids) - start)
+    piece = np.zeros((1, self._piece_width(w)), np.int32)
+    piece[0, :w] = ids[start:start + w]
+    job.h_last, job.cache, job.draft_kv = loop.prefill_chunk(
+        self.llm.params, job.cache, jnp.asarray(piece), jnp.full((1,), w, jnp.int32), job.h_last,
+        job.draft_kv, cfg=self.llm.cfg)
+    job.pos = job.req.prefilled = start + w
+    if w == p and job.chained and self.prefix.enabled:
+      toks = tuple(ids[start:start + p])
+      entry = self.prefix.child(job.parent, toks)
+      if entry is None:
+        block = take_block(job.cache, job.draft_kv, job.h_last, jnp.int32(start), size=p)
+        entry = self.prefix.insert(job.parent, toks, block)
+      job.parent, job.chained = entry, entry is not None  # a gap ends the chain for this prompt
+    if not job.req.internal:
+      with self.metrics.lock:
+        self.metrics.prefill_tokens += w
+        self.metrics.prefill_pieces += 1
+    return w
+
+  def _row(self, job: "PrefillJob") -> tuple[DecodeState, int]:
+    """The prefilled job as a row of the running state's shapes -> (row, first token)."""
+    p = job.req.params
+    # max_new = 1 gives start_batch's layout; out, max_out and done are restated below.
+    row = self.llm.state_after_prefill(job.cache, job.draft_kv, job.h_last, 1, 1, mode=self.mode,
+                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                       seed=p.seed, spec_batch=self._spec_batch)
     assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)
     tok0 = int(row.next_token[0])
     out = np.full((1, self.max_context), -1, np.int32)
     out[0, 0] = tok0
-    # start_batch's done/max_out describe max_new = 1: restate them for this request.
     row = dataclasses.replace(row, out=jnp.asarray(out),
                               max_out=jnp.full((1,), p.max_tokens, jnp.int32),
                               done=jnp.zeros((1,), bool))
     return row, tok0
 
+  def _prefill_now(self, req: Request) -> tuple[DecodeState, int]:
+    """Prefill a whole prompt at once (engine-made dummy rows and warm-up)."""
+    job = self._new_job(req)
+    while job.pos < len(req.prompt_ids):
+      self._prefill_piece(job)
+    return self._row(job)
+
   def _admit(self) -> None:
-    budget = self.prefill_budget
-    first = True
-    while self._waiting and None in self._slots and (first or budget > 0):
+    """This iteration's prefill: up to `prefill_chunk` prompt tokens, in pieces, oldest request
+    first (FIFO; one request at a time, continued next iteration when its prompt is longer). A
+    request whose prefill completes takes a free slot. A request is only started while a slot is
+    free, so a completed prefill always finds one."""
+    budget = self.prefill_chunk
+    t0 = time.perf_counter()
+    pieces = 0
+    while budget > 0:
+      if self._job is None and not self._start_next():
+        break
+      job = self._job
+      try:
+        budget -= self._prefill_piece(job)
+        pieces += 1
+        row = self._row(job) if job.pos == len(job.req.prompt_ids) else None
+      except Exception as e:  # a failed prefill must not take the engine down
+        log.exception("prefill failed")
+        self._job = None
+        self._end(job.req, "error", f"prefill failed: {type(e).__name__}: {e}")
+        continue
+      if row is not None:
+        self._job = None
+        self._admit_one(job.req, *row)
+    if pieces:
+      if self._job is not None:
+        jax.block_until_ready(self._job.h_last)  # time the device work, not its dispatch
+      with self.metrics.lock:
+        self.metrics.prefill_seconds += time.perf_counter() - t0
+
+  def _start_next(self) -> bool:
+    """Start the next waiting request's prefill if a slot is free. False when none can start."""
+    while self._waiting and None in self._slots:
       req = self._waiting.popleft()
       if req.cancelled:
         self._end(req, "cancelled")
         continue
-      first = False
-      budget -= len(req.prompt_ids)
-      self._admit_one(req, self._slots.index(None))
+      try:
+        self._job = self._new_job(req)
+      except Exception as e:
+        log.exception("prefill failed")
+        self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+        continue
+      return True
+    return False
 
-  def _admit_one(self, req: Request, slot: int) -> None:
-    t0 = time.perf_counter()
-    try:
-      row, tok0 = self._prefill(req)
-    except Exception as e:  # a failed prefill must not take the engine down
-      log.exception("prefill failed")
-      self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
-      return
+  def _admit_one(self, req: Request, row: DecodeState, tok0: int) -> None:
+    """Hand a prefilled request its first token and insert its row into a free slot."""
     req.t_first = time.perf_counter()
     with self.metrics.lock:
-      self.metrics.prefill_seconds += req.t_first - t0
       self.metrics.prompt_tokens += len(req.prompt_ids)
     reason = req._consume(tok0, self.eos)
     if reason is not None:
       self._end(req, reason)
       return
+    slot = self._slots.index(None)
     self._state = insert_slot(self._state, row, jnp.int32(slot))
     self._slots[slot] = req
     self._seen[slot] = 1
@@ -785,7 +1034,22 @@ class Scheduler:
                   generation_tokens=m.generation_tokens, decode_tokens=m.decode_tokens,
                   slot_steps=m.slot_steps, segments=m.segments,
                   segment_seconds=m.segment_seconds, prefill_seconds=m.prefill_seconds,
-                  mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1))
+                  mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1),
+                  prefilling=int(self._job is not None), prefill_chunk=self.prefill_chunk,
+                  prefill_tokens=m.prefill_tokens, prefill_pieces=m.prefill_pieces)
+      pc = self.prefix
+      snap["prefix_cache"] = dict(
+          enabled=pc.enabled, block_tokens=pc.block_tokens, budget_bytes=pc.budget_bytes,
+          bytes=pc.bytes, entries=len(pc), inserted=pc.inserted, evicted=pc.evicted,
+          rejected=pc.rejected, queries=m.prefix_queries, hits=m.prefix_hits,
+          misses=m.prefix_queries - m.prefix_hits, query_tokens=m.prefix_query_tokens,
+          cached_tokens=m.prefix_cached_tokens,
+          hit_rate=m.prefix_hits / max(m.prefix_queries, 1),
+          cached_token_fraction=m.prefix_cached_tokens / max(m.prefix_query_tokens, 1))
+    mem = self.memory
+    snap["memory"] = dict(limit_bytes=mem.limit_bytes, usable_bytes=mem.usable_bytes,
+                          planned_bytes=mem.planned_bytes, slot_bytes=mem.slot_bytes,
+                          prefix_cache_budget_bytes=mem.prefix_bytes)
     snap["state_bytes"] = self.state_bytes
     try:
       dev = jax.devices()[0].memory_stats() or {}
@@ -834,6 +1098,51 @@ class Scheduler:
            f'{s["segment_seconds"]:.6g}')
     metric("bole_prefill_seconds_total", "counter", "Time in prefills.",
            f'{s["prefill_seconds"]:.6g}')
+    metric("bole_prefill_tokens_total", "counter",
+           "Prompt tokens computed by prefills (prefix-cache hits excluded).", s["prefill_tokens"])
+    metric("bole_prefill_pieces_total", "counter", "Jitted prefill pieces (one block at most).",
+           s["prefill_pieces"])
+    metric("bole_prefilling_requests", "gauge",
+           "Requests being prefilled in pieces between decode segments (0 or 1).", s["prefilling"])
+    metric("bole_prefill_chunk_tokens", "gauge", "Prompt tokens prefilled per engine iteration, "
+           "at most (--prefill-chunk).", s["prefill_chunk"])
+    pc = s["prefix_cache"]
+    metric("bole_prefix_cache_block_tokens", "gauge", "Tokens per prefix-cache block.",
+           pc["block_tokens"])
+    metric("bole_prefix_cache_budget_bytes", "gauge", "Prefix-cache budget (0 = off).",
+           pc["budget_bytes"])
+    metric("bole_prefix_cache_bytes", "gauge", "Device bytes held by the prefix cache.",
+           pc["bytes"])
+    metric("bole_prefix_cache_entries", "gauge", "Cached blocks (KV rows + state checkpoint).",
+           pc["entries"])
+    metric("bole_prefix_cache_queries_total", "counter", "Requests looked up in the prefix cache.",
+           pc["queries"])
+    metric("bole_prefix_cache_hits_total", "counter",
+           "Lookups that found at least one cached block.", pc["hits"])
+    metric("bole_prefix_cache_misses_total", "counter", "Lookups that found nothing.", pc["misses"])
+    metric("bole_prefix_cache_query_tokens_total", "counter",
+           "Prompt tokens of the looked-up requests.", pc["query_tokens"])
+    metric("bole_prefix_cache_cached_tokens_total", "counter",
+           "Prompt tokens restored from the prefix cache instead of prefilled.",
+           pc["cached_tokens"])
+    metric("bole_prefix_cache_hit_rate", "gauge", "hits / queries since start.",
+           f'{pc["hit_rate"]:.6g}')
+    metric("bole_prefix_cache_cached_token_fraction", "gauge",
+           "cached tokens / prompt tokens of the looked-up requests, since start.",
+           f'{pc["cached_token_fraction"]:.6g}')
+    metric("bole_prefix_cache_evictions_total", "counter", "Blocks evicted (LRU).", pc["evicted"])
+    metric("bole_prefix_cache_rejected_total", "counter",
+           "Blocks not stored for lack of room (every other block pinned or too big).",
+           pc["rejected"])
+    mem = s["memory"]
+    if mem["limit_bytes"] is not None:
+      metric("bole_memory_limit_bytes", "gauge", "--memory-gb: cap on slots + prefix cache.",
+             mem["limit_bytes"])
+    if mem["usable_bytes"] is not None:
+      metric("bole_memory_usable_bytes", "gauge", "What slots + prefix cache may use: min(free "
+             "device memory * fraction, --memory-gb).", mem["usable_bytes"])
+    metric("bole_memory_planned_bytes", "gauge", "Slots (+1 for the prefill) and the prefix-cache "
+           "budget, as planned at start-up.", mem["planned_bytes"])
     with self.metrics.lock:
       for h in (self.metrics.ttft, self.metrics.tpot, self.metrics.e2e, self.metrics.accepted):
         lines += h.render()

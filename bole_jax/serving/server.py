@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over the continuous-batching `Scheduler` (standard library only).
 
     bole-jax serve --model DIR [--spec MODE] [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                   [--max-context N]
+                   [--max-context N] [--prefill-chunk N] [--prefix-block N] [--prefix-cache-gb G]
+                   [--memory-gb G]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (`stream: true` -> server-sent events,
 `data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus
@@ -240,11 +241,18 @@ class OpenAIServer:
     self._thread.start()
     return self
 
-  def serve_forever(self) -> None:
-    """Start the engine and serve HTTP on this thread until KeyboardInterrupt."""
-    self.scheduler.start()
+  def serve_forever(self, on_ready=None) -> None:
+    """Serve HTTP at once (/health answers 503 "starting" while the engine compiles), start the
+    engine, call `on_ready()`, and block until KeyboardInterrupt."""
+    self._thread = threading.Thread(target=self.httpd.serve_forever, name="bole-http",
+                                    daemon=True)
+    self._thread.start()
     try:
-      self.httpd.serve_forever()
+      self.scheduler.start()
+      if on_ready is not None:
+        on_ready()
+      while self._thread.is_alive():
+        self._thread.join(0.5)
     except KeyboardInterrupt:
       pass
     finally:
@@ -453,7 +461,10 @@ class _Handler(BaseHTTPRequestHandler):
     if path == "/health":
       sched = app.scheduler
       ok = sched.error is None and sched._thread is not None and sched._thread.is_alive()
-      self._json(200 if ok else 503, {"status": "ok" if ok else "error", "error": sched.error})
+      if not ok and sched.error is None and sched.warming_up:
+        self._json(503, {"status": "starting", "error": None})
+      else:
+        self._json(200 if ok else 503, {"status": "ok" if ok else "error", "error": sched.error})
     elif path == "/metrics":
       self._send(200, app.render_metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
     elif path == "/v1/models":
@@ -621,21 +632,27 @@ def _reject_constant(name: str):
 def _usage(reqs: list[Request]) -> dict:
   p = sum(len(r.prompt_ids) for r in reqs)
   c = sum(r.completion_tokens for r in reqs)
-  return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+  return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+          "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in reqs)}}
 
 
 # ------------------------------------------------------------------ construction
 def build_server(model: str | None = None, *, spec: str | None = None, host: str = "127.0.0.1",
                  port: int = 8000, max_batch: int = 8, max_context: int | None = None,
                  dtype: str | None = None, segment_steps: int = 8,
-                 served_model_name: str | None = None, llm=None) -> OpenAIServer:
-  """Load the model (or use `llm`), build the scheduler and the HTTP server (not started)."""
+                 served_model_name: str | None = None, llm=None, prefill_chunk: int = 1024,
+                 prefix_block: int = 256, prefix_cache_gb: float | None = None,
+                 memory_gb: float | None = None) -> OpenAIServer:
+  """Load the model (or use `llm`), build the scheduler and the HTTP server (not started).
+  See `Scheduler` for prefill_chunk, prefix_block, prefix_cache_gb and memory_gb."""
   from bole_jax.llm import DEFAULT_MODEL_DIR, LLM
 
   llm = llm or LLM(model, dtype=dtype)
   folder = llm.path
   sched = Scheduler(llm, mode=spec, max_batch=max_batch, max_context=max_context,
-                    segment_steps=segment_steps)
+                    segment_steps=segment_steps, prefill_chunk=prefill_chunk,
+                    prefix_block=prefix_block, prefix_cache_gb=prefix_cache_gb,
+                    memory_gb=memory_gb)
   defaults = {}
   gen_cfg = folder / "generation_config.json" if folder is not None else None
   if gen_cfg is not None and gen_cfg.exists():
@@ -652,8 +669,14 @@ def serve(model: str | None = None, **kwargs) -> None:
   """Blocking: `bole-jax serve`."""
   server = build_server(model, **kwargs)
   s = server.scheduler
+  pc = s.prefix
+  prefix = (f"prefix cache {pc.budget_bytes / 2**30:.2f} GiB in {pc.block_tokens}-token blocks"
+            if pc.enabled else "prefix cache off")
+  cap = (f", memory cap {s.memory.limit_bytes / 2**30:.2f} GiB"
+         if s.memory.limit_bytes is not None else "")
   print(f"bole-jax: serving {server.model_name!r} (mode {s.mode}, {s.num_slots} slots, "
         f"max context {s.max_context}, KV capacity {s.capacity}/slot, "
-        f"{sum(s.slot_bytes.values()) / 2**20:.1f} MiB/slot, chat template: {server.chat.kind}) "
-        f"on {server.url}", flush=True)
-  server.serve_forever()
+        f"{sum(s.slot_bytes.values()) / 2**20:.1f} MiB/slot, {prefix}, prefill "
+        f"{s.prefill_chunk} tokens/iteration{cap}, chat template: {server.chat.kind}) "
+        f"on {server.url}; compiling (/health: 503 starting)", flush=True)
+  server.serve_forever(on_ready=lambda: print(f"bole-jax: ready on {server.url}", flush=True))

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import parallel
+
 log = logging.getLogger("bole_jax")
 
 TABLE_FORMAT = "bole_jax.calibration/1"
@@ -158,7 +160,7 @@ def _random_cache(cfg, batch: int, capacity: int, length: int, dtype, key):
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(tdef, out)
 
-  return fill(keys)
+  return parallel.create(lambda: fill(keys), cfg)  # on the mesh under tensor parallelism
 
 
 def _random_tree(rng: np.random.Generator, batch: int, n: int, vocab: int, topk: int,
@@ -183,7 +185,7 @@ def _decode_fn(cfg):
 
   def dec(params, cache, tokens):  # the plain one-token decode forward + lm head
     hidden, cache = forward(params, cfg, tokens, cache)
-    return jnp.argmax(logits(params, cfg, hidden[:, 0]), axis=-1), cache
+    return jnp.argmax(logits(params, cfg, hidden[:, 0]), axis=-1), parallel.constrain(cache, cfg)
 
   return jax.jit(dec, donate_argnums=1)
 
@@ -195,7 +197,7 @@ def _verify_fn(cfg, mode: str, backend: str):
   def ver(params, cache, tree):  # the complete hybrid tree-verify forward + lm head
     hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode,
                                                 backend=backend)
-    return jnp.argmax(logits(params, cfg, hidden), axis=-1), cache, auxs
+    return jnp.argmax(logits(params, cfg, hidden), axis=-1), parallel.constrain(cache, cfg), auxs
 
   return jax.jit(ver, donate_argnums=1)
 

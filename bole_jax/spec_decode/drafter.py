@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model import logits as lm_logits
-from bole_jax.model.cache import AttnCache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import mtp_forward
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from bole_jax import parallel
 from bole_jax.model import Cache, ModelConfig, forward
 from bole_jax.model import logits as lm_logits
 from bole_jax.sampling import SamplingParams, sample
@@ -130,7 +131,8 @@ def prefill_chunk(params, cache: Cache, tokens: jax.Array, num_new: jax.Array, h
   if draft_kv is not None:
     draft_kv = mtp_prefill(params, cfg, draft_kv, tokens, hidden, h_before, start, num_new)
   h_last = jnp.where((num_new > 0)[:, None], h_last, h_before)
-  return h_last, cache, draft_kv
+  # Tensor parallelism: return the caches in their placement so that donation reuses them.
+  return h_last, parallel.constrain(cache, cfg), parallel.constrain(draft_kv, cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -95,7 +95,7 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
                                               backend=spec.backend)
   acc = accept(tree, lm_logits(params, cfg, hidden), state.sampling, k_acc,
                max_depth=spec.shape.depth, max_children=spec.shape.topk)
-  cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode)
+  cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
   ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
   state = dataclasses.replace(state, cache=cache, extra=ds, key=key,
                               steps=state.steps + active.astype(jnp.int32))

@@ -15,17 +15,19 @@ to consecutive slots, lengths advanced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from bole_jax import parallel
 from bole_jax.model.cache import AttnCache, Cache, GDNCache
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
 from bole_jax.pallas import tree_conv, tree_gdn, tree_pernode
-from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
+from bole_jax.pallas.tree_utils import TreeFactors, TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
 from bole_jax.spec_decode.tree import Tree
@@ -61,15 +63,15 @@ def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) ->
   return (rel < 0) | (in_tree & anc)
 
 
-def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
-                    mode: str, backend: str):
-  qkv, z, g, beta = gdn_in_proj(p, x, cfg)
+def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeStructure, *,
+                   cfg: ModelConfig, mode: str, backend: str):
+  """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut)."""
   if mode == "bole":
-    y = tree_conv.tree_causal_conv(qkv, cache.conv, p["conv_w"], tree.parents, tree.num_nodes,
+    y = tree_conv.tree_causal_conv(qkv, cache.conv, conv_w, tree.parents, tree.num_nodes,
                                    backend=backend)
     aux = GDNVerifyOut(conv_in=qkv)
   else:
-    y, windows = tree_pernode.tree_pernode_conv(qkv, cache.conv, p["conv_w"], tree.parents,
+    y, windows = tree_pernode.tree_pernode_conv(qkv, cache.conv, conv_w, tree.parents,
                                                 tree.num_nodes, backend=backend)
     aux = GDNVerifyOut(conv_windows=windows)
   q, k, v = _split_qkv(y, cfg)
@@ -85,6 +87,24 @@ def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: M
     o, states = tree_pernode.chain_verify(q, k, v, g, beta, cache.state, tree.parents, tree.num_nodes,
                                           backend=backend)
     aux = dataclasses.replace(aux, node_states=states)
+  return o, aux
+
+
+def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
+                    mode: str, backend: str):
+  qkv, z, g, beta = gdn_in_proj(p, x, cfg)
+  # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
+  heads = parallel.split_at(2)
+  aux_specs = (GDNVerifyOut(conv_in=heads, factors=TreeFactors(k=heads, u=heads, gamma=heads))
+               if mode == "bole" else
+               GDNVerifyOut(node_states=heads, conv_windows=parallel.split_at(3)))
+  core = parallel.over_gdn_heads(
+      functools.partial(_gdn_tree_core, cfg=parallel.gdn_local_cfg(cfg), mode=mode,
+                        backend=backend), cfg,
+      in_specs=(parallel.split_at(1), heads, heads, heads, parallel.gdn_cache_specs(cfg),
+                parallel.REPLICATED, parallel.REPLICATED),
+      out_specs=(heads, aux_specs))
+  o, aux = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
   return gdn_out(p, o.astype(x.dtype), z, cfg), aux
 
 
@@ -121,13 +141,26 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
+def _commit_state(state, factors, parents, last, cfg: ModelConfig | None):
+  """state_factors.commit_state, per device on its own heads under tensor parallelism."""
+  if cfg is None:
+    return state_factors.commit_state(state, factors, parents, last)
+  heads = parallel.split_at(1)
+  f = parallel.split_at(2)
+  return parallel.over_gdn_heads(
+      state_factors.commit_state, cfg,
+      in_specs=(heads, TreeFactors(k=f, u=f, gamma=f), parallel.REPLICATED, parallel.REPLICATED),
+      out_specs=heads)(state, factors, parents, last)
+
+
 def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
-           mode: str = "bole") -> Cache:
+           mode: str = "bole", cfg: ModelConfig | None = None) -> Cache:
   """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
 
   GDN: the state at the last accepted node (bole: rebuilt from factors, one gather + matmul;
   baselines: a copy of that node's scratch state) and the conv state along the accepted path.
   Attention: the path's KV rows move from slot L + path[j] to slot L + j.
+  cfg: read only under tensor parallelism (cfg.tp > 1: the state commit runs per device).
   """
   last = jnp.where(active, acc.last, -1)  # -1: keep the committed state
   num = jnp.where(active, acc.num_accepted, 0)
@@ -139,7 +172,7 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
   for c, aux in zip(cache.layers, auxs):
     if isinstance(c, GDNCache):
       if mode == "bole":
-        state = state_factors.commit_state(c.state, aux.factors, tree.parents, last)
+        state = _commit_state(c.state, aux.factors, tree.parents, last, cfg)
         conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
       else:
         state = tree_pernode.commit_pernode(c.state, aux.node_states, last)

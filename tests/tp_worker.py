@@ -1,0 +1,287 @@
+"""Tensor-parallel checks on simulated CPU devices, run by tests/test_tp.py in a subprocess.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tp_worker.py GROUP OUT.json
+
+XLA reads the device count when JAX initialises, so these checks cannot share the pytest process
+(JAX is initialised there with one CPU device). Each group writes {check: {"ok", "detail",
+"seconds"}}; a check that raises is recorded as failed with its traceback.
+
+Every check compares a sharded run with the single-device one on the same weights: greedy
+tokens identical (speculative modes use the synthetic-acceptance drafter, whose trees contain
+the AR continuation, so deep accepted paths exercise the sharded commits) and fp32 logits close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bole_jax import parallel  # noqa: E402
+from bole_jax.llm import LLM  # noqa: E402
+from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits  # noqa: E402
+from bole_jax.model.config import FULL, LINEAR  # noqa: E402
+from bole_jax.spec_decode import tree as tree_mod, verify  # noqa: E402
+from bole_jax.spec_decode.acceptance import accept_greedy  # noqa: E402
+
+NEW = 16  # generated tokens per prompt
+PROMPTS = [[5, 17, 33, 9, 2], [7, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48], [11]]
+SPEC = dict(synthetic_accept=0.8, num_nodes=8, depth=4)
+
+
+def tiny(family: str, moe: bool = False, **kw) -> ModelConfig:
+  """2 decoder layers (GDN, attention) + an MTP layer: every kind of tensor, little to compile."""
+  return ModelConfig.tiny(family, moe=moe, vocab_size=96, mtp_num_layers=1, num_layers=2,
+                         layer_types=(LINEAR, FULL), **kw)
+
+
+def close(a, b, what: str) -> str:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  err = float(np.max(np.abs(a - b)))
+  tol = 1e-4 * (1.0 + float(np.max(np.abs(b))))
+  assert a.shape == b.shape and err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
+  return f"{what} max|diff| {err:.2g}"
+
+
+def spec_of(x) -> P:
+  return x.sharding.spec
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_generate(cfg, params, tp, modes) -> str:
+  """Greedy tokens of every mode at tp equal the single-device AR tokens."""
+  ref = LLM(cfg, params=params).generate(PROMPTS, max_new_tokens=NEW, spec="ar")
+  want = [o.token_ids for o in ref]
+  notes = []
+  for mode in modes:
+    opts = {} if mode == "ar" else SPEC
+    t0 = time.perf_counter()
+    llm = LLM(cfg, params=params, tp=tp, spec_options=opts)
+    out = llm.generate(PROMPTS, max_new_tokens=NEW, spec=mode,
+                       oracle=None if mode == "ar" else want)
+    print(f"  generate {mode} tp={tp}: {time.perf_counter() - t0:.1f} s", flush=True)
+    got = [o.token_ids for o in out]
+    assert got == want, f"{mode} at tp={tp}: {got} != {want}"
+    if mode != "ar":
+      mean = float(np.mean([o.stats["tokens_per_step"] for o in out]))
+      assert mean > 1.5, f"{mode}: no deep acceptance ({mean:.2f} tokens/step)"
+      notes.append(f"{mode} {mean:.2f} tok/step")
+    else:
+      notes.append(mode)
+    notes.append(check_placement(llm, mode, want))
+  return ", ".join(notes)
+
+
+def check_placement(llm, mode, oracle) -> str:
+  """start_batch lays the state out per parallel.state_specs and a segment keeps that layout
+  (the same shapes as generate's: its compiled programs are reused)."""
+  b = len(PROMPTS)
+  st = llm.start_batch(PROMPTS, NEW, mode=mode, spec_batch=b,
+                       oracle=None if mode == "ar" else oracle)
+  want = jax.tree.leaves(parallel.state_specs(st, llm.cfg), is_leaf=lambda x: isinstance(x, P))
+  for when in ("start_batch", "segment"):
+    got = [x.sharding.spec for x in jax.tree.leaves(st)]
+    bad = [(g, w) for g, w in zip(got, want)
+           if tuple(g) != tuple(w) and not (tuple(w) == () and all(d is None for d in g))]
+    assert len(got) == len(want) and not bad, (when, bad[:4])
+    st = llm.segment_fn(mode, b)(llm.params, st, jnp.int32(2))
+  c = st.cache.layers
+  return f"[state: GDN {spec_of(c[0].state)}, conv {spec_of(c[0].conv)}, KV {spec_of(c[1].k)}]"
+
+
+def _tree(b: int, n: int, vocab: int, chain: bool = False, seed: int = 0):
+  """A random ragged tree per request (parents before children), or a ragged chain."""
+  rng = np.random.default_rng(seed)
+  parents = np.broadcast_to(np.arange(n, dtype=np.int32) - 1, (b, n)).copy()
+  if not chain:
+    for i in range(1, n):
+      parents[:, i] = rng.integers(0, i, b)
+  num = np.array([n, max(1, n - 3)] * (b // 2) + [n] * (b % 2), np.int32)
+  parents = np.where(np.arange(n)[None] < num[:, None], parents, -1)
+  depth = np.asarray(tree_mod.depths(jnp.asarray(parents), jnp.asarray(num)))
+  return tree_mod.Tree(tokens=jnp.asarray(rng.integers(0, vocab, (b, n)), jnp.int32),
+                       parents=jnp.asarray(parents), depth=jnp.asarray(depth),
+                       num_nodes=jnp.asarray(num), score=jnp.zeros((b, n), jnp.float32))
+
+
+def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
+  """Prefill, one decode step, then per GDN mode the tree verify and the commit of a greedy
+  accepted path, at tp vs on one device: fp32 logits and committed caches close."""
+  tcfg = dataclasses.replace(cfg, tp=tp)
+  tparams = parallel.shard_params(params, tcfg)
+  b, t, n = 2, 8, 6
+  toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+  num_new = jnp.asarray([t, 5], jnp.int32)
+  accepted = {}  # mode -> the reference run's Accepted, reused by the sharded run
+
+  def run(c, p, verify_backend):
+    cache = parallel.create(lambda: init_cache(c, b, 64, jnp.float32), c)
+    fwd = jax.jit(lambda p, x, cache, k: forward(p, c, x, cache, k))
+    h1, cache = fwd(p, toks, cache, num_new)
+    h2, cache = fwd(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
+    outs = [logits(p, c, h1), logits(p, c, h2)]
+    for mode in modes:
+      tree = _tree(b, n, c.vocab_size, chain=mode == "chain")
+      hv, vcache, auxs = jax.jit(lambda p, tr, cache: verify.verify_forward(
+          p, c, tr, cache, mode=mode, backend=verify_backend))(p, tree, cache)
+      lg = logits(p, c, hv)
+      acc = accepted.setdefault(mode, accept_greedy(tree, jnp.argmax(lg, -1).astype(jnp.int32), n))
+      new = jax.jit(lambda cache, auxs, tr, acc: verify.commit(
+          cache, auxs, tr, acc, jnp.ones((b,), bool), mode=mode, cfg=c))(vcache, auxs, tree, acc)
+      outs += [lg, new.layers[0].state, new.layers[0].conv, new.layers[1].k]
+    return outs
+
+  ref = run(cfg, params, "reference")
+  got = run(tcfg, tparams, backend)
+  names = ["prefill", "decode"] + [f"{m} {w}" for m in modes
+                                   for w in ("verify", "GDN state", "conv state", "KV")]
+  order = parallel.qkv_channel_order(tcfg)  # the conv cache's channels are stored shard-major
+  ref = [r[..., order] if "conv" in name and order is not None else r
+         for r, name in zip(ref, names)]
+  return "; ".join(close(g, r, name) for g, r, name in zip(got, ref, names))
+
+
+def check_layout(cfg, params, tp, init_key=None) -> str:
+  """Specs of representative tensors, shard/unshard round trip, and (init_key: the key params
+  were made with) the sharded random init equal to the sharded canonical one."""
+  tcfg = dataclasses.replace(cfg, tp=tp)
+  sp = parallel.shard_params(params, tcfg)
+  back = parallel.unshard_params(sp, tcfg)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if init_key is not None:
+    direct = parallel.init_params(tcfg, init_key, "float32")
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(sp)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      assert a.sharding.spec == b.sharding.spec
+  gdn = sp["layers"][0]["gdn"]
+  notes = [f"w_qkv {spec_of(gdn['w_qkv'])}", f"w_out {spec_of(gdn['w_out'])}",
+           f"embed {spec_of(sp['embed'])}", f"mtp w_k {spec_of(sp['mtp']['layers'][0]['attn']['w_k'])}"]
+  # Shard j of w_qkv holds [q_j | k_j | v_j]: the canonical layout of a model with Hk/tp heads.
+  s = parallel.gdn_shards(tcfg)
+  if s > 1:
+    local = parallel.gdn_local_cfg(tcfg)
+    shard0 = np.asarray(gdn["w_qkv"].addressable_shards[0].data)
+    full = np.asarray(params["layers"][0]["gdn"]["w_qkv"])
+    kd, lkd = cfg.gdn_num_key_heads * cfg.gdn_key_dim, local.gdn_num_key_heads * local.gdn_key_dim
+    np.testing.assert_array_equal(shard0[:, :lkd], full[:, :lkd])  # q heads of shard 0
+    np.testing.assert_array_equal(shard0[:, lkd:2 * lkd], full[:, kd:kd + lkd])  # its k heads
+    assert shard0.shape[1] == local.conv_dim
+  return ", ".join(notes)
+
+
+def check_errors(cfg, params) -> str:
+  try:
+    LLM(cfg, params=params, tp=jax.device_count() * 2)
+    raise AssertionError("tp > devices did not raise")
+  except ValueError as e:
+    assert "devices" in str(e) and "--tp" in str(e), e
+  tcfg = dataclasses.replace(cfg, tp=4)
+  try:
+    LLM(tcfg, params=params, tp=2)
+    raise AssertionError("tp mismatch did not raise")
+  except ValueError as e:
+    assert "tp=4" in str(e), e
+  notes = parallel.replicated_groups(dataclasses.replace(cfg, tp=8))
+  assert any("num_attention_heads=4" in n for n in notes), notes
+  return "; ".join(notes)
+
+
+def check_save(cfg, params, tp) -> str:
+  """A tensor-parallel LLM's params save to the canonical checkpoint layout."""
+  from bole_jax.model.weights import load_hf_checkpoint, save_hf_checkpoint
+
+  llm = LLM(cfg, params=params, tp=tp)
+  with tempfile.TemporaryDirectory() as d:
+    save_hf_checkpoint(d, llm.cfg, llm.params)
+    cfg2, p2 = load_hf_checkpoint(d)
+    assert cfg2.tp == 1
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    llm2 = LLM(d, tp=tp)  # the loader's per-tensor placement
+    for a, b in zip(jax.tree.leaves(llm2.params), jax.tree.leaves(llm.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      assert a.sharding.spec == b.sharding.spec
+  return "save -> load round trip exact; LLM(path, tp) placement matches"
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def group_next():
+  """Qwen3-Next dense at tp=2: every mode; layout, placement, errors, saving."""
+  cfg = tiny("qwen3_next")
+  params = init_params(cfg, jax.random.key(1), "float32")
+  yield "layout tp=2", lambda: check_layout(cfg, params, 2, init_key=jax.random.key(1))
+  yield "errors", lambda: check_errors(cfg, params)
+  yield "save tp=2", lambda: check_save(cfg, params, 2)
+  # (bole and pernode logits at tp=2: group "pallas"; chain at tp=8: group "q35")
+  yield "logits tp=2", lambda: check_logits(cfg, params, 2, modes=("chain",))
+  yield "generate tp=2", lambda: check_generate(cfg, params, 2, ("ar", "bole", "pernode", "chain"))
+
+
+def group_moe():
+  """Qwen3-Next MoE at tp=4: experts split 4 ways, 2 KV heads replicated (fallback)."""
+  cfg = tiny("qwen3_next", moe=True, gdn_num_key_heads=4, gdn_num_value_heads=8)
+  params = init_params(cfg, jax.random.key(2), "float32")
+  notes = parallel.replicated_groups(dataclasses.replace(cfg, tp=4))
+  assert len(notes) == 1 and "num_key_value_heads=2" in notes[0], notes
+  yield "layout tp=4", lambda: check_layout(cfg, params, 4)
+  yield "logits tp=4", lambda: check_logits(cfg, params, 4)
+  yield "generate tp=4", lambda: check_generate(cfg, params, 4, ("ar", "bole"))
+
+
+def group_q35():
+  """Qwen3.5 dense at tp=8: dims chosen divisible by 8, so every group is split."""
+  cfg = tiny("qwen3_5", num_heads=8, num_kv_heads=8, head_dim=16, gdn_num_key_heads=8,
+             gdn_num_value_heads=16, gdn_key_dim=8, gdn_value_dim=8)
+  params = init_params(cfg, jax.random.key(3), "float32")
+  assert not parallel.replicated_groups(dataclasses.replace(cfg, tp=8))
+  yield "layout tp=8", lambda: check_layout(cfg, params, 8)
+  yield "logits tp=8", lambda: check_logits(cfg, params, 8, modes=("bole", "chain"))
+  yield "generate tp=8", lambda: check_generate(cfg, params, 8, ("bole",))
+
+
+def group_pallas():
+  """The Pallas kernels (interpret mode) inside shard_map see local heads: tp=2 verify with
+  backend="pallas" against the single-device reference."""
+  cfg = tiny("qwen3_next")
+  params = init_params(cfg, jax.random.key(1), "float32")
+  yield "pallas verify tp=2", lambda: check_logits(cfg, params, 2, modes=("bole", "pernode"),
+                                                   backend="pallas")
+
+
+GROUPS = {"next": group_next, "moe": group_moe, "q35": group_q35, "pallas": group_pallas}
+
+
+def main(group: str, out: str) -> None:
+  assert jax.device_count() >= 8, f"run with 8 simulated devices, got {jax.devices()}"
+  results = {}
+  for name, fn in GROUPS[group]():
+    t0 = time.perf_counter()
+    try:
+      results[name] = dict(ok=True, detail=fn())
+    except Exception:  # recorded, the other checks still run
+      results[name] = dict(ok=False, detail=traceback.format_exc()[-3000:])
+    results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"{group}/{name}: {'ok' if results[name]['ok'] else 'FAILED'} "
+          f"({results[name]['seconds']} s)", flush=True)
+  with open(out, "w") as f:
+    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
