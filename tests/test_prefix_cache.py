@@ -103,3 +103,28 @@ def test_take_and_restore_round_trip():
   restore_checkpoint(dst, blk, jnp.int32(16))
   assert all(not x.is_deleted() for x in jax.tree.leaves(blk))
   np.testing.assert_array_equal(blk.h_last, h)
+
+
+def test_memory_estimates_are_per_device_under_tp():
+  """slot_bytes / block_bytes count one device's share of the sharded groups."""
+  import dataclasses
+
+  from bole_jax.model import ModelConfig
+  from bole_jax.serving.prefix_cache import block_bytes
+  from bole_jax.serving.scheduler import slot_bytes
+  from bole_jax.spec_decode.step import SpecConfig
+
+  cfg = ModelConfig.tiny("qwen3_5", num_kv_heads=2, gdn_num_key_heads=2, gdn_num_value_heads=4,
+                         vocab_size=512)
+  spec = SpecConfig.for_mode("bole", num_nodes=8)
+  one = slot_bytes(cfg, 128, 64, spec, "float32")
+  two = slot_bytes(dataclasses.replace(cfg, tp=2), 128, 64, spec, "float32")
+  for part in ("attention_kv", "gdn_state", "step_transient"):
+    assert two[part] * 2 == one[part], part
+  assert two["output"] == one["output"]
+  assert 2 * block_bytes(dataclasses.replace(cfg, tp=2), 16, "float32", True) == pytest.approx(
+      block_bytes(cfg, 16, "float32", True) + cfg.hidden_size * 4, rel=0)
+  # 3 KV heads do not split over 2 devices: replicated, counted whole.
+  odd = dataclasses.replace(cfg, num_kv_heads=3, num_heads=6, tp=2)
+  assert slot_bytes(odd, 128, 64, None, "float32")["attention_kv"] == slot_bytes(
+      dataclasses.replace(odd, tp=1), 128, 64, None, "float32")["attention_kv"]

@@ -34,6 +34,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from bole_jax import parallel
 from bole_jax.model.cache import AttnCache, Cache, GDNCache
 
 
@@ -61,12 +62,15 @@ class PrefixBlock:
 
 
 def block_bytes(cfg, block_tokens: int, dtype, mtp: bool) -> int:
-  """Bytes of one entry (`PrefixBlock`) for the model `cfg`."""
+  """Bytes of one entry (`PrefixBlock`) for the model `cfg`, on one device under tensor
+  parallelism (KV and GDN checkpoints split over their heads)."""
   it = jnp.dtype(dtype).itemsize
   kv_rows = 2 * block_tokens * cfg.num_kv_heads * cfg.head_dim * it
+  kv_rows //= parallel.shards(cfg, cfg.num_kv_heads)
   n = len(cfg.attention_layers) * kv_rows + (cfg.mtp_num_layers * kv_rows if mtp else 0)
   n += len(cfg.gdn_layers) * ((cfg.conv_kernel - 1) * cfg.conv_dim * it
-                              + cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4)
+                              + cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
+                              ) // parallel.gdn_shards(cfg)
   return n + cfg.hidden_size * it
 
 

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import parallel
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
@@ -105,28 +106,34 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
   step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
                 layer the tree's token-level factors (bole) or one full state per node (pernode,
                 chain). Activations of the layer being computed are not counted (small).
+  Under tensor parallelism (cfg.tp > 1) these are the bytes on ONE device: KV, GDN states,
+  factors and logits are split over the heads / vocabulary they are sharded on (replicated
+  groups count whole).
   """
   it = jnp.dtype(dtype).itemsize
-  kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it
-  gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
-  conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it
+  kv_shards, gdn_shards = parallel.shards(cfg, cfg.num_kv_heads), parallel.gdn_shards(cfg)
+  vocab = cfg.vocab_size // parallel.shards(cfg, cfg.vocab_size)
+  kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it // kv_shards
+  gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4 // gdn_shards
+  conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it // gdn_shards
   parts = {
       "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
       "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state),
       "output": out_len * 4 + 64,
   }
   if spec is None:
-    parts["step_transient"] = cfg.vocab_size * 4
+    parts["step_transient"] = vocab * 4
   else:
     n, depth = spec.shape.num_nodes, spec.shape.depth
     parts["drafter"] = (cfg.mtp_num_layers * (capacity + spec.shape.draft_slots + 1) * kv_per_token
                         + (depth + 1) * (cfg.hidden_size * it + 4))
     if spec.mode == "bole":
-      per_node = (cfg.gdn_num_key_heads * cfg.gdn_key_dim
-                  + cfg.gdn_num_value_heads * (cfg.gdn_value_dim + 1)) * 4 + cfg.conv_dim * it
+      per_node = ((cfg.gdn_num_key_heads * cfg.gdn_key_dim
+                   + cfg.gdn_num_value_heads * (cfg.gdn_value_dim + 1)) * 4
+                  + cfg.conv_dim * it) // gdn_shards
     else:
       per_node = gdn_state + conv
-    parts["step_transient"] = n * cfg.vocab_size * 4 + len(cfg.gdn_layers) * n * per_node
+    parts["step_transient"] = n * vocab * 4 + len(cfg.gdn_layers) * n * per_node
   return parts
 
 
