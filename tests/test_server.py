@@ -353,15 +353,12 @@ def test_health_says_starting_while_compiling(model_dir):
   """HTTP is up before the engine: /health answers 503 "starting" during warm-up."""
   sched = Scheduler(LLM(model_dir), mode="ar", max_batch=2, max_context=64, segment_steps=4)
   srv = OpenAIServer(sched, model_name="tiny", port=0)
-  http = threading.Thread(target=srv.httpd.serve_forever, daemon=True)
-  http.start()
+  srv._start_http()  # HTTP only: the engine is not started
   try:
     sched.warming_up = True
     assert _request(srv, "GET", "/health") == (503, {"status": "starting", "error": None})
   finally:
-    srv.httpd.shutdown()
-    http.join()
-    srv.httpd.server_close()
+    srv.shutdown()
 
 
 def test_health_models_metrics(server):

@@ -39,8 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_ref
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, next_pow2, pad_axis,
-                                        resolve_backend, tree_structure)
+from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, accepted_path,
+                                        next_pow2, pad_axis, resolve_backend, tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
            "commit_path_weights", "resolve_backend"]
@@ -379,29 +379,20 @@ def _commit_kernel(count_ref, path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref
 
 
 def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
-    """Inputs of the commit kernel: path [B, L] int32 (padding repeats the accepted node),
-    w [B, L, HV] fp32 (0 on padding), p_sel [B, HV] fp32 (1 when accepted = -1)."""
+    """What a commit needs of the accepted node's root path (at most `length` nodes):
+    path [B, L] int32 node ids, accepted node first (padding repeats it, so gathers stay in
+    bounds and in cache); w [B, L, HV] = exp(gamma_sel - gamma_j) (0 on padding); p_sel [B, HV]
+    = exp(gamma_sel) (1 when accepted = -1); count [B] = real nodes on the path (0 when -1)."""
     accepted = jnp.asarray(accepted, jnp.int32)
-    path, valid = _path_rows(parents, accepted, length)
+    walk = accepted_path(parents, accepted, length)  # -1 past the root (all -1 for accepted -1)
+    valid = walk >= 0
+    path = jnp.where(valid, walk, jnp.clip(accepted, 0, None)[:, None])
     rows = jnp.arange(path.shape[0])[:, None]
     gamma_path = factors.gamma[rows, path]  # [B, L, HV]
-    ok = valid[:, :, None] & (accepted >= 0)[:, None, None]
-    w = jnp.where(ok, jnp.exp(jnp.minimum(gamma_path[:, :1] - gamma_path, 0.0)), 0.0)
+    w = jnp.where(valid[:, :, None], jnp.exp(jnp.minimum(gamma_path[:, :1] - gamma_path, 0.0)),
+                  0.0)
     p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_path[:, 0]), 1.0)
-    return path, w, p_sel
-
-
-def _path_rows(parents, accepted, length):
-    parents = jnp.asarray(parents, jnp.int32)
-    n = parents.shape[1]
-    sel = jnp.clip(accepted, 0, n - 1)
-    cur, out, valid = accepted, [], []
-    for _ in range(length):
-        valid.append(cur >= 0)
-        out.append(jnp.where(cur >= 0, cur, sel))
-        nxt = jnp.take_along_axis(parents, jnp.clip(cur, 0, n - 1)[:, None], axis=1)[:, 0]
-        cur = jnp.where(cur >= 0, nxt, -1)
-    return jnp.stack(out, axis=1), jnp.stack(valid, axis=1)
+    return path, w, p_sel, jnp.sum(valid, axis=1, dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret"))
@@ -422,8 +413,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(block_v, dvp)
     length = next_pow2(min(n, max_path or n), minimum=1)  # power-of-two blocks; padding weighs 0
-    path, w, p_sel = commit_path_weights(factors, parents, accepted, length)
-    count = jnp.sum(w[:, :, 0] > 0, axis=1, dtype=jnp.int32)  # w = exp(<= 0) > 0 on the path
+    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length)
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)

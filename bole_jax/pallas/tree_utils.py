@@ -121,6 +121,22 @@ def conv_window_indices(parents: jax.Array, width: int) -> jax.Array:
     return jnp.stack(cols[::-1], axis=-1)
 
 
+def accepted_path(parents, accepted, length: int):
+    """[B, length] int32: node `accepted`, its parent, grandparent, ... (-1 past the root).
+
+    A walk up the parent pointers (fused gathers), so no ancestor mask is needed.
+    """
+    parents = jnp.asarray(parents, jnp.int32)
+    n = parents.shape[1]
+    cur = jnp.asarray(accepted, jnp.int32)
+    out = []
+    for _ in range(length):
+        out.append(cur)
+        nxt = jnp.take_along_axis(parents, jnp.clip(cur, 0, n - 1)[:, None], axis=1)[:, 0]
+        cur = jnp.where(cur >= 0, nxt, -1)
+    return jnp.stack(out, axis=1)
+
+
 def next_pow2(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum): Triton block shapes and dot dims."""
     return max(minimum, 1 << max(0, (n - 1).bit_length()))

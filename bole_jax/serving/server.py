@@ -236,17 +236,18 @@ class OpenAIServer:
   def start(self) -> "OpenAIServer":
     """Start the engine and serve HTTP on a background thread."""
     self.scheduler.start()
+    self._start_http()
+    return self
+
+  def _start_http(self) -> None:
     self._thread = threading.Thread(target=self.httpd.serve_forever, name="bole-http",
                                     daemon=True)
     self._thread.start()
-    return self
 
   def serve_forever(self, on_ready=None) -> None:
     """Serve HTTP at once (/health answers 503 "starting" while the engine compiles), start the
     engine, call `on_ready()`, and block until KeyboardInterrupt."""
-    self._thread = threading.Thread(target=self.httpd.serve_forever, name="bole-http",
-                                    daemon=True)
-    self._thread.start()
+    self._start_http()
     try:
       self.scheduler.start()
       if on_ready is not None:

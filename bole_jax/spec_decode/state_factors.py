@@ -15,26 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.pallas.tree_gdn import commit_state_pallas
-from bole_jax.pallas.tree_utils import TreeFactors, conv_window_indices, resolve_backend
+from bole_jax.pallas.tree_gdn import commit_path_weights, commit_state_pallas
+from bole_jax.pallas.tree_utils import (TreeFactors, accepted_path, conv_window_indices,
+                                        resolve_backend)
 
 __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
-
-
-def accepted_path(parents, accepted, length: int):
-    """[B, length] int32: node `accepted`, its parent, grandparent, ... (-1 past the root).
-
-    A walk up the parent pointers (fused gathers), so no ancestor mask is needed.
-    """
-    parents = jnp.asarray(parents, jnp.int32)
-    n = parents.shape[1]
-    cur = jnp.asarray(accepted, jnp.int32)
-    out = []
-    for _ in range(length):
-        out.append(cur)
-        nxt = jnp.take_along_axis(parents, jnp.clip(cur, 0, n - 1)[:, None], axis=1)[:, 0]
-        cur = jnp.where(cur >= 0, nxt, -1)
-    return jnp.stack(out, axis=1)
 
 
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
@@ -50,9 +35,9 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     factor rows are gathered (None = N, always exact).
     backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
-    backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows
-    gathered per state tile and added in one fp32 dot (precision does not apply), at the
-    commit's bytes floor.
+    backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
+    per state tile as exact fp32 rank-1 updates (precision does not apply), at the commit's
+    bytes floor.
     """
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
@@ -67,22 +52,19 @@ def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, *, max_
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     r = hv // hk
-    path = accepted_path(parents, accepted, n if max_path is None else min(max_path, n))
+    path, w, p_sel, _ = commit_path_weights(factors, parents, accepted,
+                                            n if max_path is None else min(max_path, n))
     rows = jnp.arange(b)[:, None]
-    node = jnp.clip(path, 0, n - 1)  # [B, L]
-    gamma_sel = factors.gamma[rows[:, 0], node[:, 0]]  # [B, HV]
-    w = jnp.where((path >= 0)[:, :, None],
-                  jnp.exp(jnp.minimum(gamma_sel[:, None, :] - factors.gamma[rows, node], 0.0)),
-                  0.0)  # [B, L, HV]
-    k_path, u_path = factors.k[rows, node], factors.u[rows, node]  # [B, L, Hk, dk], [B, L, HV, dv]
+    k_path, u_path = factors.k[rows, path], factors.u[rows, path]  # [B, L, Hk, dk], [B, L, HV, dv]
     # GQA without repeating keys: value head h = (key head h // r, member h % r).
     length = path.shape[1]
     prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
     delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", k_path, w.reshape(b, length, hk, r),
                        u_path.reshape(b, length, hk, r, dv), precision=prec)
     s_pre = state.astype(jnp.float32)
-    new = jnp.exp(gamma_sel)[:, :, None, None] * s_pre + delta.reshape(b, hv, dk, dv)
-    return jnp.where((path[:, 0] >= 0)[:, None, None, None], new, s_pre)
+    new = p_sel[:, :, None, None] * s_pre + delta.reshape(b, hv, dk, dv)
+    accepted = jnp.asarray(accepted, jnp.int32)
+    return jnp.where((accepted >= 0)[:, None, None, None], new, s_pre)
 
 
 @jax.jit
