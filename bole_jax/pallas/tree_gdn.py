@@ -39,11 +39,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_ref
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, accepted_path,
-                                        next_pow2, pad_axis, resolve_backend, tree_structure)
+from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
+                                        accepted_path, next_pow2, pad_axis, resolve_backend,
+                                        tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
-           "commit_path_weights", "resolve_backend"]
+           "commit_path_weights", "PendingCommit", "pending_commit", "apply_pending",
+           "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
 _PRECISIONS = {None: None, "highest": jax.lax.Precision.HIGHEST,
@@ -315,7 +317,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len, *, scale
 
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
                     tree: TreeStructure | None = None, backend: str = "auto",
-                    interpret: bool | None = None, config: TreeGDNConfig | None = None):
+                    interpret: bool | None = None, config: TreeGDNConfig | None = None,
+                    pending: PendingCommit | None = None):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -326,8 +329,11 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     (computed here when None). backend: "auto" | "pallas" | "reference". config: launch
     parameters of the kernel (None: `TreeGDNConfig.auto(B, N)` on a GPU).
 
+    pending: the previous step's commit, not yet applied (`pending_commit`, the lazy commit):
+    the verify starts from S = apply_pending(state, pending) and also returns that state.
+
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k [B, N, Hk, dk], u [B, N, HV, dv],
-    gamma [B, N, HV]), all fp32).
+    gamma [B, N, HV]), all fp32), plus the state S [B, HV, dk, dv] fp32 when `pending` is given.
     """
     b, n, hk, dk = q.shape
     hv = v.shape[2]
@@ -339,6 +345,14 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                          f"{state.shape} [B, HV, dk, dv]")
     scale = float(dk ** -0.5 if scale is None else scale)
     backend, interpret = resolve_backend(backend, interpret)
+    if pending is not None:
+        # TODO(kernel): fold the pending rows into the state tile inside the Pallas kernel
+        # (one state read + write); for now the state is materialised first, in XLA.
+        state = apply_pending(state, pending)
+        o, factors = tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, scale=scale,
+                                     tree=tree, backend=backend, interpret=interpret,
+                                     config=config)
+        return o, factors, state
     if backend == "reference":
         return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes,
                                                  scale=scale, tree=tree)
@@ -393,6 +407,32 @@ def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
                   0.0)
     p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_path[:, 0]), 1.0)
     return path, w, p_sel, jnp.sum(valid, axis=1, dtype=jnp.int32)
+
+
+def pending_commit(factors: TreeFactors, parents, accepted, length: int) -> PendingCommit:
+    """The accepted node's root-path factor rows, gathered (at most `length` nodes): what the
+    next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing."""
+    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length)
+    rows = jnp.arange(path.shape[0])[:, None]
+    return PendingCommit(k=factors.k[rows, path].astype(jnp.float32),
+                         u=factors.u[rows, path].astype(jnp.float32), w=w, p_sel=p_sel,
+                         count=count)
+
+
+@functools.partial(jax.jit, static_argnames=("precision",))
+def apply_pending(state, pending: PendingCommit, precision: str | None = "highest"):
+    """S = p_sel S + sum_m w_m k_m u_m^T (plain jnp): the commit's maths, the reference for the
+    kernels that fold it. state [B, HV, dk, dv]; returns fp32. precision of the einsum
+    ("highest" = fp32, None = backend default)."""
+    b, length, hk, dk = pending.k.shape
+    hv, dv = pending.u.shape[2:]
+    r = hv // hk
+    # GQA without repeating keys: value head h = (key head h // r, member h % r).
+    prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
+    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", pending.k, pending.w.reshape(b, length, hk, r),
+                       pending.u.reshape(b, length, hk, r, dv), precision=prec)
+    return (pending.p_sel[:, :, None, None] * state.astype(jnp.float32)
+            + delta.reshape(b, hv, dk, dv))
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret"))

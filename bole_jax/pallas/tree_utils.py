@@ -39,6 +39,33 @@ class TreeFactors:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PendingCommit:
+    """A selected-state commit not yet applied to the state (the lazy commit).
+
+    The accepted node's root-path factor rows, gathered, so that the next verify can fold them
+    into the state tile it loads anyway (one state read + write per step instead of the commit's
+    read + write plus the verify's read):
+        S = p_sel S + sum_{m < count} w_m k_m u_m^T   (value head h uses key head h // (HV/Hk)).
+    Rows m >= count weigh 0; count 0 with p_sel 1 is "nothing pending" (`empty`).
+    """
+
+    k: jax.Array  # [B, L, Hk, dk] fp32, L2-normalised keys of the path nodes (accepted first)
+    u: jax.Array  # [B, L, HV, dv] fp32, their pseudo values
+    w: jax.Array  # [B, L, HV] fp32, exp(gamma_sel - gamma_j) (0 past count)
+    p_sel: jax.Array  # [B, HV] fp32, exp(gamma_sel) (1: nothing accepted)
+    count: jax.Array  # [B] int32, real rows
+
+    @staticmethod
+    def empty(batch: int, length: int, hk: int, dk: int, hv: int, dv: int) -> "PendingCommit":
+        return PendingCommit(k=jnp.zeros((batch, length, hk, dk), jnp.float32),
+                             u=jnp.zeros((batch, length, hv, dv), jnp.float32),
+                             w=jnp.zeros((batch, length, hv), jnp.float32),
+                             p_sel=jnp.ones((batch, hv), jnp.float32),
+                             count=jnp.zeros((batch,), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TreeStructure:
     """Ancestor relation of a batch of (ragged) trees.
 

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.pallas.tree_gdn import commit_path_weights, commit_state_pallas
+from bole_jax.pallas.tree_gdn import apply_pending, commit_state_pallas, pending_commit
 from bole_jax.pallas.tree_utils import (TreeFactors, accepted_path, conv_window_indices,
                                         resolve_backend)
 
@@ -49,22 +49,12 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
 
 @functools.partial(jax.jit, static_argnames=("max_path", "precision"))
 def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, *, max_path, precision):
-    b, n, hk, dk = factors.k.shape
-    hv, dv = factors.u.shape[2:]
-    r = hv // hk
-    path, w, p_sel, _ = commit_path_weights(factors, parents, accepted,
-                                            n if max_path is None else min(max_path, n))
-    rows = jnp.arange(b)[:, None]
-    k_path, u_path = factors.k[rows, path], factors.u[rows, path]  # [B, L, Hk, dk], [B, L, HV, dv]
-    # GQA without repeating keys: value head h = (key head h // r, member h % r).
-    length = path.shape[1]
-    prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
-    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", k_path, w.reshape(b, length, hk, r),
-                       u_path.reshape(b, length, hk, r, dv), precision=prec)
-    s_pre = state.astype(jnp.float32)
-    new = p_sel[:, :, None, None] * s_pre + delta.reshape(b, hv, dk, dv)
+    n = factors.k.shape[1]
+    length = n if max_path is None else min(max_path, n)
+    pending = pending_commit(factors, parents, accepted, length)
+    new = apply_pending(state, pending, precision=precision)
     accepted = jnp.asarray(accepted, jnp.int32)
-    return jnp.where((accepted >= 0)[:, None, None, None], new, s_pre)
+    return jnp.where((accepted >= 0)[:, None, None, None], new, state.astype(jnp.float32))
 
 
 @jax.jit
