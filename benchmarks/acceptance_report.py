@@ -5,6 +5,8 @@
 For each prompt set: greedy generation with `bole` (top-4, depth 8 trees, N nodes per request),
 `chain` with depth 1 (the MTP top-1 acceptance rate = tokens per step - 1) and `ar`; reports mean
 accepted tokens per step (bonus included), tokens/s, greedy equality with AR, and sample outputs.
+With --draft-vocab N..., bole also runs with the drafter restricted to N tokens (rows bole-dvN):
+what a cheaper draft costs in acceptance.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def main(argv=None):
   ap.add_argument("--new", type=int, default=128)
   ap.add_argument("--nodes", type=int, default=64)
   ap.add_argument("--modes", nargs="+", default=["ar", "bole"], choices=["ar", "chain-d1", "bole"])
+  ap.add_argument("--draft-vocab", type=int, nargs="*", default=[],
+                  help="also run bole with these reduced draft vocabularies (rows bole-dvN)")
   ap.add_argument("--out", default="benchmarks/results")
+  ap.add_argument("--name", default="acceptance_demo_model.json", help="JSON file name in --out")
   a = ap.parse_args(argv)
   env = bench.environment()
   rows, samples = [], {}
@@ -52,8 +57,16 @@ def main(argv=None):
   runs = {"ar": {}, "chain-d1": dict(depth=1),
           "bole": dict(topk=4, depth=8, num_nodes=a.nodes)}
   ar_ids = {}
-  for label in a.modes:  # one LLM per mode: its compiled programs serve both prompt sets
-    llm = LLM(a.model, max_batch_size=a.n, spec_options=runs[label])
+  labels = list(a.modes)
+  for v in a.draft_vocab:
+    runs[f"bole-dv{v}"] = runs["bole"]
+    labels.append(f"bole-dv{v}")
+  draft_source = {}
+  for label in labels:  # one LLM per mode: its compiled programs serve both prompt sets
+    dv = int(label.split("-dv")[1]) if "-dv" in label else None
+    llm = LLM(a.model, max_batch_size=a.n, spec_options=runs[label], draft_vocab=dv)
+    if dv is not None:
+      draft_source[label] = llm.draft_vocab_source
     mode = label.split("-")[0]
     for name, prompts in sets.items():
       outs = llm.generate(prompts, max_new_tokens=a.new, spec=mode)
@@ -72,8 +85,9 @@ def main(argv=None):
   table = bench.print_table(rows, ["prompts", "mode", "n", "tokens_per_step", "tokens_per_s_incl_compile",
                                    "equal_to_ar"])
   os.makedirs(a.out, exist_ok=True)
-  bench.write_json(os.path.join(a.out, "acceptance_demo_model.json"), dict(
-      command="python " + " ".join(sys.argv), env=env, rows=rows, samples=samples, table=table))
+  bench.write_json(os.path.join(a.out, a.name), dict(
+      command="python " + " ".join(sys.argv), env=env, rows=rows, samples=samples, table=table,
+      draft_vocab_source=draft_source))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import numpy as np
 from bole_jax import parallel
 from bole_jax.model import ModelConfig
 from bole_jax.model.cache import AttnCache, GDNCache
+from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 
 
 def environment() -> dict:
@@ -416,8 +417,9 @@ def _e2e_model(a):
   from bole_jax.model.presets import peaked_lm_head, preset
 
   tp = getattr(a, "tp", 1)
+  draft_vocab = getattr(a, "draft_vocab", None)
   if a.model is not None:
-    llm = LLM(a.model, dtype=a.dtype, tp=tp)
+    llm = LLM(a.model, dtype=a.dtype, tp=tp, draft_vocab=draft_vocab)
     if llm.tokenizer is None:
       raise ValueError(f"{a.model} has no tokenizer.json: prompts cannot be encoded")
     if any(m != "ar" for m in a.modes):
@@ -429,6 +431,10 @@ def _e2e_model(a):
   parallel.log_layout(cfg)
   params = parallel.init_params(cfg, jax.random.key(a.seed), dtype)  # on the mesh when tp > 1
   params = peaked_lm_head(params, cfg)  # keeps the synthetic oracle valid in bf16 (presets.py)
+  if draft_vocab is not None:  # the synthetic drafter forces its chain whatever the subset
+    ids_, source = draft_vocab_mod.select_ids(cfg, draft_vocab)
+    params = draft_vocab_mod.with_draft_vocab(params, cfg, ids_)
+    print(f"drafter: {len(ids_)} of {cfg.vocab_size} tokens ({source})", flush=True)
   rng = np.random.default_rng(a.seed)
   ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
   return cfg, params, ids, True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,10 +27,12 @@ from bole_jax.model import ModelConfig, init_cache, init_params
 from bole_jax.model.weights import load_hf_checkpoint
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
-from bole_jax.spec_decode import loop
+from bole_jax.spec_decode import draft_vocab as draft_vocab_mod, loop
 from bole_jax.spec_decode.budget import resolve_spec_options
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
+
+log = logging.getLogger("bole_jax")
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take several calls)
@@ -96,11 +99,15 @@ class LLM:
     tp: tensor-parallel devices (default: the ModelConfig's tp, else 1). > 1 splits the weights,
       caches and kernels over the first tp devices (bole_jax/parallel.py); self.cfg.tp says it,
       and self.params are then in the tensor-parallel layout.
+    draft_vocab: the MTP drafter scores only this many tokens (the most frequent: the model
+      folder's draft_vocab.json, else the first ids; spec_decode/draft_vocab.py). Lossless: it
+      changes which drafts are proposed, never what is emitted. None: the whole vocabulary.
   """
 
   def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
                dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
-               params: Any = None, spec_options: dict | None = None, tp: int | None = None):
+               params: Any = None, spec_options: dict | None = None, tp: int | None = None,
+               draft_vocab: int | None = None):
     if max_batch_size < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if tp is not None:
@@ -138,6 +145,13 @@ class LLM:
         self.tokenizer = Tokenizer(tok)
     parallel.log_layout(self.cfg)
     self.eos_ids = tuple(self.cfg.eos_token_ids) or (-1,)
+    self.draft_vocab_source = None
+    if draft_vocab is not None:
+      require_mtp(self.cfg, self.params)
+      ids, self.draft_vocab_source = draft_vocab_mod.select_ids(self.cfg, draft_vocab, self.path)
+      self.params = draft_vocab_mod.with_draft_vocab(self.params, self.cfg, ids)
+      log.info("bole_jax: the drafter scores %d of %d tokens (%s)", len(ids),
+               self.cfg.vocab_size, self.draft_vocab_source)
 
   # ------------------------------------------------------------------ helpers
   def _encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
@@ -347,6 +361,8 @@ class LLM:
     drafter = "none" if mode == "ar" else (
         "mtp" if spec.synthetic_accept is None
         else f"synthetic acceptance (p={spec.synthetic_accept})")
+    if mode != "ar" and draft_vocab_mod.has_draft_vocab(self.params):
+      drafter += f", {self.params['mtp']['draft_ids'].shape[0]}-token draft vocabulary"
     eos_set = set(self.eos_ids)
     for i in range(n):
       toks_i = [int(t) for t in out[i, :num_out[i]]]

@@ -66,6 +66,18 @@ def test_greedy_spec_equals_ar_mtp(model):
     assert o.stats["drafter"] == "mtp"
 
 
+def test_greedy_bole_with_draft_vocab_equals_ar(model):
+  cfg, params, prompts, ar = model
+  if cfg.num_experts or cfg.family != "qwen3_next":
+    pytest.skip("the draft vocabulary only changes the drafter's head: one family covers it")
+  llm = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4), draft_vocab=24)
+  out = llm.generate(prompts, max_new_tokens=NEW, spec="bole")
+  for a, o in zip(ar, out):
+    assert o.token_ids == a.token_ids
+    assert o.stats["drafter"] == "mtp, 24-token draft vocabulary"
+  assert llm.params["mtp"]["draft_head"].shape == (cfg.hidden_size, 24)
+
+
 def test_default_mode_is_bole_with_mtp_else_ar():
   cfg = _cfg("qwen3_next")
   assert LLM(cfg).default_spec == "bole"

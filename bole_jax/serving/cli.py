@@ -6,6 +6,7 @@
   echo "hello" | bole-jax generate --max-new-tokens 32
   bole-jax calibrate --preset qwen3.5-9b --out table.json   # verify budget per batch bucket
   bole-jax bench --preset qwen3.5-9b --out DIR              # ar / bole / pernode / chain
+  bole-jax draft-vocab --model DIR corpus/                  # token counts for --draft-vocab
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+
+import numpy as np
 
 
 BENCH_MODES = ("ar", "bole", "pernode", "chain")
@@ -54,7 +57,8 @@ def _cmd_generate(args) -> int:
   from bole_jax.llm import LLM
 
   prompts = _read_prompts(args)
-  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.batch_size, tp=args.tp)
+  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.batch_size, tp=args.tp,
+            draft_vocab=args.draft_vocab)
   outs = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
                       spec=args.spec, progress=not args.no_progress)
@@ -85,10 +89,11 @@ def _cmd_serve(args) -> int:
   tp = {}
   opts = {k: v for k, v in (("num_nodes", args.tree_nodes), ("calibration", args.calibration))
           if v is not None}
-  if args.tp != 1 or opts:  # the server builds its own LLM otherwise
+  if args.tp != 1 or opts or args.draft_vocab:  # the server builds its own LLM otherwise
     from bole_jax.llm import LLM
 
-    tp = dict(llm=LLM(args.model, dtype=args.dtype, tp=args.tp, spec_options=opts or None))
+    tp = dict(llm=LLM(args.model, dtype=args.dtype, tp=args.tp, spec_options=opts or None,
+                      draft_vocab=args.draft_vocab))
   try:
     serve(args.model, spec=args.spec, host=args.host, port=args.port, max_batch=args.max_batch,
           max_context=args.max_context, dtype=args.dtype, segment_steps=args.segment_steps,
@@ -196,9 +201,46 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--stop-at-eos", action="store_true",
                   help="let EOS end requests (default: ignore EOS, full batches throughout)")
   ap.add_argument("--seed", type=int, default=0)
+  add_draft_vocab_arg(ap)
   add_tp_arg(ap)
   ap.add_argument("--out", default="benchmarks/results/e2e", help="folder for JSON and plots")
   ap.add_argument("--no-plots", action="store_true")
+
+
+def add_draft_vocab_arg(ap) -> None:
+  ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                  help="the MTP drafter scores only the N most frequent tokens (the model "
+                  "folder's draft_vocab.json, else the first N ids): a cheaper draft, lossless "
+                  "(default: the whole vocabulary)")
+
+
+def _cmd_draft_vocab(args) -> int:
+  from pathlib import Path
+
+  from bole_jax.llm import DEFAULT_MODEL_DIR, Tokenizer
+  from bole_jax.model.config import ModelConfig
+  from bole_jax.spec_decode import draft_vocab
+  from bole_jax.train.corpus import corpus_files, iter_documents
+
+  model = Path(args.model) if args.model else DEFAULT_MODEL_DIR
+  if not (model / "tokenizer.json").is_file():
+    raise FileNotFoundError(f"{model} has no tokenizer.json: cannot count tokens")
+  cfg = ModelConfig.from_pretrained(model)
+  tok = Tokenizer(model / "tokenizer.json")
+  files = corpus_files([Path(t) for t in args.text])
+  if not files:
+    raise ValueError(f"no text files (.py .txt .rst .md) under {args.text}")
+  docs = iter_documents(files, max_bytes=int(args.max_mb * 2**20))
+  counts = draft_vocab.token_frequencies((tok.encode(d) for d in docs), cfg.vocab_size)
+  path = draft_vocab.write_draft_vocab(
+      model, counts, source=f"{len(files)} files under {' '.join(args.text)}")
+  order = np.argsort(-counts, kind="stable")
+  total = max(int(counts.sum()), 1)
+  print(f"wrote {path}: {int(counts.sum())} tokens counted over {len(files)} files")
+  for n in (1024, 4096, 16384, 32768, 65536):
+    if n < cfg.vocab_size:
+      print(f"  top {n:>6} tokens cover {counts[order[:n]].sum() / total:.2%} of the counted text")
+  return 0
 
 
 def add_tp_arg(ap) -> None:
@@ -226,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
   g.add_argument("--batch-size", type=int, default=64, help="max requests decoded together")
   g.add_argument("--no-progress", action="store_true")
+  add_draft_vocab_arg(g)
   add_tp_arg(g)
   g.set_defaults(func=_cmd_generate)
   s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
@@ -259,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="cap in GiB on what the decode slots and the prefix cache may use (e.g. to "
                  "make admission and eviction bind on a small model); see /metrics bole_memory_*")
   s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  add_draft_vocab_arg(s)
   add_tp_arg(s)
   s.set_defaults(func=_cmd_serve)
 
@@ -292,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="offline decode throughput: ar / bole / pernode / chain")
   add_bench_args(b)
   b.set_defaults(func=_cmd_bench)
+  d = sub.add_parser("draft-vocab", help="count token frequencies over text files and write the "
+                     "model folder's draft_vocab.json (for --draft-vocab)")
+  d.add_argument("text", nargs="+", help="text files or folders (.py .txt .rst .md)")
+  d.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
+  d.add_argument("--max-mb", type=float, default=64.0, help="text read, at most (MiB)")
+  d.set_defaults(func=_cmd_draft_vocab)
   return p
 
 

@@ -9,7 +9,8 @@ Per step and request (k = TreeShape.topk, D = TreeShape.depth):
      the committed MTP entries plus its own ancestors' draft entries), every frontier node's
      top-k children become candidates with cumulative score rho = rho_parent + log q, and the k
      best candidates by rho form the next frontier.
-All candidates are recorded in a breadth-ordered pool (k + (D-1) k^2 of them, parents first);
+The draft scores come from the whole lm_head, or from a reduced draft vocabulary when the params
+carry one (`draft_vocab.py`). All candidates are recorded in a breadth-ordered pool (k + (D-1) k^2 of them, parents first);
 `tree.select_from_pool` keeps the best N-1. With k = 1 the same code drafts a chain.
 Draft entries are written to MTP-cache slots after the committed ones (scratch, overwritten by
 the next catch-up), so drafting allocates nothing.
@@ -22,9 +23,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bole_jax.model import logits as lm_logits
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import mtp_forward
+from bole_jax.spec_decode.draft_vocab import draft_top_k
 
 BIG = 2**30
 
@@ -79,10 +80,6 @@ class Pool:
   scores: jax.Array  # [B, M] f32 rho (cumulative draft log-prob)
 
 
-def _log_probs(params, cfg, h):
-  return jax.nn.log_softmax(lm_logits(params, cfg, h).astype(jnp.float32), axis=-1)
-
-
 def mtp_prefill(params, cfg: ModelConfig, kv, tokens, hidden, h_before, start, num_new):
   """MTP entries for a prefill chunk: position p = start + t uses token x_p and hidden_{p-1}.
 
@@ -126,7 +123,7 @@ def expand(params, cfg: ModelConfig, shape: TreeShape, kv, h_root, lengths, forc
   """
   k, d = shape.topk, shape.depth
   b = h_root.shape[0]
-  lp, tok = jax.lax.top_k(_log_probs(params, cfg, h_root), k)  # [B, k]
+  lp, tok = draft_top_k(params, cfg, h_root, k)  # [B, k]
   if forced is not None:
     tok, lp = tok.at[:, 0].set(forced[:, 0]), lp.at[:, 0].set(0.0)
   pool_tok = [tok]
@@ -150,7 +147,7 @@ def expand(params, cfg: ModelConfig, shape: TreeShape, kv, h_root, lengths, forc
     mask = ((s_idx >= 1) & (s_idx <= lengths[:, None, None])) | (in_draft & draft_ok)
     pos = jnp.broadcast_to(lengths[:, None] + s, (b, k))
     out, kv = mtp_forward(params, cfg, f_tok, f_hid, pos, slots, mask, kv)
-    lp, ctok = jax.lax.top_k(_log_probs(params, cfg, out), k)  # [B, k, k]
+    lp, ctok = draft_top_k(params, cfg, out, k)  # [B, k, k]
     c_sc = (f_sc[:, :, None] + lp).reshape(b, k * k)
     c_tok = ctok.reshape(b, k * k)
     if forced is not None:  # frontier 0 is the forced chain's node (score 0 is the maximum)
