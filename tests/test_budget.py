@@ -2,6 +2,7 @@
 the end-to-end benchmark on CPU with the tiny preset (which also checks that every mode stays
 lossless against AR with a binding budget)."""
 
+import dataclasses
 import json
 import logging
 import re
@@ -226,6 +227,11 @@ def test_engine_finds_table_or_warns_once(table, tiny, tmp_path, monkeypatch, ca
   assert c == budget.default_choice(16) and c.source == "default"
   warnings = [r for r in caplog.records if "no calibration table" in r.message]
   assert len(warnings) == 1 and "model dims differ" in warnings[0].message
+  # A table from before tensor parallelism (no "tp" in its model dims) is a single-device one.
+  old = {**table, "model": {k: v for k, v in table["model"].items() if k != "tp"}}
+  assert budget.table_mismatch(old, cfg, dtype) is None
+  assert budget.table_mismatch(old, dataclasses.replace(cfg, tp=2), dtype) == \
+      "model dims differ (tp)"
   with pytest.raises(FileNotFoundError, match="calibration table not found"):
     budget.choice_for(cfg, dtype, 2, calibration=tmp_path / "missing.json")
   (tmp_path / "bad.json").write_text("{}")

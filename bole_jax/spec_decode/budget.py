@@ -437,8 +437,9 @@ def table_mismatch(table: dict, cfg, param_dtype, device: str | None = None) -> 
   if table.get("device") != device:
     return f"calibrated on {table.get('device')!r}, running on {device!r}"
   sig = model_signature(cfg, param_dtype)
-  diff = sorted(k for k in set(sig) | set(table.get("model", {}))
-                if sig.get(k) != table["model"].get(k))
+  # Tables written before tensor parallelism existed were single-device ones.
+  model = {"tp": 1, **table.get("model", {})}
+  diff = sorted(k for k in set(sig) | set(model) if sig.get(k) != model.get(k))
   if diff:
     return f"model dims differ ({', '.join(diff[:4])})"
   return None
