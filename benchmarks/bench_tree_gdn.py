@@ -12,13 +12,16 @@ with at most 4 children and at most 8 nodes on a root path, on a grid of batch B
 What it does, in order:
 1. measures the device copy bandwidth (XLA elementwise read+write of 1 GiB);
 2. checks every kernel on the device against its jnp reference (fp32, HIGHEST precision) at a
-   small size: Bole verify (each swept config), commit_state, TREE-PERNODE verify + commit, CHAIN,
+   small size: Bole verify (each swept config, also folding a lazy commit), commit_state,
+   TREE-PERNODE verify + commit, CHAIN,
    tree conv, per-node conv. Relative errors are printed; the script exits with status 1 (after
    writing the JSON) if any is above its tolerance, unless --no-fail;
 3. for each grid point: sweeps the Bole launch configs and the TREE-PERNODE configs (each timed
    config is also checked against the reference at that point; configs that fail are not
-   eligible as "best"), times both commits, and reports verify / commit / sum, speedups, the bytes
-   floor, transient memory and SGLang's measured numbers (03-targets.md) side by side;
+   eligible as "best"), times both commits and Bole's lazy commit ("bole-lazy": the best
+   config's verify folding the previous verify's accepted path rows, plus the `pending_commit`
+   gathers), and reports verify / commit / sum, speedups, the bytes floor, transient memory and
+   SGLang's measured numbers (03-targets.md) side by side;
 4. prints a table, writes <out>/bench_tree_gdn.json (command, git commit, GPU, jax version, every
    number) and <out>/bench_tree_gdn.png (if matplotlib imports).
 
@@ -57,7 +60,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn import (TreeGDNConfig, pending_commit,  # noqa: E402
+                                      tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import random_parents, tree_depth, tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
@@ -380,6 +384,16 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             record(f"{tag} padding rows zero", pad, 0.0)
             new = commit_state(args[5], f, parents, acc, backend="pallas", interpret=INTERPRET)
             record(f"{tag} + pallas commit vs sequential", rel(new, want_state), TOL["state"])
+            # Lazy commit: the same inputs verified again with the path rows pending; the
+            # kernel's folded state is the accepted node's state of the recurrence.
+            pend = pending_commit(f, parents, acc, n)
+            o2, _, s2 = tree_gdn_verify(*args[:5], args[5], parents, num_nodes, tree=tree,
+                                        backend="pallas", interpret=INTERPRET, config=cfg,
+                                        pending=pend)
+            record(f"{tag} lazy: folded state vs sequential", rel(s2, want_state), TOL["state"])
+            o2_ref, _ = tree_gdn_ref.tree_gdn_closed_form(*args[:5], want_state, parents,
+                                                          num_nodes, tree=tree)
+            record(f"{tag} lazy: o", rel(o2, o2_ref), TOL["o"])
         except Exception as e:  # noqa: BLE001
             record(f"bole [{cfg_str(cfg)}] raised {type(e).__name__}: {str(e)[:200]}",
                    float("inf"), 0.0)
@@ -470,6 +484,57 @@ def sweep(label, cfgs, make_fn, errors, sets, timer):
     return entries, best
 
 
+def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dict:
+    """Bole with the lazy commit: the commit only gathers the accepted path's factor rows
+    (`pending_commit`, jitted), and the next verify folds them into the state tiles it loads
+    (`tree_gdn_verify(pending=)`). Pending rows come from the accepted (deepest) node of each
+    set's own previous verify (`fac`). The verify's jit donates the state, as a decode step
+    would, so the kernel writes the folded state in place (without donation XLA would copy the
+    state first); each set's state buffer is replaced by the returned one call by call."""
+    length = min(MAX_DEPTH, parents.shape[1])
+    res = dict(config=cfg_str(cfg), path_rows=length)
+    try:
+        gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length))
+        pend = [gather(f) for f in fac]
+        verify = jax.jit(lambda q, k, v, g, beta, state, pending: tree_gdn_verify(
+            q, k, v, g, beta, state, parents, num_nodes, tree=tree, backend="pallas",
+            interpret=INTERPRET, config=cfg, pending=pending), donate_argnums=5)
+        states = [jnp.copy(s[5]) for s in sets]  # own buffers: donated call by call
+
+        def call(i):
+            out = verify(*sets[i][:5], states[i], pend[i])
+            states[i] = out[2]
+            return out
+
+        # Check (first call: compiles): the folded state is commit_state's, o and u the closed
+        # form's from that state.
+        s_ref = commit_state(sets[0][5], fac[0], parents, accepted, backend="reference",
+                             max_path=length, precision="highest")
+        t0 = time.perf_counter()
+        out = call(0)
+        jax.block_until_ready(out)
+        res["compile_s"] = time.perf_counter() - t0
+        o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0][:5], s_ref, parents, num_nodes,
+                                                         tree=tree)
+        errs = dict(o=(rel(out[0], o_ref), TOL["o"]), u=(rel(out[1].u, f_ref.u), TOL["u"]),
+                    state=(rel(out[2], s_ref), TOL["state"]))
+        del out, o_ref, f_ref, s_ref
+        res.update({f"err_{k}": e for k, (e, _) in errs.items()})
+        res["ok"] = all(e <= tol for e, tol in errs.values())
+        res["verify"] = timer(call, [(i,) for i in range(len(sets))])
+        res["commit"] = timer(gather, [(f,) for f in fac])
+        res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
+    except Exception as e:  # noqa: BLE001
+        res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    errs_txt = " ".join(f"err {k[4:]} {v:.1e}" for k, v in res.items() if k.startswith("err_"))
+    nan = dict(us=float("nan"))
+    print(f"    {'lazy':7s} {res['config']:48s} {res.get('verify', nan)['us']:9.1f} us + gather "
+          f"{res.get('commit', nan)['us']:7.1f} us  {errs_txt}"
+          f"{'' if res.get('ok') else '  (NOT OK) ' + res.get('error', '')}", flush=True)
+    gc.collect()
+    return res
+
+
 def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     rng = np.random.default_rng(seed * 1000 + b * 100 + n)
     parents = make_trees(rng, b, n)
@@ -496,7 +561,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         "bole", bole_cfgs, lambda cfg: jax.jit(lambda *a: tree_gdn_verify(
             *a, parents_d, num_nodes, tree=tree, backend="pallas", interpret=INTERPRET,
             config=cfg)),
-        lambda out: dict(o=(rel(out[0], o_ref), TOL["o"]), u=(rel(out[1].u, f_ref.u), TOL["u"])),
+        lambda out, o_ref=o_ref, f_ref=f_ref: dict(o=(rel(out[0], o_ref), TOL["o"]),
+                                                   u=(rel(out[1].u, f_ref.u), TOL["u"])),
         sets, timer)
     point["bole_best"] = best[0] if best else None
     del f_ref
@@ -522,6 +588,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
             t.update(kw)
             point["bole_commit"].append(t)
         point["bole_commit_best"] = min(point["bole_commit"], key=lambda t: t["us"])
+        point["bole_lazy"] = bench_lazy(cfg, sets, fac, parents_d, num_nodes, tree, accepted,
+                                        timer)
         del fac
 
     # TREE-PERNODE verify: sweep (the scratch is huge: fewer input sets when needed).
@@ -531,7 +599,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     point["pernode"], best_pn = sweep(
         "pernode", pernode_cfgs, lambda cfg: jax.jit(lambda *a: tree_pernode.tree_pernode_verify(
             *a, parents_d, num_nodes, backend="pallas", interpret=INTERPRET, config=cfg)),
-        lambda out: dict(o=(rel(out[0], o_ref), TOL["o"])), sets[:r_pn], timer)
+        lambda out, o_ref=o_ref: dict(o=(rel(out[0], o_ref), TOL["o"])), sets[:r_pn], timer)
     del o_ref
     point["pernode_best"] = best_pn[0] if best_pn else None
     if best_pn:
@@ -564,15 +632,30 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                      speedup_sum=(pv + pc) / (bv + bc), speedup_verify=pv / bv,
                      bole_over_floor=bv / point["floor_us"],
                      bole_achieved_bw=point["bole_kernel_bytes"] / (bv * 1e-6))
+        lazy = point.get("bole_lazy") or {}
+        if lazy.get("ok"):
+            lv, lc = lazy["verify"]["us"], lazy["commit"]["us"]
+            point.update(bole_lazy_verify_us=lv, bole_lazy_commit_us=lc,
+                         bole_lazy_sum_us=lv + lc, speedup_sum_lazy=(pv + pc) / (lv + lc),
+                         lazy_over_bole_sum=(lv + lc) / (bv + bc))
     return point
 
 
 # ----------------------------------------------------------------------------- report
 
 
+def _lazy_cols(p) -> str:
+    if "bole_lazy_sum_us" not in p:
+        return f"{'(lazy: ' + ('not ok' if p.get('bole_lazy') else 'not run') + ')':42s}"
+    return (f"{p['bole_lazy_verify_us']:8.1f} {p['bole_lazy_commit_us']:7.1f} "
+            f"{p['bole_lazy_sum_us']:7.1f} {p['speedup_sum_lazy']:6.1f}x "
+            f"{p['lazy_over_bole_sum']:8.2f}x")
+
+
 def print_table(points):
     hdr = ("  B    N  d | bole ver  commit     sum | pernode ver  commit      sum | speedup "
-           "(ver) | floor  x/floor | sglang ver  commit | scratch MiB factors MiB  ratio")
+           "(ver) | lazy ver  gather     sum speedup lazy/bole | floor  x/floor | sglang ver  "
+           "commit | scratch MiB factors MiB  ratio")
     print("\n" + hdr)
     print("-" * len(hdr))
     for p in points:
@@ -585,7 +668,7 @@ def print_table(points):
               f"{p['bole_commit_best']['us']:7.1f} {p['bole_sum_us']:7.1f} | "
               f"{p['pernode_best']['us']:11.1f} {p['pernode_commit']['us']:7.1f} "
               f"{p['pernode_sum_us']:8.1f} | {p['speedup_sum']:6.1f}x ({p['speedup_verify']:5.1f}x)"
-              f" | {p['floor_us']:5.1f} {p['bole_over_floor']:6.1f}x | "
+              f" | {_lazy_cols(p)} | {p['floor_us']:5.1f} {p['bole_over_floor']:6.1f}x | "
               f"{sg.get('verify_us', float('nan')):10.0f} {sg.get('commit_us', float('nan')):7.0f}"
               f" | {p['scratch_bytes'] / 2 ** 20:11.0f} {p['factor_bytes'] / 2 ** 20:11.1f} "
               f"{p['memory_ratio']:6.1f}x")
@@ -610,6 +693,9 @@ def plot(points, path):
                      key=lambda p: p["N"])
         ns = [p["N"] for p in pts]
         ax.plot(ns, [p["bole_sum_us"] for p in pts], "o-", label="Bole verify+commit")
+        lz = [(p["N"], p["bole_lazy_sum_us"]) for p in pts if "bole_lazy_sum_us" in p]
+        if lz:
+            ax.plot(*zip(*lz), "d-", label="Bole lazy (verify+fold, gathers)")
         ax.plot(ns, [p["pernode_sum_us"] for p in pts], "s-", label="TREE-PERNODE verify+commit")
         sg = [(p["N"], p["sglang"]["verify_us"] + p["sglang"]["commit_us"]) for p in pts
               if p["sglang"]]

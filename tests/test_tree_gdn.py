@@ -5,6 +5,8 @@ lowering test builds the Triton IR for the GPU. Random inputs are fresh every ru
 in every failure message) plus fixed seeds.
 """
 
+import dataclasses
+import functools
 import os
 
 import jax
@@ -13,9 +15,11 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_ref as ref
-from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
-from bole_jax.pallas.tree_utils import (check_parents, random_gdn_inputs, random_trees,
-                                        tree_structure)
+from bole_jax.pallas.tree_gdn import (TreeGDNConfig, apply_pending, pending_commit,
+                                      tree_gdn_verify)
+from bole_jax.pallas.tree_utils import (PendingCommit, check_parents, random_gdn_inputs,
+                                        random_trees, tree_structure)
+from bole_jax.spec_decode.state_factors import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -213,6 +217,108 @@ def test_shared_tree_structure_and_auto_backend():
     assert rel(o1, o2) <= 1e-5, RUN_SEED
 
 
+# ------------------------------------------------- lazy commit: pending rows folded by the kernel
+
+
+def _random_pending(rng, b, length, hk, hv, dk, dv, count):
+    """A PendingCommit with realistic ranges (unit keys, w and p_sel in (0, 1]), rows past count
+    weighing 0; and the same with NaN in those rows (a kernel must never read them)."""
+    k = rng.standard_normal((b, length, hk, dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    live = np.arange(length)[None, :] < np.asarray(count)[:, None]  # [B, L]
+    pend = PendingCommit(
+        k=jnp.asarray(k, jnp.float32),
+        u=jnp.asarray(rng.standard_normal((b, length, hv, dv)), jnp.float32),
+        w=jnp.asarray(np.where(live[:, :, None], rng.uniform(0.05, 1.0, (b, length, hv)), 0.0),
+                      jnp.float32),
+        p_sel=jnp.asarray(rng.uniform(0.05, 1.0, (b, hv)), jnp.float32),
+        count=jnp.asarray(count, jnp.int32))
+    dirty = PendingCommit(k=jnp.where(live[:, :, None, None], pend.k, jnp.nan),
+                          u=jnp.where(live[:, :, None, None], pend.u, jnp.nan),
+                          w=pend.w, p_sel=pend.p_sel, count=pend.count)
+    return pend, dirty
+
+
+PENDING_CASES = [
+    # N, Hk, HV, dk, dv, kinds, L, count per request, config (GQA, heads and tiles per program,
+    # non power-of-two head dims, a pending as long as the tree, nothing pending)
+    (9, 2, 4, 16, 32, ("chain", "forest", "random"), 9, (9, 0, 4),
+     TreeGDNConfig(block_v=16, heads_per_program=2)),
+    (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 3, (1, 3, 0),
+     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix")),
+]
+
+
+@pytest.mark.parametrize("case", PENDING_CASES,
+                         ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-L{c[6]}")
+def test_kernel_with_pending_matches_reference(case):
+    """The kernel folding the pending rows into its state tiles = apply_pending + the closed
+    form: outputs, factors and the returned state (rows past count are NaN in the kernel's
+    input: never read). count 0 with p_sel 1 leaves that request's state bit-exact."""
+    n, hk, hv, dk, dv, kinds, length, count, cfg = case
+    seed = RUN_SEED
+    x, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, kinds, ragged=True)
+    pend, dirty = _random_pending(np.random.default_rng(seed + 1), 3, length, hk, hv, dk, dv,
+                                  count)
+    empty = np.asarray(count) == 0
+    dirty = dataclasses.replace(dirty, p_sel=jnp.where(empty[:, None], 1.0, dirty.p_sel))
+    pend = dataclasses.replace(pend, p_sel=dirty.p_sel)
+    s_ref = apply_pending(x["state"], pend)
+    o_ref, f_ref = closed_form(*_args(x)[:5], s_ref, parents, num_nodes)
+    o, f, s = tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
+                              config=cfg, pending=dirty)
+    msg = f"seed {seed} cfg {cfg}"
+    assert s.dtype == jnp.float32 and s.shape == x["state"].shape, msg
+    assert rel(s, s_ref) <= 1e-6, msg
+    np.testing.assert_array_equal(np.asarray(s)[empty], x["state"][empty], err_msg=msg)
+    assert rel(o, o_ref) <= 1e-5, msg
+    for name in ("u", "k", "gamma"):
+        assert rel(getattr(f, name), getattr(f_ref, name)) <= 2e-5, (name, msg)
+    m = _valid(num_nodes, n)
+    for arr in (o, f.u, f.k, f.gamma):
+        assert not np.any(np.asarray(arr)[~m]), f"padding not zero: {msg}"
+
+
+def test_lazy_commit_equals_commit_then_verify():
+    """Two decode steps through one jitted verify that donates the state (the fold writes it in
+    place): step 1 with nothing pending returns the state untouched; step 2 folds
+    pending_commit(step 1's factors, accepted) and gives what commit_state followed by a plain
+    verify gives (GQA 2, two heads per program, ragged trees, the deepest node, accepted -1)."""
+    seed = RUN_SEED
+    rng = np.random.default_rng(seed)
+    b, n, hk, hv, dk, dv = 3, 12, 1, 2, 16, 32
+    cfg = TreeGDNConfig(block_v=16, heads_per_program=2)
+    x1, parents1, nn1 = _inputs(seed, b, n, hk, hv, dk, dv, ("deep", "random"), ragged=True)
+    x2, parents2, nn2 = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "forest"),
+                                ragged=True)
+
+    @functools.partial(jax.jit, donate_argnums=5)
+    def step(q, k, v, g, beta, state, parents, num_nodes, pending):
+        return tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, backend="pallas",
+                               interpret=True, config=cfg, pending=pending)
+
+    msg = f"seed {seed}"
+    o1, f1, s1 = step(*_args(x1)[:5], jnp.array(x1["state"]), parents1, nn1,
+                      PendingCommit.empty(b, n, hk, dk, hv, dv))
+    np.testing.assert_array_equal(np.asarray(s1), x1["state"], err_msg=msg)
+    o1_ref, f1_ref = closed_form(*_args(x1), parents1, nn1)
+    assert rel(o1, o1_ref) <= 1e-5 and rel(f1.u, f1_ref.u) <= 2e-5, msg
+
+    depth = np.asarray(tree_structure(parents1, nn1).depth)
+    accepted = np.array([int(np.argmax(depth[0, :nn1[0]])), -1,
+                         int(rng.integers(0, nn1[2]))], np.int32)
+    msg += f" accepted {accepted}"
+    pend = pending_commit(f1, parents1, accepted, n)  # L = N: any path, uncut
+    committed = commit_state(x1["state"], f1, parents1, accepted, backend="reference")
+    o, f, s = step(*_args(x2)[:5], s1, parents2, nn2, pend)
+    assert rel(s, committed) <= 1e-6, msg
+    np.testing.assert_array_equal(np.asarray(s)[1], x1["state"][1], err_msg=msg)
+    o_ref, f_ref = closed_form(*_args(x2)[:5], committed, parents2, nn2)
+    assert rel(o, o_ref) <= 1e-5, msg
+    for name in ("u", "k", "gamma"):
+        assert rel(getattr(f, name), getattr(f_ref, name)) <= 2e-5, (name, msg)
+
+
 def test_bad_shapes_raise():
     x, parents, _ = _inputs(0, 1, 4, 2, 3, 16, 16, ("random",))
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -221,6 +327,9 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="heads_per_program"):
         tree_gdn_verify(*_args(x), parents, backend="pallas",
                         config=TreeGDNConfig(heads_per_program=3))
+    pend = PendingCommit.empty(1, 3, 1, 16, 2, 8)  # dv 8 != 16
+    with pytest.raises(ValueError, match="pending"):
+        tree_gdn_verify(*_args(x), parents, backend="pallas", pending=pend)
 
 
 # ------------------------------------------------------------------- Triton lowering (GPU IR)
@@ -247,6 +356,30 @@ def test_kernel_lowers_to_triton(n, cfg):
     text = fn.trace(q, q, v, gate, gate, state, parents).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn" in text
+    assert "output_operand_alias" not in text  # the plain verify has no state output
+
+
+@pytest.mark.parametrize("n,d,cfg", [
+    (64, 128, TreeGDNConfig(block_v=32, tiles_per_program=4, heads_per_program=2,
+                            inverse="matrix", bf16_qk=True, bf16_state=True, num_warps=8)),
+    (20, 100, TreeGDNConfig(block_v=32)),
+])
+def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
+    """The folding variant lowers for cuda, its state output aliases the state input, and a jit
+    that donates the state hands that buffer to the output (the in-place fold)."""
+    b, hk, hv = 2, 2, 4
+    q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
+    v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
+    gate = jnp.zeros((b, n, hv), jnp.float32)
+    state = jnp.zeros((b, hv, d, d), jnp.float32)
+    parents = jnp.zeros((b, n), jnp.int32)
+    pend = PendingCommit.empty(b, 5, hk, d, hv, d)
+    fn = jax.jit(lambda *a: tree_gdn_verify(*a[:7], backend="pallas", interpret=False,
+                                            config=cfg, pending=a[7]), donate_argnums=5)
+    text = fn.trace(q, q, v, gate, gate, state, parents, pend).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "bole_tree_gdn" in text and "output_operand_alias" in text
+    assert "tf.aliasing_output = 4" in text  # outputs: o, k, u, gamma, state
 
 
 def test_auto_configs_are_legal():

@@ -8,7 +8,9 @@ from the ONE committed state S_pre [dk, dv]:
     U = (I + G)^-1 diag(b) (V - diag(P) K S_pre)
     O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) U
 and the factors (k, u, gamma) that let `state_factors.commit_state` rebuild the accepted node's
-state afterwards. No per-node state is ever formed.
+state afterwards. No per-node state is ever formed. With the lazy commit (`pending_commit`) that
+rebuild is deferred: the next verify folds the accepted path's rows into the state tiles it
+loads and writes the committed state out (`tree_gdn_verify(pending=)`).
 
 Program layout: grid (dv / block_v, HV / heads_per_program, B). A program owns one request, a group
 of value heads that share one key head, and one value tile. It loads q, k once (L2-normalises them
@@ -124,10 +126,20 @@ def _store(ref, val, mask):
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-                     o_ref, u_ref, gamma_ref, kn_ref, *, n_real, scale, ratio, cfg, interpret):
+                     *refs, n_real, scale, ratio, cfg, interpret, has_pending):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; kn [Np, dk]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
+    # has_pending adds, after s: count [] (rows to fold), pk [L, dk], pu [L, hg, tpp*bv],
+    # pw [L, hg], ps [hg] (p_sel); and the output sn [hg, dk, tpp*bv], the folded state (it may
+    # alias s: each tile is read before its own store and by no other program).
+    if has_pending:
+        cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, kn_ref, sn_ref = refs
+        # The loop bound is clamped to the rows present, so a bad count cannot read past them.
+        pend = (jnp.minimum(cnt_ref[...], pk_ref.shape[0]), pk_ref, pu_ref, pw_ref, ps_ref)
+    else:
+        o_ref, u_ref, gamma_ref, kn_ref = refs
+        pend = None
     n = anc_ref.shape[0]
     hg = g_ref.shape[1]
     tpp = cfg.tiles_per_program
@@ -180,7 +192,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-            s = s_ref[j, :, cols].astype(s_dtype)  # [dk, bv] committed state tile
+            s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
+            if pend is not None:
+                s = _fold_pending(s, pend, j, cols)
+                sn_ref[j, :, cols] = s
+            s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
             qs = _dot(qb, s, prec)
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
@@ -204,6 +220,18 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         value_head(jnp.int32(0), 0)
     else:
         jax.lax.fori_loop(0, hg, value_head, 0)
+
+
+def _fold_pending(s, pend, j, cols):
+    """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
+    (columns cols), as `_commit_kernel` does: exact fp32 rank-1 updates over the real count (an
+    IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower), with independent row loads."""
+    count, pk_ref, pu_ref, pw_ref, ps_ref = pend
+
+    def update(m, acc):
+        return acc + (pw_ref[m, j] * pk_ref[m])[:, None] * pu_ref[m, j, cols][None, :]
+
+    return jax.lax.fori_loop(0, count, update, ps_ref[j] * s)
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -257,8 +285,16 @@ def _apply_inverse(gmat, rhs, path_len, method, prec):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
-def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len, *, scale, cfg,
-                     interpret):
+def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
+                     pending: PendingCommit | None = None, *, scale, cfg, interpret):
+    """The kernel launch: q, k [B, N, Hk, dk]; v [B, N, HV, dv]; g, beta [B, N, HV]; state
+    [B, HV, dk, dv]; anc [B, N, N]; num_nodes, path_len [B]. Returns (o, TreeFactors).
+
+    pending (rows [B, L, ...], see `PendingCommit`): a distinct static variant (None is an empty
+    pytree, so the plain launch is unchanged) that folds the rows into each state tile and also
+    returns the folded state [B, HV, dk, dv] fp32. It is written over the state buffer: in place
+    when the caller's jit donates `state` and dk, dv are powers of two (else over the padded
+    copy, or over an XLA copy of an undonated state)."""
     b, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     ratio = hv // hk
@@ -288,31 +324,60 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len, *, scale
     qk_spec = pl.BlockSpec((None, np_, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0))
     val_spec = pl.BlockSpec((None, np_, hg, bw), lambda t, h, i: (i, 0, h, t))
     gate_spec = pl.BlockSpec((None, np_, hg), lambda t, h, i: (i, 0, h))
-    o, u, gamma, kn = pl.pallas_call(
+    state_spec = pl.BlockSpec((None, hg, dkp, bw), lambda t, h, i: (i, h, 0, t))
+    in_specs = [
+        per_req, per_req,
+        pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
+        qk_spec, qk_spec, val_spec, gate_spec, gate_spec, state_spec,
+    ]
+    out_specs = [val_spec, val_spec, gate_spec, qk_spec]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
+        jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
+        jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
+        jax.ShapeDtypeStruct((b, n, hk, dkp), jnp.float32),
+    ]
+    args = [num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # int8:
+            beta.astype(jnp.float32), state]  # bytes, not i1
+    aliases = {}
+    if pending is not None:
+        # Rows are loaded one at a time ([dk] / [bw] vectors), so L need not be a power of two:
+        # no padding copy of the rows along L, only along dk / dv when those are padded.
+        length = pending.k.shape[1]
+        in_specs += [
+            per_req,
+            pl.BlockSpec((None, length, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, length, hg, bw), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, length, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
+        ]
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        args += [jnp.asarray(pending.count, jnp.int32),
+                 pad_axis(pending.k.astype(jnp.float32), 3, dkp),
+                 pad_axis(pending.u.astype(jnp.float32), 3, dvp),
+                 pending.w.astype(jnp.float32), pending.p_sel.astype(jnp.float32)]
+        aliases = {8: 4}  # state -> folded state
+    outs = pl.pallas_call(
         functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
-                          interpret=interpret),
+                          interpret=interpret, has_pending=pending is not None),
         grid=grid,
-        in_specs=[
-            per_req, per_req,
-            pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
-            qk_spec, qk_spec, val_spec, gate_spec, gate_spec,
-            pl.BlockSpec((None, hg, dkp, bw), lambda t, h, i: (i, h, 0, t)),
-        ],
-        out_specs=[val_spec, val_spec, gate_spec, qk_spec],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
-            jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
-            jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
-            jax.ShapeDtypeStruct((b, n, hk, dkp), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
         name="bole_tree_gdn",
-    )(num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # bytes, not i1
-      beta.astype(jnp.float32), state)
+    )(*args)
+    o, u, gamma, kn = outs[:4]
     if (dkp, dvp) != (dk, dv):
         o, u, kn = o[..., :dv], u[..., :dv], kn[..., :dk]
-    return o, TreeFactors(k=kn, u=u, gamma=gamma)
+    factors = TreeFactors(k=kn, u=u, gamma=gamma)
+    if pending is None:
+        return o, factors
+    new = outs[4]
+    return o, factors, (new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new)
 
 
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
@@ -330,7 +395,10 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     parameters of the kernel (None: `TreeGDNConfig.auto(B, N)` on a GPU).
 
     pending: the previous step's commit, not yet applied (`pending_commit`, the lazy commit):
-    the verify starts from S = apply_pending(state, pending) and also returns that state.
+    the verify starts from S = apply_pending(state, pending) and also returns that state. The
+    Pallas kernel folds the rows into each state tile it loads (the state is read and written
+    once per step) and writes S over the state buffer: in place when the caller's jit donates
+    `state`; without donation XLA copies the state first.
 
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k [B, N, Hk, dk], u [B, N, HV, dv],
     gamma [B, N, HV]), all fp32), plus the state S [B, HV, dk, dv] fp32 when `pending` is given.
@@ -346,16 +414,15 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     scale = float(dk ** -0.5 if scale is None else scale)
     backend, interpret = resolve_backend(backend, interpret)
     if pending is not None:
-        # TODO(kernel): fold the pending rows into the state tile inside the Pallas kernel
-        # (one state read + write); for now the state is materialised first, in XLA.
-        state = apply_pending(state, pending)
-        o, factors = tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, scale=scale,
-                                     tree=tree, backend=backend, interpret=interpret,
-                                     config=config)
-        return o, factors, state
+        _check_pending(pending, b, hk, hv, dk, v.shape[3])
     if backend == "reference":
-        return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes,
-                                                 scale=scale, tree=tree)
+        if pending is None:
+            return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
+                                                     num_nodes, scale=scale, tree=tree)
+        state = apply_pending(state, pending)
+        o, factors = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
+                                                       num_nodes, scale=scale, tree=tree)
+        return o, factors, state
     if n > 128:
         raise ValueError(f"the Pallas tree kernel handles N <= 128 nodes (got {n}): its N x N "
                          "tiles must fit one program; use backend='reference' or a smaller tree")
@@ -371,7 +438,16 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                          f"{tuple(_PRECISIONS)}, got {cfg.inverse!r}, {cfg.precision!r}")
     return _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
                             jnp.asarray(num_nodes, jnp.int32), tree.path_len.astype(jnp.int32),
-                            scale=scale, cfg=cfg, interpret=interpret)
+                            pending, scale=scale, cfg=cfg, interpret=interpret)
+
+
+def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
+    length = pending.k.shape[1]
+    want = dict(k=(b, length, hk, dk), u=(b, length, hv, dv), w=(b, length, hv), p_sel=(b, hv),
+                count=(b,))
+    got = {name: tuple(jnp.shape(getattr(pending, name))) for name in want}
+    if got != want:
+        raise ValueError(f"pending {got} does not match the verify's shapes: need {want}")
 
 
 # ------------------------------------------------------------------------- selected-state commit
