@@ -552,12 +552,15 @@ def run_e2e(a) -> dict:
   if a.breakdown_batch and spec_modes:
     bd_batch = min(a.batch, key=lambda b: (abs(b - a.breakdown_batch), b))
   jobs = {}
-  for b in a.batch:
+  # AR programs first, for every batch: the spec points need the AR run as their oracle and
+  # reference, and at 9B dims the AR segments were the last to finish compiling.
+  order = sorted(((b, m) for b in a.batch for m in plan[b]["llms"]), key=lambda bm: bm[1] != "ar")
+  for b, m in order:
     pl = plan[b]
-    for m, llm in pl["llms"].items():
-      shapes = parallel.annotate(
-          jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m)), bases[b]), cfg)
-      jobs[b, m] = workers.submit(llm.segment_fn(m).lower(params, shapes, jnp.int32(0)).compile)
+    shapes = parallel.annotate(
+        jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m)), bases[b]), cfg)
+    low = pl["llms"][m].segment_fn(m).lower(params, shapes, jnp.int32(0))
+    jobs[b, m] = workers.submit(low.compile)
   if bd_batch:
     for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
       spec = plan[bd_batch]["specs"][m]
