@@ -138,6 +138,26 @@ def test_lazy_commit_matches_eager_each_step(model, bole_llms):
         "bole", b)), params, lazy_st)
 
 
+def test_forward_folds_a_pending_commit():
+  """The model forward (an AR decode step) on a cache with a lazy commit pending equals the
+  forward on the settled cache, and leaves nothing pending. (Prefill runs the same `_gdn_core`
+  with the chunked rule.)"""
+  from test_prefix_cache import random_pending
+
+  cfg = _cfg("qwen3_next")
+  params = init_params(cfg, jax.random.key(4), "float32")
+  toks = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
+  cache = random_pending(init_cache(cfg, 2, 16, jnp.float32), cfg, 5)
+  fwd = jax.jit(functools.partial(forward, params, cfg))
+  h_lazy, out_lazy = fwd(toks, cache)
+  h_ref, out_ref = fwd(toks, with_pending(cache, cfg, None))
+  np.testing.assert_allclose(h_lazy, h_ref, rtol=1e-5, atol=1e-5)
+  for c, r in zip(out_lazy.layers, out_ref.layers):
+    if isinstance(c, GDNCache):
+      np.testing.assert_array_equal(c.pending.count, 0)
+      np.testing.assert_allclose(committed_state(c), r.state, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode"])
 def test_commit_equals_ar_cache(mode):
   """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
