@@ -22,7 +22,7 @@ import numpy as np
 
 from bole_jax import parallel
 from bole_jax.model import ModelConfig
-from bole_jax.model.cache import AttnCache, GDNCache
+from bole_jax.model.cache import AttnCache, GDNCache, with_pending
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 
 
@@ -259,7 +259,14 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
     emit(light_state, light_ds, acc, hidden) -> (light_state, light_ds)  [bookkeeping]
 
   (light_* = the state without caches, so that no stage pays for copying what it passes
-  through). Keys are split as spec_step splits them."""
+  through). Keys are split as spec_step splits them.
+
+  What "verify" and "commit" hold depends on the bole commit (`commit_kind`): eager, the commit
+  rebuilds every GDN state (read + write of the fp32 state) besides the conv-state and KV
+  commits, and the verify only reads the states; lazy (SpecConfig.lazy_commit), the commit only
+  gathers the accepted path's factor rows (+ the conv-state and KV commits), and the verify
+  folds the previous step's rows into the states and writes them back (the state write moves
+  from the commit into the verify)."""
   from bole_jax.model import logits as lm_logits
   from bole_jax.spec_decode import drafter, loop, step, verify
   from bole_jax.spec_decode.acceptance import accept
@@ -440,11 +447,14 @@ def _e2e_model(a):
   return cfg, params, ids, True
 
 
-def _derive_state(base, mode: str, spec, oracle=None):
+def _derive_state(base, mode: str, spec, cfg: ModelConfig, oracle=None):
   """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
   prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
   spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
-  the mode's draft scratch) and takes the synthetic drafter's oracle."""
+  the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
+  mode's pending-commit layout (`SpecConfig.pending_length`)."""
+  length = spec.pending_length if spec is not None else None
+  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length))
   if mode == "ar":
     return _copy(dataclasses.replace(base, extra=None))
   ds = base.extra
@@ -454,6 +464,13 @@ def _derive_state(base, mode: str, spec, oracle=None):
       ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
       oracle=ds.oracle if oracle is None else oracle)
   return _copy(dataclasses.replace(base, extra=ds))
+
+
+def _commit_kind(spec) -> str:
+  """What the breakdown's "commit" stage holds for this spec (`stage_functions`)."""
+  if spec.mode != "bole":
+    return "copy"  # pernode / chain: the accepted node's scratch state is copied
+  return "lazy" if spec.lazy_commit else "eager"
 
 
 def _short(e: Exception) -> str:
@@ -478,7 +495,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
   for m in (["ar"] if run_ar else []) + spec_modes:
     opts = {} if m == "ar" else dict(topk=a.topk, depth=a.depth, backend=a.backend,
                                      synthetic_accept=p, num_nodes=choice.num_nodes,
-                                     budget=None if m == "chain" else k)
+                                     budget=None if m == "chain" else k,
+                                     lazy_commit=getattr(a, "lazy_commit", False))
     llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
   specs = {m: llms[m]._spec_config(m) for m in spec_modes}
   slack = {m: specs[m].slack if m in specs else 0 for m in llms}
@@ -558,13 +576,13 @@ def run_e2e(a) -> dict:
   for b, m in order:
     pl = plan[b]
     shapes = parallel.annotate(
-        jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m)), bases[b]), cfg)
+        jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m), cfg), bases[b]), cfg)
     low = pl["llms"][m].segment_fn(m).lower(params, shapes, jnp.int32(0))
     jobs[b, m] = workers.submit(low.compile)
   if bd_batch:
     for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
       spec = plan[bd_batch]["specs"][m]
-      shapes = parallel.annotate(jax.eval_shape(lambda s: _derive_state(s, m, spec),
+      shapes = parallel.annotate(jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg),
                                                 bases[bd_batch]), cfg)
       for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
         jobs[bd_batch, m, name] = workers.submit(low.compile)
@@ -614,7 +632,7 @@ def run_e2e(a) -> dict:
       spec = pl["specs"].get(m)
       try:
         run = progs[b, m]
-        state = _derive_state(base, m, spec, oracle if p is not None else None)
+        state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
         r, state = timed_segment(run, params, state, a.warm, a.steps, n)
         if m == "ar":  # continue to the end of the generation budget
           state = run(params, state, jnp.int32(gen))
@@ -655,7 +673,8 @@ def run_e2e(a) -> dict:
           errors.append(dict(batch=b, mode=m, error=f"breakdown: {_short(e)}"))
         else:
           total = sum(ms.values())
-          breakdown.append(dict(mode=m, batch=b, **{f"{k}_ms": v for k, v in ms.items()},
+          breakdown.append(dict(mode=m, batch=b, commit_kind=_commit_kind(spec),
+                                **{f"{k}_ms": v for k, v in ms.items()},
                                 sum_ms=total, step_ms=r["step_ms"],
                                 **{f"{k}_share": v / total for k, v in ms.items()},
                                 commit_pct_of_step=100 * ms["commit"] / r["step_ms"]))
@@ -686,8 +705,10 @@ def run_e2e(a) -> dict:
     print_table(mem_rows, ["mode", "nodes", "gdn_state_mib", "conv_state_mib", "kv_mib",
                            "verify_state_mib", "verify_conv_mib"])
   if breakdown:
-    print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone)")
-    print_table(breakdown, ["mode"] + [f"{s}_ms" for s in STAGES] +
+    print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
+          "commit lazy: pending-row gathers + conv + KV, the GDN state write is in the verify; "
+          "eager: state rebuild + conv + KV)")
+    print_table(breakdown, ["mode", "commit_kind"] + [f"{s}_ms" for s in STAGES] +
                 ["sum_ms", "step_ms", "commit_pct_of_step"])
   print(f"\ntime: {', '.join(f'{k} {v:.0f}' for k, v in phases.items())} s"
         + (f"; {len(skipped)} points skipped" if skipped else "")

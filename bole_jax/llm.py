@@ -24,6 +24,7 @@ import numpy as np
 
 from bole_jax import parallel
 from bole_jax.model import ModelConfig, init_cache, init_params
+from bole_jax.model.cache import with_pending
 from bole_jax.model.weights import load_hf_checkpoint
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
@@ -287,7 +288,9 @@ class LLM:
                           oracle=None, spec_batch: int | None = None) -> loop.DecodeState:
     """The DecodeState once the prompts are in `cache` (and `draft_kv`): samples the first token
     from h_last [B, H] (each prompt's last hidden state) with `seed` and emits it. Rows >= n are
-    padding (done). Used by `start_batch` and by the serving engine's chunked prefill."""
+    padding (done). Used by `start_batch` and by the serving engine's chunked prefill. The
+    GDN caches get the mode's layout (`SpecConfig.pending_length`: lazy bole carries a pending
+    commit, empty here)."""
     cfg = self.cfg
     b = h_last.shape[0]
     spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
@@ -295,6 +298,9 @@ class LLM:
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     tok0 = loop.first_token(self.params, h_last, sp, sub, cfg=cfg)
+    # The GDN caches in this mode's layout: an empty pending commit per layer for lazy bole
+    # (the loop carry keeps one structure), none otherwise.
+    cache = with_pending(cache, cfg, spec.pending_length if spec else None)
     extra = None
     if spec:
       p = spec.shape.depth + 1

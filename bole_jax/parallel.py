@@ -27,7 +27,8 @@ Which dim each group is split on (S = "tp" when tp divides that dim, else replic
 
     group        dim   tensors (sharded axis)
     GDN heads    Hk    w_qkv, conv_w (C, shard-major); w_z, w_b, w_a (out); A_log, dt_bias;
-                       w_out (in); cache conv (C), state (HV); tree factors k (Hk), u, gamma (HV)
+                       w_out (in); cache conv (C), state (HV); tree factors k (Hk), u, gamma (HV);
+                       lazy-commit rows k (Hk), u, w, p_sel (HV)
     attn q heads Hq    w_q, w_gate (out); w_o (in)
     attn kv      Hkv   w_k, w_v (out); KV cache (Hkv)          (also the MTP layers and MTP cache)
     dense MLP    I     w_gate_up (out, shard-major); w_down (in)
@@ -56,6 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
+from bole_jax.pallas.tree_utils import PendingCommit
 
 log = logging.getLogger(__name__)
 
@@ -302,11 +304,22 @@ def _permute(cfg, path, x):
 # ----------------------------------------------------------------------------- caches, states
 
 
-def gdn_cache_specs(cfg: ModelConfig) -> GDNCache:
-  """conv [B, K-1, C] split on C (shard-major), state [B, HV, dk, dv] split on HV."""
+def pending_specs(cfg: ModelConfig) -> PendingCommit:
+  """A lazy commit's rows split like the heads they belong to: k [B, L, Hk, dk] on Hk; u
+  [B, L, HV, dv], w [B, L, HV] and p_sel [B, HV] on HV; count [B] replicated."""
   if gdn_shards(cfg) == 1:
-    return GDNCache(conv=P(), state=P())
-  return GDNCache(conv=split_at(2), state=split_at(1))
+    return PendingCommit(k=P(), u=P(), w=P(), p_sel=P(), count=P())
+  heads = split_at(2)
+  return PendingCommit(k=heads, u=heads, w=heads, p_sel=split_at(1), count=P())
+
+
+def gdn_cache_specs(cfg: ModelConfig, pending: bool = False) -> GDNCache:
+  """conv [B, K-1, C] split on C (shard-major), state [B, HV, dk, dv] split on HV; pending: the
+  cache carries a lazy commit (`pending_specs`; else its pending is None)."""
+  rows = pending_specs(cfg) if pending else None
+  if gdn_shards(cfg) == 1:
+    return GDNCache(conv=P(), state=P(), pending=rows)
+  return GDNCache(conv=split_at(2), state=split_at(1), pending=rows)
 
 
 def attn_cache_specs(cfg: ModelConfig) -> AttnCache:
@@ -320,7 +333,7 @@ def state_specs(tree, cfg: ModelConfig):
   attention cache entries as above, every other leaf replicated."""
   def spec(x):
     if isinstance(x, GDNCache):
-      return gdn_cache_specs(cfg)
+      return gdn_cache_specs(cfg, pending=x.pending is not None)
     if isinstance(x, AttnCache):
       return attn_cache_specs(cfg)
     return P()

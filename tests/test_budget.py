@@ -327,6 +327,7 @@ def test_bench_e2e_tiny(tmp_path):
   assert rows["pernode"]["verify_state_mib"] > 10 * rows["bole"]["verify_state_mib"]
   (bd,) = res["breakdown"]
   assert bd["mode"] == "bole" and all(bd[f"{s}_ms"] > 0 for s in bench.STAGES)
+  assert bd["commit_kind"] == "eager"  # SpecConfig.lazy_commit is off by default (--lazy-commit)
   saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
   assert {"device", "jax", "git_commit"} <= set(saved["env"]) and saved["command"]
   assert len(saved["rows"]) == 4

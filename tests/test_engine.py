@@ -3,8 +3,12 @@
 Greedy outputs of bole / pernode / chain must equal AR token for token. With random weights the
 MTP drafter is rarely right, so each mode also runs with the synthetic-acceptance drafter (the AR
 continuation placed in the tree, each depth kept with probability 0.8): deep accepted runs then
-exercise the commit of GDN state, conv state and KV compaction.
+exercise the commit of GDN state, conv state and KV compaction. bole runs with its default eager
+commit and with the lazy one (`bole-lazy`); `test_lazy_commit_matches_eager_each_step` steps both.
 """
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +17,11 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
-from bole_jax.model.cache import GDNCache
+from bole_jax.model.cache import GDNCache, committed_state, with_pending
 from bole_jax.model import logits as lm_logits
 from bole_jax.spec_decode import tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept_greedy
+from bole_jax.spec_decode.step import spec_step
 
 PROMPT_LENS = (5, 17, 33, 9)
 NEW = 64
@@ -43,12 +48,28 @@ def model(request):
   return cfg, params, prompts, ar
 
 
-@pytest.mark.parametrize("mode", ["bole", "pernode", "chain"])
-def test_greedy_spec_equals_ar_synthetic(model, mode):
+SYNTHETIC = dict(synthetic_accept=0.8, num_nodes=16, depth=6)
+
+
+@pytest.fixture(scope="module")
+def bole_llms(model):
+  """{lazy_commit: LLM} with the synthetic drafter, shared so that each compiles its decode
+  segment once (generate below, then the step-by-step comparison)."""
+  cfg, params, _, _ = model
+  return {lazy: LLM(cfg, params=params, spec_options=dict(SYNTHETIC, lazy_commit=lazy))
+          for lazy in (True, False)}
+
+
+@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode", "chain"])
+def test_greedy_spec_equals_ar_synthetic(model, bole_llms, mode):
   cfg, params, prompts, ar = model
   if mode != "bole" and (cfg.num_experts or cfg.family != "qwen3_next"):
-    pytest.skip("baselines differ only in GDN state handling: one family covers them")
-  llm = LLM(cfg, params=params, spec_options=dict(synthetic_accept=0.8, num_nodes=16, depth=6))
+    pytest.skip("baselines and the lazy commit differ only in GDN state handling: one family "
+                "covers them")
+  if mode.startswith("bole"):
+    llm, mode = bole_llms[mode == "bole-lazy"], "bole"
+  else:
+    llm = LLM(cfg, params=params, spec_options=SYNTHETIC)
   out = llm.generate(prompts, max_new_tokens=NEW, spec=mode, oracle=[o.token_ids for o in ar])
   for a, o in zip(ar, out):
     assert o.token_ids == a.token_ids
@@ -90,9 +111,71 @@ def test_default_mode_is_bole_with_mtp_else_ar():
     llm.generate([[1, 2, 3]], max_new_tokens=4, spec="medusa")
 
 
-@pytest.mark.parametrize("mode", ["bole", "pernode"])
+def test_lazy_commit_matches_eager_each_step(model, bole_llms):
+  """Lazy and eager bole commits, stepped side by side from the same prefill (one step per
+  segment: the programs generate compiled above): after every step the lazy cache's committed
+  GDN states apply_pending(state, pending) equal the eager states (fp32, tight), conv states,
+  KV lengths and outputs agree, and both end on AR's tokens."""
+  cfg, params, prompts, ar = model
+  if cfg.num_experts or cfg.family != "qwen3_next":
+    pytest.skip("the commit is the same code for every family: one covers it")
+  oracle = [o.token_ids for o in ar]
+  b = len(prompts)
+  runs = {}
+  for lazy, llm in bole_llms.items():
+    spec = llm._spec_config("bole", b)
+    assert spec.lazy_commit is lazy and spec.pending_length == (7 if lazy else None)
+    state = llm.start_batch(prompts, NEW, mode="bole", oracle=oracle, spec_batch=b)
+    runs[lazy] = [llm.segment_fn("bole", b), state]
+  pending_seen = 0
+  for _ in range(NEW):
+    for run in runs.values():
+      run[1] = run[0](params, run[1], jnp.int32(1))
+    lazy_st, eager_st = runs[True][1], runs[False][1]
+    np.testing.assert_array_equal(lazy_st.out, eager_st.out)
+    np.testing.assert_array_equal(lazy_st.cache.lengths, eager_st.cache.lengths)
+    for c_l, c_e in zip(lazy_st.cache.layers, eager_st.cache.layers):
+      if isinstance(c_l, GDNCache):
+        assert c_e.pending is None and c_l.pending.k.shape[1] == 7
+        pending_seen += int(np.sum(c_l.pending.count))
+        np.testing.assert_allclose(committed_state(c_l), c_e.state, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(c_l.conv, c_e.conv, rtol=1e-5, atol=1e-6)
+    if bool(jnp.all(eager_st.done)):
+      break
+  assert bool(jnp.all(lazy_st.done)) and pending_seen > 0
+  for i, want in enumerate(oracle):
+    assert np.asarray(lazy_st.out[i, :len(want)]).tolist() == want
+  with pytest.raises(ValueError, match="pending commits of 7 rows"):  # layouts do not mix
+    jax.eval_shape(functools.partial(spec_step, cfg=cfg, spec=bole_llms[False]._spec_config(
+        "bole", b)), params, lazy_st)
+
+
+def test_forward_folds_a_pending_commit():
+  """The model forward (an AR decode step) on a cache with a lazy commit pending equals the
+  forward on the settled cache, and leaves nothing pending. (Prefill runs the same `_gdn_core`
+  with the chunked rule.)"""
+  from test_prefix_cache import random_pending
+
+  cfg = _cfg("qwen3_next")
+  params = init_params(cfg, jax.random.key(4), "float32")
+  toks = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
+  cache = random_pending(init_cache(cfg, 2, 16, jnp.float32), cfg, 5)
+  fwd = jax.jit(functools.partial(forward, params, cfg))
+  h_lazy, out_lazy = fwd(toks, cache)
+  h_ref, out_ref = fwd(toks, with_pending(cache, cfg, None))
+  np.testing.assert_allclose(h_lazy, h_ref, rtol=1e-5, atol=1e-5)
+  for c, r in zip(out_lazy.layers, out_ref.layers):
+    if isinstance(c, GDNCache):
+      np.testing.assert_array_equal(c.pending.count, 0)
+      np.testing.assert_allclose(committed_state(c), r.state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode"])
 def test_commit_equals_ar_cache(mode):
-  """After verify + greedy accept + commit of an oracle tree, the cache equals AR's."""
+  """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
+  its committed states, apply_pending(state, pending))."""
+  lazy = mode == "bole-lazy"
+  mode = "bole" if lazy else mode
   cfg = _cfg("qwen3_next")
   params = init_params(cfg, jax.random.key(2), "float32")
   rng = np.random.default_rng(5)
@@ -133,10 +216,20 @@ def test_commit_equals_ar_cache(mode):
   tree = tree_mod.Tree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents),
                        depth=tree_mod.depths(jnp.asarray(parents), num_nodes), num_nodes=num_nodes,
                        score=jnp.zeros((b, n)))
+  if lazy:  # a step's pending: 9 rows (depth 8 + 1); here nothing pending yet
+    cache = with_pending(cache, cfg, 9)
   hid, vcache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode)
   acc = accept_greedy(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
   np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
   new = verify.commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
+  if lazy:  # the commit left the accepted paths pending, the state untouched
+    for c_new, c_old in zip(new.layers, vcache.layers):
+      if isinstance(c_new, GDNCache):
+        np.testing.assert_array_equal(c_new.pending.count, np.array(depth_ok) + 1)
+        np.testing.assert_array_equal(c_new.state, c_old.state)
+    new = dataclasses.replace(new, layers=tuple(
+        GDNCache(conv=c.conv, state=committed_state(c)) if isinstance(c, GDNCache) else c
+        for c in new.layers))
   # AR reference: feed root + accepted drafts.
   ref = cache
   for d in range(max(depth_ok) + 1):

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bole_jax.model import ModelConfig, init_cache
-from bole_jax.model.cache import AttnCache, GDNCache
+from bole_jax.model import Cache, ModelConfig, init_cache
+from bole_jax.model.cache import AttnCache, GDNCache, committed_state
 from bole_jax.model.mtp import init_mtp_cache
+from bole_jax.pallas.tree_utils import PendingCommit
 from bole_jax.serving.prefix_cache import (PrefixBlock, PrefixCache, block_bytes,
                                            restore_checkpoint, restore_kv, take_block)
 
@@ -103,6 +104,46 @@ def test_take_and_restore_round_trip():
   restore_checkpoint(dst, blk, jnp.int32(16))
   assert all(not x.is_deleted() for x in jax.tree.leaves(blk))
   np.testing.assert_array_equal(blk.h_last, h)
+
+
+def random_pending(cache, cfg, seed: int, length: int = 3):
+  """`cache` with a random lazy commit pending in every GDN layer (count 2 of `length` rows):
+  what a bole decode state holds between two steps. numpy-made (no per-shape compiles)."""
+  rng = np.random.default_rng(seed)
+  rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+  layers = []
+  for c in cache.layers:
+    if isinstance(c, GDNCache):
+      b, hv, dk, dv = c.state.shape
+      w = np.abs(rng.standard_normal((b, length, hv))) * (np.arange(length)[None, :, None] < 2)
+      c = GDNCache(conv=c.conv, state=c.state, pending=PendingCommit(
+          k=rand(b, length, cfg.gdn_num_key_heads, dk), u=rand(b, length, hv, dv),
+          w=jnp.asarray(w, jnp.float32), p_sel=jnp.full((b, hv), 0.5, jnp.float32),
+          count=jnp.full((b,), 2, jnp.int32)))
+    layers.append(c)
+  return Cache(layers=tuple(layers), lengths=cache.lengths)
+
+
+def test_checkpoints_hold_the_committed_state():
+  """Lazy bole commit: a checkpoint taken from a cache with rows pending holds the committed
+  state apply_pending(state, pending), and restoring it leaves nothing pending."""
+  cfg = ModelConfig.tiny("qwen3_next")
+  rng = np.random.default_rng(3)
+  src = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+                     if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                     init_cache(cfg, 1, 16, "float32"))
+  src = random_pending(src, cfg, 1)
+  blk = take_block(src, None, jnp.zeros((1, cfg.hidden_size)), jnp.int32(0), size=4)
+  gdn = [c for c in src.layers if isinstance(c, GDNCache)]
+  for c, state in zip(gdn, blk.state):
+    assert not np.allclose(committed_state(c), c.state)  # something really was pending
+    np.testing.assert_allclose(state, committed_state(c), rtol=1e-6, atol=1e-6)
+  dst = random_pending(init_cache(cfg, 1, 16, "float32"), cfg, 2)
+  dst = restore_checkpoint(dst, blk, jnp.int32(4))
+  for c, state in zip([c for c in dst.layers if isinstance(c, GDNCache)], blk.state):
+    np.testing.assert_array_equal(c.pending.count, 0)
+    np.testing.assert_array_equal(c.pending.p_sel, 1)
+    np.testing.assert_array_equal(committed_state(c), state)
 
 
 def test_memory_estimates_are_per_device_under_tp():

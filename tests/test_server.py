@@ -542,6 +542,46 @@ def test_cli_serve_arguments(model_dir, capsys):
 
 
 # ------------------------------------------------------------------ speculative decoding
+def test_insert_slot_leaves_nothing_pending():
+  """Lazy bole commit: a request written into a slot replaces the slot's pending rows by its
+  own committed state (a row's pending is folded in first), nothing pending afterwards; the
+  other slots keep theirs."""
+  import jax
+  import jax.numpy as jnp
+  from test_prefix_cache import random_pending
+
+  from bole_jax.model import ModelConfig, init_cache
+  from bole_jax.model.cache import GDNCache, committed_state
+  from bole_jax.sampling import SamplingParams
+  from bole_jax.serving.scheduler import insert_slot
+  from bole_jax.spec_decode.loop import DecodeState
+
+  cfg = ModelConfig.tiny("qwen3_next")
+
+  def state(b, seed):
+    cache = random_pending(init_cache(cfg, b, 16, "float32"), cfg, seed)
+    zeros = lambda: jnp.zeros((b,), jnp.int32)  # noqa: E731 - distinct buffers (donated)
+    return DecodeState(cache=cache, out=jnp.zeros((b, 4), jnp.int32), num_out=zeros(),
+                       next_token=zeros(), done=jnp.zeros((b,), bool), max_out=zeros(),
+                       steps=zeros(),
+                       sampling=SamplingParams.make(b), key=jax.random.key(0),
+                       eos=jnp.zeros((1,), jnp.int32))
+
+  big, row = state(3, 1), state(1, 2)
+  before = [(np.asarray(committed_state(c)), np.asarray(c.pending.u))  # big is donated
+            for c in big.cache.layers if isinstance(c, GDNCache)]
+  want = [committed_state(c) for c in row.cache.layers if isinstance(c, GDNCache)]
+  new = insert_slot(big, row, jnp.int32(1))
+  got = [c for c in new.cache.layers if isinstance(c, GDNCache)]
+  for c, w, (old_state, old_u) in zip(got, want, before):
+    np.testing.assert_array_equal(c.pending.count, [2, 0, 2])
+    np.testing.assert_array_equal(c.pending.w[1], 0)
+    np.testing.assert_array_equal(c.pending.p_sel[1], 1)
+    np.testing.assert_allclose(c.state[1], w[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(c.pending.u[0], old_u[0])
+    np.testing.assert_allclose(committed_state(c)[2], old_state[2], rtol=1e-6, atol=1e-6)
+
+
 def test_scheduler_tree_width_follows_its_batch(model_dir):
   """The slots' tree shape is the one resolved at --max-batch (not at the LLM's
   max_batch_size): slack, slot memory and the segment all use it."""

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from bole_jax import parallel  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits  # noqa: E402
+from bole_jax.model.cache import committed_state, with_pending  # noqa: E402
 from bole_jax.model.config import FULL, LINEAR  # noqa: E402
 from bole_jax.spec_decode import tree as tree_mod, verify  # noqa: E402
 from bole_jax.spec_decode.acceptance import accept_greedy  # noqa: E402
@@ -119,7 +120,9 @@ def _tree(b: int, n: int, vocab: int, chain: bool = False, seed: int = 0):
 
 def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
   """Prefill, one decode step, then per GDN mode the tree verify and the commit of a greedy
-  accepted path, at tp vs on one device: fp32 logits and committed caches close."""
+  accepted path, at tp vs on one device: fp32 logits and committed caches close. "bole-lazy":
+  the lazy commit (its pending rows split over the heads), compared by the committed state
+  apply_pending(state, pending), and a second verify that folds those rows in."""
   tcfg = dataclasses.replace(cfg, tp=tp)
   tparams = parallel.shard_params(params, tcfg)
   b, t, n = 2, 8, 6
@@ -133,21 +136,32 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
     h1, cache = fwd(p, toks, cache, num_new)
     h2, cache = fwd(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
     outs = [logits(p, c, h1), logits(p, c, h2)]
-    for mode in modes:
+    for name in modes:
+      mode = "bole" if name == "bole-lazy" else name
+      start = cache
+      if name == "bole-lazy":  # the lazy layout: rows for accept_greedy's n + 1 path nodes
+        start = parallel.place(with_pending(cache, c, n + 1), c)
       tree = _tree(b, n, c.vocab_size, chain=mode == "chain")
-      hv, vcache, auxs = jax.jit(lambda p, tr, cache: verify.verify_forward(
-          p, c, tr, cache, mode=mode, backend=verify_backend))(p, tree, cache)
+      ver = jax.jit(lambda p, tr, cache: verify.verify_forward(
+          p, c, tr, cache, mode=mode, backend=verify_backend))
+      hv, vcache, auxs = ver(p, tree, start)
       lg = logits(p, c, hv)
-      acc = accepted.setdefault(mode, accept_greedy(tree, jnp.argmax(lg, -1).astype(jnp.int32), n))
+      acc = accepted.setdefault(name, accept_greedy(tree, jnp.argmax(lg, -1).astype(jnp.int32), n))
       new = jax.jit(lambda cache, auxs, tr, acc: verify.commit(
           cache, auxs, tr, acc, jnp.ones((b,), bool), mode=mode, cfg=c))(vcache, auxs, tree, acc)
-      outs += [lg, new.layers[0].state, new.layers[0].conv, new.layers[1].k]
+      outs += [lg, committed_state(new.layers[0]), new.layers[0].conv, new.layers[1].k]
+      if name == "bole-lazy":  # the next verify starts from the pending-applied state
+        assert new.layers[0].pending is not None
+        hv2, vcache2, _ = ver(p, tree, new)
+        outs += [logits(p, c, hv2), vcache2.layers[0].state]
     return outs
 
   ref = run(cfg, params, "reference")
   got = run(tcfg, tparams, backend)
-  names = ["prefill", "decode"] + [f"{m} {w}" for m in modes
-                                   for w in ("verify", "GDN state", "conv state", "KV")]
+  names = ["prefill", "decode"] + [
+      f"{m} {w}" for m in modes
+      for w in ("verify", "GDN state", "conv state", "KV")
+      + (("verify 2", "GDN state after verify 2") if m == "bole-lazy" else ())]
   order = parallel.qkv_channel_order(tcfg)  # the conv cache's channels are stored shard-major
   ref = [r[..., order] if "conv" in name and order is not None else r
          for r, name in zip(ref, names)]
@@ -251,7 +265,7 @@ def group_q35():
   params = init_params(cfg, jax.random.key(3), "float32")
   assert not parallel.replicated_groups(dataclasses.replace(cfg, tp=8))
   yield "layout tp=8", lambda: check_layout(cfg, params, 8)
-  yield "logits tp=8", lambda: check_logits(cfg, params, 8, modes=("bole", "chain"))
+  yield "logits tp=8", lambda: check_logits(cfg, params, 8, modes=("bole", "bole-lazy", "chain"))
   yield "generate tp=8", lambda: check_generate(cfg, params, 8, ("bole",))
 
 
@@ -260,8 +274,8 @@ def group_pallas():
   backend="pallas" against the single-device reference."""
   cfg = tiny("qwen3_next")
   params = init_params(cfg, jax.random.key(1), "float32")
-  yield "pallas verify tp=2", lambda: check_logits(cfg, params, 2, modes=("bole", "pernode"),
-                                                   backend="pallas")
+  yield "pallas verify tp=2", lambda: check_logits(
+      cfg, params, 2, modes=("bole", "bole-lazy", "pernode"), backend="pallas")
 
 
 GROUPS = {"next": group_next, "moe": group_moe, "q35": group_q35, "pallas": group_pallas}

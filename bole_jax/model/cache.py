@@ -14,6 +14,17 @@ Design
   (a paged cache can replace this later behind the same `Cache` type).
 - `lengths` [B] int32 is the number of committed tokens of each request (its next position).
   Slots >= lengths[b] hold garbage and are never read (attention masks them).
+- Lazy commit (bole decode states only). A GDN layer may also hold `pending`: the accepted path's
+  factor rows of the last step (`PendingCommit`), not yet folded into `state`. INVARIANT: the
+  committed recurrent state is always
+      apply_pending(state, pending)          (just `state` when pending is None),
+  so every reader of a GDN state goes through `committed_state` / `settle` (the model forward,
+  the prefix-cache checkpoints, the scheduler's slot insertion), and the next tree verify folds
+  the rows into the state tile it loads anyway (`tree_gdn_verify(pending=...)`), which saves
+  the commit's separate read + write of the whole fp32 state. `pending` is None in prefill
+  caches and in the ar / pernode / chain (and eager bole) decode states; in a lazy bole decode
+  state it is always a PendingCommit of depth + 1 rows, "nothing pending" being count 0 and
+  p_sel 1 (`PendingCommit.empty`), so a while-loop carry keeps one pytree structure.
 
 All three are pytrees (`jax.tree_util.register_dataclass`), so a `Cache` can be passed through
 `jax.jit` and donated (`donate_argnames=("cache",)`).
@@ -27,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model.config import LINEAR, ModelConfig
+from bole_jax.pallas.tree_utils import PendingCommit  # tree_utils imports no model code
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +46,9 @@ from bole_jax.model.config import LINEAR, ModelConfig
 class GDNCache:
     conv: jax.Array  # [B, K-1, C] model dtype: last K-1 pre-conv inputs, row K-2 newest
     state: jax.Array  # [B, HV, dk, dv] fp32: recurrent state S ("K, V" layout)
+    # Lazy commit (see the module docstring): rows k [B, L, Hk, dk], u [B, L, HV, dv], w, p_sel,
+    # count not yet folded into `state`; the committed state is apply_pending(state, pending).
+    pending: PendingCommit | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +75,54 @@ class Cache:
             if isinstance(c, AttnCache):
                 return c.k.shape[1]
         return None
+
+
+def committed_state(c: GDNCache) -> jax.Array:
+    """[B, HV, dk, dv] fp32: the layer's committed recurrent state, apply_pending(state, pending)
+    (`state` itself when nothing is pending)."""
+    if c.pending is None:
+        return c.state
+    # Imported here: pallas.tree_gdn imports model code (tree_gdn_ref -> model.gdn).
+    from bole_jax.pallas.tree_gdn import apply_pending
+
+    return apply_pending(c.state, c.pending)
+
+
+def empty_pending_like(p: PendingCommit) -> PendingCommit:
+    """Nothing pending (count 0, p_sel 1, zero rows), with the shapes of `p`."""
+    b, length, hk, dk = p.k.shape
+    hv, dv = p.u.shape[2:]
+    return PendingCommit.empty(b, length, hk, dk, hv, dv)
+
+
+def settle(c: GDNCache) -> GDNCache:
+    """The layer with its pending commit folded into `state` and cleared: same committed state,
+    same pytree structure (a no-op when pending is None)."""
+    if c.pending is None:
+        return c
+    return GDNCache(conv=c.conv, state=committed_state(c), pending=empty_pending_like(c.pending))
+
+
+def settle_cache(cache: Cache) -> Cache:
+    """`settle` on every GDN layer."""
+    return dataclasses.replace(cache, layers=tuple(
+        settle(c) if isinstance(c, GDNCache) else c for c in cache.layers))
+
+
+def with_pending(cache: Cache, cfg: ModelConfig, length: int | None) -> Cache:
+    """The cache laid out for a decode mode, committed states unchanged: any pending commit is
+    folded in, then every GDN layer gets `pending` None (length None: ar, pernode, chain, eager
+    bole) or an empty PendingCommit of `length` rows (lazy bole: spec depth + 1, the most nodes
+    an accepted path has)."""
+    layers = []
+    for c in cache.layers:
+        if isinstance(c, GDNCache):
+            state = committed_state(c)
+            b, hv, dk, dv = state.shape
+            c = GDNCache(conv=c.conv, state=state, pending=None if length is None else
+                         PendingCommit.empty(b, length, cfg.gdn_num_key_heads, dk, hv, dv))
+        layers.append(c)
+    return dataclasses.replace(cache, layers=tuple(layers))
 
 
 def init_gdn_cache(cfg: ModelConfig, batch: int, dtype) -> GDNCache:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax import parallel
-from bole_jax.model.cache import GDNCache
+from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -157,6 +157,9 @@ def _split_qkv(y: jax.Array, cfg: ModelConfig):
 
 
 def _gdn_core(rule, conv_w, qkv, g, beta, cache: GDNCache, num_new, cfg):
+    # A lazy commit still pending is part of the committed state: fold it in first (cleared in
+    # the returned cache, whose pytree structure stays the input's).
+    cache = settle(cache)
     y, conv = causal_conv(qkv, cache.conv, conv_w, num_new)
     q, k, v = _split_qkv(y, cfg)
     valid = (jnp.arange(qkv.shape[1])[None, :] < num_new[:, None])[..., None]  # [B, T, 1]
@@ -165,12 +168,13 @@ def _gdn_core(rule, conv_w, qkv, g, beta, cache: GDNCache, num_new, cfg):
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
     k, v = jnp.where(valid[..., None], k, 0), jnp.where(valid[..., None], v, 0)
     o, state = rule(q, k, v, g, beta, cache.state)
-    return o, GDNCache(conv=conv, state=state)
+    return o, GDNCache(conv=conv, state=state, pending=cache.pending)
 
 
 def _gdn_core_per_shard(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
     """`_gdn_core` on each device's own heads under tensor parallelism (parallel.py), else as is."""
-    heads, cache_specs = parallel.split_at(2), parallel.gdn_cache_specs(cfg)
+    heads = parallel.split_at(2)
+    cache_specs = parallel.gdn_cache_specs(cfg, pending=cache.pending is not None)
     core = parallel.over_gdn_heads(
         functools.partial(_gdn_core, rule, cfg=parallel.gdn_local_cfg(cfg)), cfg,
         in_specs=(parallel.split_at(1), heads, heads, heads, cache_specs, parallel.REPLICATED),

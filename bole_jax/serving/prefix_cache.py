@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax import parallel
-from bole_jax.model.cache import AttnCache, Cache, GDNCache
+from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state,
+                                  empty_pending_like)
 
 
 @jax.tree_util.register_dataclass
@@ -81,14 +82,16 @@ def take_block(cache: Cache, draft_kv, h_last: jax.Array, start: jax.Array, *,
   """Copy rows [start, start + size) of a batch-1 prefill cache and its current checkpoint.
 
   Call right after the prefill piece that ended at start + size (the checkpoint is the cache's
-  GDN state now). h_last [1, H]: that piece's last hidden state. Every output is a fresh buffer.
+  committed GDN state now, a pending lazy commit included). h_last [1, H]: that piece's last
+  hidden state. Every output is a fresh buffer.
   """
   rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
   attn = tuple((rows(c.k), rows(c.v)) for c in cache.layers if isinstance(c, AttnCache))
   gdn = [c for c in cache.layers if isinstance(c, GDNCache)]
   mtp = None if draft_kv is None else tuple((rows(c.k), rows(c.v)) for c in draft_kv)
   return PrefixBlock(attn=attn, mtp=mtp, conv=tuple(jnp.copy(c.conv) for c in gdn),
-                     state=tuple(jnp.copy(c.state) for c in gdn), h_last=jnp.copy(h_last))
+                     state=tuple(jnp.copy(committed_state(c)) for c in gdn),
+                     h_last=jnp.copy(h_last))
 
 
 def _replace_layers(layers: tuple, kind: type, values, fn) -> tuple:
@@ -111,10 +114,15 @@ def restore_kv(cache: Cache, draft_kv, block: PrefixBlock, start: jax.Array):
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def restore_checkpoint(cache: Cache, block: PrefixBlock, length: jax.Array) -> Cache:
   """Set every GDN layer's conv window and recurrent state to the block's checkpoint, and the
-  committed length to `length` (the block's end). The states are copied into the donated cache."""
+  committed length to `length` (the block's end). The states are copied into the donated cache;
+  a pending lazy commit there is dropped (cleared): the checkpoint is the whole committed state."""
   put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0,) * big.ndim)
-  layers = _replace_layers(cache.layers, GDNCache, zip(block.conv, block.state),
-                           lambda c, cs: GDNCache(conv=put(c.conv, cs[0]), state=put(c.state, cs[1])))
+
+  def restore(c: GDNCache, cs) -> GDNCache:
+    pending = None if c.pending is None else empty_pending_like(c.pending)
+    return GDNCache(conv=put(c.conv, cs[0]), state=put(c.state, cs[1]), pending=pending)
+
+  layers = _replace_layers(cache.layers, GDNCache, zip(block.conv, block.state), restore)
   return Cache(layers=layers, lengths=jnp.full_like(cache.lengths, length))
 
 

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax import parallel
+from bole_jax.model.cache import settle_cache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
@@ -100,7 +101,9 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
   """Device bytes one decode slot needs, by part (an estimate for admission, not an allocation).
 
   attention_kv: K and V of every full-attention layer, `capacity` tokens.
-  gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer.
+  gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer,
+                and with the lazy bole commit its pending rows (depth + 1 path nodes: k, u, w,
+                and p_sel; the count is one of the per-row scalars).
   drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
   output:       the [max_context] int32 output row and per-row scalars.
   step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
@@ -116,9 +119,14 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
   kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it // kv_shards
   gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4 // gdn_shards
   conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it // gdn_shards
+  pending = 0
+  if spec is not None and spec.pending_length:
+    hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
+    pending = (spec.pending_length * (hk * cfg.gdn_key_dim + hv * (cfg.gdn_value_dim + 1))
+               + hv) * 4 // gdn_shards
   parts = {
       "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
-      "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state),
+      "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state + pending),
       "output": out_len * 4 + 64,
   }
   if spec is None:
@@ -237,7 +245,11 @@ def insert_slot(state: DecodeState, row: DecodeState, slot: jax.Array) -> Decode
 
   `row` must come from `LLM.state_after_prefill` with the same mode and capacity (and its `out`
   widened to the state's); the PRNG key and EOS ids of `state` are kept.
+  Lazy bole commit: the slot's pending commit is overwritten by the row's, and the row's is
+  folded into its state first (`settle_cache`; one is empty after a prefill anyway), so the new
+  request leaves nothing pending in the slot and the previous occupant's rows are gone.
   """
+  row = dataclasses.replace(row, cache=settle_cache(row.cache))
   put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0)
   new = jax.tree.map(put, _shared_fields_cleared(state), _shared_fields_cleared(row))
   return dataclasses.replace(new, key=state.key, eos=state.eos)

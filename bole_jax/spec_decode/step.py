@@ -1,7 +1,11 @@
 """One speculative decoding step: draft -> select -> verify -> accept -> commit.
 
 Modes share everything but the GDN state handling and the tree shape:
-  bole     top-k tree, closed-form tree verify from one state, factor commit (the method)
+  bole     top-k tree, closed-form tree verify from one state, factor commit (the method);
+           the commit rebuilds each GDN state at the accepted node right away (default), or
+           with lazy_commit only gathers the accepted path's factor rows and the next verify
+           folds them into the state it loads (verify.py; measured no faster on the H200 yet:
+           README "Lazy commit")
   pernode  same tree, per-node full states in a scratch buffer + copy commit (SGLang "tree")
   chain    top-1 chain, one state snapshot per position (vLLM style)
 """
@@ -14,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model import logits as lm_logits
+from bole_jax.model.cache import Cache, GDNCache
 from bole_jax.model.config import ModelConfig
 from bole_jax.spec_decode import budget as budget_mod, drafter, tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept
@@ -32,10 +37,13 @@ class SpecConfig:
   backend: str = "auto"  # kernels: "auto" | "pallas" | "reference"
   synthetic_accept: float | None = None  # synthetic drafter: per-depth acceptance probability
   budget: int | None = None  # total verified nodes across the batch (None: N per request)
+  lazy_commit: bool = False  # bole: pending rows folded in by the next verify (False: eager)
 
   def __post_init__(self):
     if self.mode not in SPEC_MODES:
       raise ValueError(f"unknown spec mode {self.mode!r}; expected one of {SPEC_MODES} or 'ar'")
+    if not isinstance(self.lazy_commit, bool):
+      raise ValueError(f"lazy_commit must be a bool, got {self.lazy_commit!r}")
     if self.budget is not None and (type(self.budget) is not int or self.budget < 1):
       raise ValueError(f"budget must be a positive int (total verified nodes across the batch) "
                        f"or None, got {self.budget!r}")
@@ -47,15 +55,35 @@ class SpecConfig:
   @staticmethod
   def for_mode(mode: str, topk: int = 4, depth: int = 8, num_nodes: int = 64,
                backend: str = "auto", synthetic_accept: float | None = None,
-               budget: int | None = None) -> "SpecConfig":
+               budget: int | None = None, lazy_commit: bool = False) -> "SpecConfig":
     if mode == "chain":
       topk, num_nodes = 1, depth + 1
-    return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept, budget)
+    return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept, budget,
+                      lazy_commit)
 
   @property
   def slack(self) -> int:
     """KV slots a request needs beyond its committed tokens during a step."""
     return self.shape.num_nodes
+
+  @property
+  def pending_length(self) -> int | None:
+    """Rows of the GDN caches' pending commit in this mode's decode state (`cache.with_pending`):
+    depth + 1, the most nodes on an accepted path, for lazy bole; None otherwise."""
+    return self.shape.depth + 1 if self.mode == "bole" and self.lazy_commit else None
+
+
+def check_cache_layout(spec: SpecConfig, cache: Cache) -> None:
+  """Static check (at trace time) that the cache is laid out for this spec's commit: a pending
+  commit of `spec.pending_length` rows in every GDN layer, or none."""
+  for c in cache.layers:
+    if isinstance(c, GDNCache):
+      have = None if c.pending is None else c.pending.k.shape[1]
+      if have != spec.pending_length:
+        raise ValueError(f"the decode state's GDN caches carry pending commits of {have} rows, "
+                         f"this {spec.mode} spec (lazy_commit={spec.lazy_commit}) needs "
+                         f"{spec.pending_length}: lay the state out with "
+                         "model.cache.with_pending (LLM.state_after_prefill does)")
 
 
 def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):
@@ -87,6 +115,7 @@ def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
 
 
 def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig) -> DecodeState:
+  check_cache_layout(spec, state.cache)
   key, k_draft, k_acc = jax.random.split(state.key, 3)
   active = ~state.done
   pool, ds = draft(params, cfg, spec, state, k_draft)

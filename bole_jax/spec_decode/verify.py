@@ -10,6 +10,14 @@ verify_forward runs every node of each request's draft tree through the target i
 Nothing committed is modified (the KV rows after the prefix are scratch). `commit` then folds in
 the accepted path: GDN state and conv state at the last accepted node, KV rows of the path moved
 to consecutive slots, lengths advanced.
+
+Lazy commit (bole, when the cache's GDN layers carry a `pending`: model/cache.py). The commit
+does not rebuild the state: it only gathers the accepted path's factor rows into the cache
+(`tree_gdn.pending_commit`), and the next step's verify folds them into the state tile it loads
+anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending then
+being cleared: one read + write of the fp32 state per step instead of the eager commit's read +
+write plus the verify's read. The committed state is apply_pending(state, pending) throughout.
+Without a pending (eager bole, pernode, chain) everything is as before.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax import parallel
-from bole_jax.model.cache import AttnCache, Cache, GDNCache
+from bole_jax.model.cache import AttnCache, Cache, GDNCache, committed_state, empty_pending_like
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
@@ -65,7 +73,13 @@ def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) ->
 
 def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeStructure, *,
                    cfg: ModelConfig, mode: str, backend: str):
-  """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut)."""
+  """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut,
+  state): state [B, HV, dk, dv] fp32 is the committed state the verify started from when the
+  cache carried a pending commit (it was folded in: the cache takes it), else None."""
+  # A pending commit: bole folds it in inside its verify; the baselines read it materialised.
+  settled = cache.pending is not None and mode != "bole"
+  state = committed_state(cache) if settled else cache.state
+  new_state = state if settled else None
   if mode == "bole":
     y = tree_conv.tree_causal_conv(qkv, cache.conv, conv_w, tree.parents, tree.num_nodes,
                                    backend=backend)
@@ -75,37 +89,49 @@ def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeSt
                                                 tree.num_nodes, backend=backend)
     aux = GDNVerifyOut(conv_windows=windows)
   q, k, v = _split_qkv(y, cfg)
-  if mode == "bole":
-    o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
+  if mode == "bole" and cache.pending is not None:
+    # Lazy commit: the verify folds last step's accepted rows into the state it loads.
+    o, factors, new_state = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
+                                                     tree.num_nodes, backend=backend, tree=ts,
+                                                     pending=cache.pending)
+    aux = dataclasses.replace(aux, factors=factors)
+  elif mode == "bole":
+    o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, state, tree.parents,
                                           tree.num_nodes, backend=backend, tree=ts)
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "pernode":
-    o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, cache.state, tree.parents,
+    o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, state, tree.parents,
                                                  tree.num_nodes, backend=backend)
     aux = dataclasses.replace(aux, node_states=states)
   else:
-    o, states = tree_pernode.chain_verify(q, k, v, g, beta, cache.state, tree.parents, tree.num_nodes,
+    o, states = tree_pernode.chain_verify(q, k, v, g, beta, state, tree.parents, tree.num_nodes,
                                           backend=backend)
     aux = dataclasses.replace(aux, node_states=states)
-  return o, aux
+  return o, aux, new_state
 
 
 def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
                     mode: str, backend: str):
+  """One GDN layer's verify: (output [B, N, H], GDNVerifyOut, the layer's cache afterwards: its
+  pending commit, if any, folded into the state and cleared)."""
   qkv, z, g, beta = gdn_in_proj(p, x, cfg)
   # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
   heads = parallel.split_at(2)
   aux_specs = (GDNVerifyOut(conv_in=heads, factors=TreeFactors(k=heads, u=heads, gamma=heads))
                if mode == "bole" else
                GDNVerifyOut(node_states=heads, conv_windows=parallel.split_at(3)))
+  lazy = cache.pending is not None
   core = parallel.over_gdn_heads(
       functools.partial(_gdn_tree_core, cfg=parallel.gdn_local_cfg(cfg), mode=mode,
                         backend=backend), cfg,
-      in_specs=(parallel.split_at(1), heads, heads, heads, parallel.gdn_cache_specs(cfg),
-                parallel.REPLICATED, parallel.REPLICATED),
-      out_specs=(heads, aux_specs))
-  o, aux = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
-  return gdn_out(p, o.astype(x.dtype), z, cfg), aux
+      in_specs=(parallel.split_at(1), heads, heads, heads,
+                parallel.gdn_cache_specs(cfg, pending=lazy), parallel.REPLICATED,
+                parallel.REPLICATED),
+      out_specs=(heads, aux_specs, parallel.split_at(1) if lazy else None))
+  o, aux, state = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
+  if lazy:  # the pending rows are in `state` now
+    cache = GDNCache(conv=cache.conv, state=state, pending=empty_pending_like(cache.pending))
+  return gdn_out(p, o.astype(x.dtype), z, cfg), aux, cache
 
 
 def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: str = "bole",
@@ -113,8 +139,9 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   """Run all tree nodes through the target.
 
   Returns hidden [B, N, H] (after the final norm), the cache with the node KV rows written after
-  each prefix (lengths unchanged, committed rows untouched), and one GDNVerifyOut per GDN layer
-  (None for attention layers).
+  each prefix (lengths unchanged, committed rows untouched; a GDN layer's pending commit, if
+  any, is folded into its state and cleared: the committed state is the same), and one
+  GDNVerifyOut per GDN layer (None for attention layers).
   """
   if mode not in GDN_MODES:
     raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
@@ -127,8 +154,8 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   layers, auxs = [], []
   for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
     if cfg.layer_types[i] == LINEAR:
-      h, aux = _gdn_tree_layer(lp["gdn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), c,
-                               tree, ts, cfg, mode, backend)
+      h, aux, c = _gdn_tree_layer(lp["gdn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps),
+                                  c, tree, ts, cfg, mode, backend)
       x = mlp_block(lp, x + h, cfg)
     else:
       if mask is None:
@@ -153,12 +180,27 @@ def _commit_state(state, factors, parents, last, cfg: ModelConfig | None):
       out_specs=heads)(state, factors, parents, last)
 
 
+def _pending_rows(factors, parents, last, length: int, cfg: ModelConfig | None):
+  """tree_gdn.pending_commit, per device on its own heads under tensor parallelism (the rows
+  come out split like the cache's pending: `parallel.pending_specs`)."""
+  rows = functools.partial(tree_gdn.pending_commit, length=length)
+  if cfg is None:
+    return rows(factors, parents, last)
+  f = parallel.split_at(2)
+  return parallel.over_gdn_heads(
+      rows, cfg,
+      in_specs=(TreeFactors(k=f, u=f, gamma=f), parallel.REPLICATED, parallel.REPLICATED),
+      out_specs=parallel.pending_specs(cfg))(factors, parents, last)
+
+
 def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
            mode: str = "bole", cfg: ModelConfig | None = None) -> Cache:
   """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
 
-  GDN: the state at the last accepted node (bole: rebuilt from factors, one gather + matmul;
-  baselines: a copy of that node's scratch state) and the conv state along the accepted path.
+  GDN: the state at the last accepted node (bole eager: rebuilt from factors, one gather +
+  matmul; bole lazy, when the cache's layer carries a `pending`: only the accepted path's factor
+  rows are gathered into it, for the next verify to fold in (module docstring); baselines: a
+  copy of that node's scratch state) and the conv state along the accepted path.
   Attention: the path's KV rows move from slot L + path[j] to slot L + j.
   cfg: read only under tensor parallelism (cfg.tp > 1: the state commit runs per device).
   """
@@ -171,13 +213,19 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
   layers = []
   for c, aux in zip(cache.layers, auxs):
     if isinstance(c, GDNCache):
-      if mode == "bole":
-        state = _commit_state(c.state, aux.factors, tree.parents, last, cfg)
-        conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
-      else:
+      state, pending = c.state, c.pending  # pending: cleared by verify_forward (now in state)
+      if mode != "bole":
         state = tree_pernode.commit_pernode(c.state, aux.node_states, last)
         conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
-      layers.append(GDNCache(conv=conv, state=state))
+      else:
+        conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
+        if pending is None:
+          state = _commit_state(c.state, aux.factors, tree.parents, last, cfg)
+        else:  # lazy: inactive requests (last -1) get count 0, p_sel 1: nothing pending
+          length = pending.k.shape[1]
+          assert length >= d1, f"pending rows ({length}) < nodes on an accepted path ({d1})"
+          pending = _pending_rows(aux.factors, tree.parents, last, length, cfg)
+      layers.append(GDNCache(conv=conv, state=state, pending=pending))
     else:
       b = jnp.arange(c.k.shape[0])[:, None]
       k_rows = c.k[b, jnp.minimum(src, c.k.shape[1] - 1)]
