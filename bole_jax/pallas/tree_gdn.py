@@ -222,16 +222,24 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         jax.lax.fori_loop(0, hg, value_head, 0)
 
 
+def _rank1_fold(count, init, row):
+    """init + sum_{m < count} w_m k_m u_m^T on one fp32 state tile [dk, bv], row(m) -> (w_m [],
+    k_m [dk], u_m [bv]): exact fp32 rank-1 updates over the real count, with row loads that do
+    not wait on each other. (An IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower on the
+    H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it."""
+    def update(m, acc):
+        w, k, u = row(m)
+        return acc + (w * k)[:, None] * u[None, :]
+
+    return jax.lax.fori_loop(0, count, update, init)
+
+
 def _fold_pending(s, pend, j, cols):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
-    (columns cols), as `_commit_kernel` does: exact fp32 rank-1 updates over the real count (an
-    IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower), with independent row loads."""
+    (columns cols): the gathered rows of a lazy commit, as `_commit_kernel` adds them."""
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
-
-    def update(m, acc):
-        return acc + (pw_ref[m, j] * pk_ref[m])[:, None] * pu_ref[m, j, cols][None, :]
-
-    return jax.lax.fori_loop(0, count, update, ps_ref[j] * s)
+    return _rank1_fold(count, ps_ref[j] * s,
+                       lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -457,15 +465,14 @@ def _commit_kernel(count_ref, path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted); path [L] their
     # ids, accepted node first; w [L] = exp(gamma_sel - gamma_j); p [] = P_sel (1 when nothing
     # was accepted); k [N, dk]; u [N, bv]; s, o [dk, bv].
-    # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T as exact fp32 rank-1 updates. The path is known
-    # up front, so the row loads do not wait on each other (no pointer chase), and the loop runs
-    # the real path length, not the bound L. (A [dk, L] x [L, bv] dot at IEEE fp32 measured up
-    # to 10x slower on the H200: no dot here.)
-    def update(m, acc):
+    # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T (`_rank1_fold`). The path is known up front, so
+    # the row loads do not wait on each other (no pointer chase), and the loop runs the real path
+    # length, not the bound L.
+    def row(m):
         node = path_ref[m]
-        return acc + (w_ref[m] * k_ref[node])[:, None] * u_ref[node][None, :]
+        return w_ref[m], k_ref[node], u_ref[node]
 
-    o_ref[...] = jax.lax.fori_loop(0, count_ref[...], update, p_ref[...] * s_ref[...])
+    o_ref[...] = _rank1_fold(count_ref[...], p_ref[...] * s_ref[...], row)
 
 
 def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
