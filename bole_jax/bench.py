@@ -439,9 +439,8 @@ def _e2e_model(a):
   params = parallel.init_params(cfg, jax.random.key(a.seed), dtype)  # on the mesh when tp > 1
   params = peaked_lm_head(params, cfg)  # keeps the synthetic oracle valid in bf16 (presets.py)
   if draft_vocab is not None:  # the synthetic drafter forces its chain whatever the subset
-    ids_, source = draft_vocab_mod.select_ids(cfg, draft_vocab)
-    params = draft_vocab_mod.with_draft_vocab(params, cfg, ids_)
-    print(f"drafter: {len(ids_)} of {cfg.vocab_size} tokens ({source})", flush=True)
+    params, source = draft_vocab_mod.restrict(params, cfg, draft_vocab)
+    print(f"drafter: {draft_vocab} of {cfg.vocab_size} tokens ({source})", flush=True)
   rng = np.random.default_rng(a.seed)
   ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
   return cfg, params, ids, True

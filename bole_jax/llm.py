@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import os
 import time
 from pathlib import Path
@@ -32,8 +31,6 @@ from bole_jax.spec_decode import draft_vocab as draft_vocab_mod, loop
 from bole_jax.spec_decode.budget import resolve_spec_options
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
-
-log = logging.getLogger("bole_jax")
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take several calls)
@@ -149,10 +146,8 @@ class LLM:
     self.draft_vocab_source = None
     if draft_vocab is not None:
       require_mtp(self.cfg, self.params)
-      ids, self.draft_vocab_source = draft_vocab_mod.select_ids(self.cfg, draft_vocab, self.path)
-      self.params = draft_vocab_mod.with_draft_vocab(self.params, self.cfg, ids)
-      log.info("bole_jax: the drafter scores %d of %d tokens (%s)", len(ids),
-               self.cfg.vocab_size, self.draft_vocab_source)
+      self.params, self.draft_vocab_source = draft_vocab_mod.restrict(
+          self.params, self.cfg, draft_vocab, self.path)
 
   # ------------------------------------------------------------------ helpers
   def _encode(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:

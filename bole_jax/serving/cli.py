@@ -16,8 +16,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 
 BENCH_MODES = ("ar", "bole", "pernode", "chain")
 XLA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
@@ -238,7 +236,7 @@ def _cmd_draft_vocab(args) -> int:
   counts = draft_vocab.token_frequencies((tok.encode(d) for d in docs), cfg.vocab_size)
   path = draft_vocab.write_draft_vocab(
       model, counts, source=f"{len(files)} files under {' '.join(args.text)}")
-  order = np.argsort(-counts, kind="stable")
+  order = draft_vocab.frequency_order(counts)
   total = max(int(counts.sum()), 1)
   print(f"wrote {path}: {int(counts.sum())} tokens counted over {len(files)} files")
   for n in (1024, 4096, 16384, 32768, 65536):

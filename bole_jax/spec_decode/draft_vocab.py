@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax.model import logits as lm_logits
 from bole_jax.model.config import ModelConfig
 
 log = logging.getLogger("bole_jax")
@@ -46,8 +47,6 @@ def draft_top_k(params, cfg: ModelConfig, h: jax.Array, k: int):
 
   With a draft vocabulary the softmax runs over its V_d tokens (the scores rank candidates
   only); without one, over the whole lm_head."""
-  from bole_jax.model import logits as lm_logits
-
   mtp = params["mtp"]
   if "draft_head" in mtp:
     z = jnp.einsum("...h,hv->...v", h, mtp["draft_head"], preferred_element_type=jnp.float32)
@@ -83,7 +82,7 @@ def select_ids(cfg: ModelConfig, size: int, model_dir: str | os.PathLike | None 
   order = order[np.sort(first)]  # de-duplicated, frequency order kept
   if order.size < size:  # a short frequency list: top up in id order
     order = np.concatenate([order, np.setdiff1d(np.arange(v), order)])
-  keep = list(eos) + [t for t in order[:size].tolist() if t not in set(eos)]
+  keep = list(eos) + [t for t in order[:size].tolist() if t not in eos]
   return np.sort(np.asarray(keep[:size], np.int32)), source
 
 
@@ -108,6 +107,15 @@ def with_draft_vocab(params, cfg: ModelConfig, ids: Sequence[int] | np.ndarray):
   return dict(params, mtp=mtp)
 
 
+def restrict(params, cfg: ModelConfig, size: int,
+             model_dir: str | os.PathLike | None = None):
+  """`select_ids` then `with_draft_vocab`: (params with the draft head, where the ids came
+  from). Logs the choice once."""
+  ids, source = select_ids(cfg, size, model_dir)
+  log.info("bole_jax: the drafter scores %d of %d tokens (%s)", len(ids), cfg.vocab_size, source)
+  return with_draft_vocab(params, cfg, ids), source
+
+
 def without_draft_vocab(params):
   if not has_draft_vocab(params):
     return params
@@ -127,9 +135,14 @@ def token_frequencies(docs: Iterable[Sequence[int]], vocab_size: int) -> np.ndar
   return out
 
 
+def frequency_order(counts: np.ndarray) -> np.ndarray:
+  """Every token id, most frequent first (ties by id)."""
+  return np.lexsort((np.arange(counts.size), -counts))
+
+
 def write_draft_vocab(model_dir: str | os.PathLike, counts: np.ndarray, source: str) -> Path:
-  """Write draft_vocab.json (every id, most frequent first; ties by id) into the model folder."""
-  order = np.lexsort((np.arange(counts.size), -counts))
+  """Write draft_vocab.json (`frequency_order` of the counts) into the model folder."""
+  order = frequency_order(counts)
   path = Path(model_dir) / DRAFT_VOCAB_FILE
   path.write_text(json.dumps({"source": source, "tokens_counted": int(counts.sum()),
                               "token_ids": order.tolist()}))
