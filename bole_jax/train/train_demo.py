@@ -42,15 +42,30 @@ from bole_jax.train.corpus import corpus_files, iter_documents
 PACKAGE_DEFAULT = Path(__file__).resolve().parents[1] / "default_model"
 
 
-def demo_config(vocab_size: int, eos_id: int) -> ModelConfig:
-  """~16M parameters: 8 layers (6 GDN + 2 attention), hidden 320, one MTP layer."""
+SIZES = {
+    # ~16M parameters: the shipped default model.
+    "demo": dict(hidden_size=320, num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16,
+                 gdn_num_key_heads=4, gdn_num_value_heads=8, gdn_key_dim=32, gdn_value_dim=32,
+                 intermediate_size=960),
+    # ~60M parameters with Qwen3-Next's GDN head size (dk = dv = 128, 16 value heads): a 6.3 MB
+    # fp32 recurrent state per request, so one full state per tree node (the per-node baseline)
+    # costs 0.4 GB per request at 64 nodes and memory binds in the online benchmark.
+    "wide": dict(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=32,
+                 gdn_num_key_heads=8, gdn_num_value_heads=16, gdn_key_dim=128, gdn_value_dim=128,
+                 intermediate_size=1536),
+}
+
+
+def demo_config(vocab_size: int, eos_id: int, size: str = "demo") -> ModelConfig:
+  """8 layers (6 GDN + 2 attention), one MTP layer; the widths of SIZES[size]."""
+  if size not in SIZES:
+    raise ValueError(f"unknown size {size!r}; known: {sorted(SIZES)}")
   return ModelConfig(
-      family="qwen3_next", vocab_size=vocab_size, hidden_size=320, num_layers=8,
+      family="qwen3_next", vocab_size=vocab_size, num_layers=8,
       layer_types=tuple(LINEAR if (i + 1) % 4 else FULL for i in range(8)),
-      num_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=16, rope_theta=10000.0,
-      gdn_num_key_heads=4, gdn_num_value_heads=8, gdn_key_dim=32, gdn_value_dim=32,
-      conv_kernel=4, intermediate_size=960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-      eos_token_ids=(eos_id,), dtype="float32", mtp_num_layers=1, max_position_embeddings=4096)
+      rope_theta=10000.0, conv_kernel=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+      eos_token_ids=(eos_id,), dtype="float32", mtp_num_layers=1, max_position_embeddings=4096,
+      **SIZES[size])
 
 
 def load_tokens(tokenizer_path: Path, roots, max_bytes: int, seed: int):
@@ -139,6 +154,8 @@ def main(argv=None):
   ap.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget")
   ap.add_argument("--mtp-fraction", type=float, default=0.25, help="share of time for the MTP phase")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--size", choices=sorted(SIZES), default="demo",
+                  help="model widths (default demo: the shipped model; wide: Qwen3-Next GDN heads)")
   ap.add_argument("--tokenizer", type=Path, default=PACKAGE_DEFAULT / "tokenizer.json")
   ap.add_argument("--corpus", nargs="*", type=Path, default=None)
   ap.add_argument("--max-bytes", type=int, default=120_000_000)
@@ -156,7 +173,7 @@ def main(argv=None):
   train, val, tok, eos = load_tokens(a.tokenizer, a.corpus, a.max_bytes, a.seed)
   print(f"corpus: {len(train)/1e6:.1f}M train tokens, {len(val)/1e6:.2f}M validation tokens "
         f"({time.time() - t_start:.0f}s)", flush=True)
-  cfg = demo_config(tok.get_vocab_size(), eos)
+  cfg = demo_config(tok.get_vocab_size(), eos, a.size)
   params = init_params(cfg, jax.random.key(a.seed), "float32")
   mtp = params.pop("mtp")
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -238,7 +255,7 @@ def main(argv=None):
   if tc.exists():
     shutil.copy(tc, a.out / "tokenizer_config.json")
   report = dict(
-      seed=a.seed, minutes=a.minutes, device=str(jax.devices()[0].device_kind),
+      seed=a.seed, size=a.size, minutes=a.minutes, device=str(jax.devices()[0].device_kind),
       jax=jax.__version__, train_tokens=int(len(train)), val_tokens=int(len(val)),
       params_target=int(n_params), params_mtp=int(n_mtp), config=dataclasses.asdict(cfg),
       target=dict(steps=n_t, ms_per_step=ps_t * 1e3, log=log_t),
