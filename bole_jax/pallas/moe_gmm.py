@@ -105,6 +105,7 @@ def num_tiles(pairs: int, num_experts: int, block_m: int) -> int:
     return pairs // block_m + min(num_experts, pairs)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def group_layout(experts: jax.Array, num_experts: int, block_m: int) -> GroupLayout:
     """Row layout of P pairs: experts [P] int32 in [0, E], E = dropped (no row). Fixed shapes:
     one stable argsort, a bincount and cumsums."""
