@@ -14,8 +14,9 @@ Qwen3-Next-80B per device at tp=2 by default: 256 local experts, hidden 2048, mo
 Per token count:
 1. correctness on the device: the kernel's gate_up (fused SwiGLU) and down matmuls against
    `gmm_ref` (fp32, HIGHEST) on the same row layout, rows of used tiles (relative Frobenius
-   error), and moe_experts_gmm against moe_experts_gather (fp32) where that fits; exit status 1 (after
-   writing the JSON) if any is above tolerance, unless --no-fail;
+   error), moe_experts_gmm against moe_experts_gather (fp32) where that fits and each extra
+   config against the auto one; exit status 1 (after writing the JSON) if any is above
+   tolerance, unless --no-fail;
 2. timings (bench_tree_gdn's Timer: JAX profiler device time per call, median; wall clock
    fallback) of moe_experts_gmm (auto config, then each --configs entry), moe_experts_gather
    (skipped when pairs x per-pair weight bytes exceed --mem-limit-gb) and moe_experts_sorted
@@ -180,8 +181,9 @@ def print_table(points):
     for p in points:
         g = p["gmm"]
         bw = f"{g['weight_bw'] / 1e9:6.0f}" if g else f"{'-':>6s}"
+        best = "; ".join(g["config"]) if g else "-"
         print(f"{p['tokens']:6d} {p['pairs']:6d} {p['used_experts']:6d} | {us(g)} {bw} "
-              f"{us(p['kernels_only'])} {us(p['gather'])} {us(p['sorted'])} | {'; '.join(g['config']) if g else '-'}")
+              f"{us(p['kernels_only'])} {us(p['gather'])} {us(p['sorted'])} | {best}")
 
 
 def main(argv=None):

@@ -240,7 +240,8 @@ def test_moe_picks_gmm_on_gpu(monkeypatch):
     for tokens in (1, 4096):
         impl = layers.default_experts_impl(tokens, cfg)
         assert impl.func is layers.moe_experts_gmm
-        assert impl.keywords["rows_per_expert"] == tokens * cfg.num_experts_per_tok / cfg.num_experts
+        want = tokens * cfg.num_experts_per_tok / cfg.num_experts
+        assert impl.keywords["rows_per_expert"] == want
 
 
 # ----------------------------------------------------------------------------- GPU check script

@@ -181,7 +181,8 @@ def check_moe_gmm(cfg, params, tp) -> str:
   x = jnp.asarray(np.random.default_rng(3).normal(size=(24, cfg.hidden_size)), jnp.float32)
   gmm = functools.partial(layers.moe_experts_gmm, backend="pallas")
   got = jax.jit(lambda p, x: layers.moe(p, x, tcfg, experts_impl=gmm))(tmlp, x)
-  ref = jax.jit(lambda p, x: layers.moe(p, x, cfg, experts_impl=layers.moe_experts_dense))(mlp, x)
+  dense = layers.moe_experts_dense
+  ref = jax.jit(lambda p, x: layers.moe(p, x, cfg, experts_impl=dense))(mlp, x)
   return close(got, ref, f"moe gmm tp={tp}")
 
 

@@ -1,4 +1,4 @@
-"""Grouped matmul for the routed MoE experts: one Pallas (Triton) kernel, its jnp reference beside it.
+"""Grouped matmul for the routed MoE experts: a Pallas (Triton) kernel and its jnp reference.
 
 Each (token, expert) pair of a MoE layer multiplies its token by its expert's weights. XLA's
 `ragged_dot` lowers on the GPU to a dense zero-padded batched dot (E x pairs x dim memory: out of
