@@ -14,6 +14,7 @@ the AR continuation, so deep accepted paths exercise the sharded commits) and fp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ from bole_jax import parallel  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits  # noqa: E402
 from bole_jax.model.cache import committed_state, with_pending  # noqa: E402
+from bole_jax.model import layers  # noqa: E402
 from bole_jax.model.config import FULL, LINEAR  # noqa: E402
 from bole_jax.spec_decode import tree as tree_mod, verify  # noqa: E402
 from bole_jax.spec_decode.acceptance import accept_greedy  # noqa: E402
@@ -168,6 +170,22 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
   return "; ".join(close(g, r, name) for g, r, name in zip(got, ref, names))
 
 
+def check_moe_gmm(cfg, params, tp) -> str:
+  """The grouped-matmul experts (Pallas kernel, interpret mode) under expert parallelism, the
+  pairs of other devices' experts dropped, vs the single-device dense reference: one MoE layer
+  (routed + shared experts) on random tokens."""
+  tcfg = dataclasses.replace(cfg, tp=tp)
+  mlp = params["layers"][0]["mlp"]
+  tmlp = parallel.shard_params(params, tcfg)["layers"][0]["mlp"]
+  assert tmlp["w_gate_up"].sharding.spec[0] == parallel.AXIS, spec_of(tmlp["w_gate_up"])
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(24, cfg.hidden_size)), jnp.float32)
+  gmm = functools.partial(layers.moe_experts_gmm, backend="pallas")
+  got = jax.jit(lambda p, x: layers.moe(p, x, tcfg, experts_impl=gmm))(tmlp, x)
+  dense = layers.moe_experts_dense
+  ref = jax.jit(lambda p, x: layers.moe(p, x, cfg, experts_impl=dense))(mlp, x)
+  return close(got, ref, f"moe gmm tp={tp}")
+
+
 def check_layout(cfg, params, tp, init_key=None) -> str:
   """Specs of representative tensors, shard/unshard round trip, and (init_key: the key params
   were made with) the sharded random init equal to the sharded canonical one."""
@@ -248,13 +266,15 @@ def group_next():
 
 
 def group_moe():
-  """Qwen3-Next MoE at tp=4: experts split 4 ways, 2 KV heads replicated (fallback)."""
+  """Qwen3-Next MoE at tp=4: experts split 4 ways, 2 KV heads replicated (fallback); the
+  grouped-matmul experts path (on CPU the model uses the jnp paths) checked on one layer."""
   cfg = tiny("qwen3_next", moe=True, gdn_num_key_heads=4, gdn_num_value_heads=8)
   params = init_params(cfg, jax.random.key(2), "float32")
   notes = parallel.replicated_groups(dataclasses.replace(cfg, tp=4))
   assert len(notes) == 1 and "num_key_value_heads=2" in notes[0], notes
   yield "layout tp=4", lambda: check_layout(cfg, params, 4)
   yield "logits tp=4", lambda: check_logits(cfg, params, 4)
+  yield "moe gmm tp=4", lambda: check_moe_gmm(cfg, params, 4)
   yield "generate tp=4", lambda: check_generate(cfg, params, 4, ("ar", "bole"))
 
 

@@ -20,6 +20,7 @@ from bole_jax import parallel
 from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from bole_jax.pallas import moe_gmm
 
 # ----------------------------------------------------------------------------- norms
 
@@ -260,14 +261,60 @@ def moe_experts_dense(p, x, top_w, top_e):
     return jnp.einsum("neh,ne->nh", y, comb)
 
 
+def moe_experts_gmm(p, x, top_w, top_e, *, rows_per_expert: float | None = None, config=None,
+                    backend: str = "auto", interpret: bool | None = None):
+    """Grouped matmuls (pallas/moe_gmm.py): the pairs sorted by expert into row tiles of one
+    expert each; every used expert's weights are read in place, once per tile (no weight copies,
+    no dense padding); SwiGLU fused into the gate_up matmul. Expert id E (= the local expert
+    count) is a dropped pair: no row, no work, contributes 0 (`moe_experts_local`).
+
+    rows_per_expert: expected real pairs per expert, picks the row tile (default N k / E; under
+    expert parallelism the caller passes N k / E_global: most pairs here are dropped).
+    config: one moe_gmm.GMMConfig for both matmuls or a (gate_up, down) pair sharing block_m.
+    backend: "auto" (Pallas on GPU, the jnp reference elsewhere) | "pallas" | "reference"."""
+    n, k = top_e.shape
+    num_experts = p["w_gate_up"].shape[0]
+    if config is None:
+        r = n * k / num_experts if rows_per_expert is None else rows_per_expert
+        bm = moe_gmm.GMMConfig.auto(r).block_m
+        size = jnp.dtype(p["w_gate_up"].dtype).itemsize
+        config = (moe_gmm.GMMConfig.for_block_m(bm, True, size),
+                  moe_gmm.GMMConfig.for_block_m(bm, False, size))
+    cfg_up, cfg_down = config if isinstance(config, tuple) else (config, config)
+    assert cfg_up.block_m == cfg_down.block_m, (cfg_up, cfg_down)
+    lay = moe_gmm.group_layout(top_e.reshape(-1), num_experts, cfg_up.block_m)
+    run = functools.partial(moe_gmm.gmm, tile_expert=lay.tile_expert, backend=backend,
+                            interpret=interpret)
+    # Padding rows read token n (past the end): zero rows.
+    xs = jnp.take(x, lay.row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, H]
+    h = run(xs, p["w_gate_up"], swiglu=True, config=cfg_up)  # [M, I] silu(gate) * up
+    y = run(h, p["w_down"], config=cfg_down)  # [M, H]
+    # Dropped pairs read row M (past the end): 0. Combined in fp32.
+    y = jnp.take(y, lay.pair_row, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32),
+                      top_w.astype(jnp.float32)).astype(x.dtype)
+
+
+def default_experts_impl(tokens: int, cfg: ModelConfig):
+    """`moe`'s static choice of experts implementation for `tokens` rows. On a GPU the
+    grouped-matmul kernel at every size: it reads each used expert's weights once, in place
+    (ragged_dot lowers there to a dense padded dot that runs out of memory at prefill sizes;
+    gathering copies every pair's weights). Elsewhere (CPU tests and parity) the jnp paths:
+    gathered weights when few are read, else ragged_dot. Decided by jax.default_backend() at
+    trace time: the model threads no kernel backend into its MLP."""
+    pairs = tokens * cfg.num_experts_per_tok
+    if jax.default_backend() == "gpu":
+        return functools.partial(moe_experts_gmm, rows_per_expert=pairs / cfg.num_experts)
+    return moe_experts_gather if pairs <= cfg.num_experts else moe_experts_sorted
+
+
 def moe(p: dict, x: jax.Array, cfg: ModelConfig, experts_impl=None) -> jax.Array:
     """Sparse MoE block with sigmoid-gated shared expert. x [..., H] -> [..., H]."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     top_w, top_e = moe_route(p["router"], x, cfg)
-    if experts_impl is None:  # static choice: gathering weights pays off only when few are read
-        experts_impl = moe_experts_gather if x.shape[0] * cfg.num_experts_per_tok <= cfg.num_experts \
-            else moe_experts_sorted
+    if experts_impl is None:
+        experts_impl = default_experts_impl(x.shape[0], cfg)
     num_experts = p["w_gate_up"].shape[0]
     if parallel.shards(cfg, num_experts) > 1:  # expert parallelism: each device its E / tp experts
         routed = parallel.over_experts(functools.partial(moe_experts_local, experts_impl), cfg,
@@ -281,13 +328,16 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig, experts_impl=None) -> jax.Array
 
 def moe_experts_local(experts_impl, p, x, top_w, top_e, first):
     """The routed output restricted to the experts held in p, global ids [first, first + E_local)
-    (expert parallelism, parallel.over_experts). Pairs routed elsewhere go to the last local
-    expert with weight 0: computed, contributing nothing. (Leaving them out of every ragged_dot
-    group would save that work, but the rows past sum(group_sizes) are only known to be zero on
-    CPU.)"""
+    (expert parallelism, parallel.over_experts). Pairs routed elsewhere: dropped (expert id
+    E_local) for the grouped matmul, which gives them no rows; the other paths send them to the
+    last local expert with weight 0: computed, contributing nothing (leaving them out of every
+    ragged_dot group would save that work, but the rows past sum(group_sizes) are only known to
+    be zero on CPU)."""
     e_local = p["w_gate_up"].shape[0]
     e = top_e - first
     mine = (e >= 0) & (e < e_local)
+    if getattr(experts_impl, "func", experts_impl) is moe_experts_gmm:
+        return experts_impl(p, x, top_w, jnp.where(mine, e, e_local))
     return experts_impl(p, x, jnp.where(mine, top_w, 0), jnp.where(mine, e, e_local - 1))
 
 
