@@ -349,8 +349,8 @@ def op_events(events: list[Event], module: str, ops: dict[str, HloOp]) -> tuple[
   mine = [e for e in work if mod(e) in (module, "")]  # runtime memcpys carry no module
   others = collections.Counter()
   for e in work:
-    others[mod(e)] += e.dur_ns / 1e6 if mod(e) not in (module, "") else 0.0
-  others = +others  # drops the zeros
+    if mod(e) not in (module, ""):
+      others[mod(e)] += e.dur_ns / 1e6
   if not mine and work:  # names differ from the compiled one: keep all rather than nothing
     print(f"[profile] no event of module {module!r} (modules: {sorted(others)}): keeping all",
           file=sys.stderr)
