@@ -336,38 +336,46 @@ def _median_ms(fn, reps: int, prepare=None) -> float:
 _copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
 
 
-def step_breakdown(progs: dict, params, state, reps: int = 5, reshard: bool = False) -> dict:
-  """Median ms of every stage of one step on the same state (each stage timed alone, its
-  inputs produced by the previous stages outside the timed region; donated inputs are fresh
-  copies made before the clock starts).
+def stage_inputs(progs: dict, params, state, reshard: bool = False) -> dict:
+  """Every stage's arguments on the same `state`, produced by running the previous stages once:
+  name -> a function returning the argument tuple (a fresh copy of a donated cache per call, so
+  that each call can donate it).
 
   reshard (tensor parallelism): a stage was compiled ahead of time from the previous stage's
   output shapes, whose shardings its own compilation chose; its inputs are moved to the
-  shardings it was compiled for, also outside the timed region."""
+  shardings it was compiled for."""
 
   def args(name, *a):
     return jax.device_put(a, progs[name].input_shardings[0]) if reshard else a
 
-  def run(name):
-    return lambda a: progs[name](*a)
-
   a_draft = args("draft", params, state)
-  pool, ds = run("draft")(a_draft)
+  pool, ds = progs["draft"](*a_draft)
   a_select = args("select", state, pool)
-  tree = run("select")(a_select)
-  logits, hidden, vcache, auxs = run("verify")(args("verify", params, tree, _copy(state.cache)))
+  tree = progs["select"](*a_select)
+  logits, hidden, vcache, auxs = progs["verify"](*args("verify", params, tree, _copy(state.cache)))
   a_accept = args("accept", tree, logits, state)
-  acc = run("accept")(a_accept)
+  acc = progs["accept"](*a_accept)
   a_emit = args("emit", *_light(state, ds), acc, hidden)
   return dict(
-      draft=_median_ms(run("draft"), reps, lambda: a_draft),
-      select=_median_ms(run("select"), reps, lambda: a_select),
-      verify=_median_ms(run("verify"), reps,
-                        lambda: args("verify", params, tree, _copy(state.cache))),
-      accept=_median_ms(run("accept"), reps, lambda: a_accept),
-      commit=_median_ms(run("commit"), reps,
-                        lambda: args("commit", _copy(vcache), auxs, tree, acc, state.done)),
-      emit=_median_ms(run("emit"), reps, lambda: a_emit))
+      draft=lambda: a_draft, select=lambda: a_select,
+      verify=lambda: args("verify", params, tree, _copy(state.cache)),
+      accept=lambda: a_accept,
+      commit=lambda: args("commit", _copy(vcache), auxs, tree, acc, state.done),
+      emit=lambda: a_emit)
+
+
+def step_breakdown(progs: dict, params, state, reps: int = 5, reshard: bool = False) -> dict:
+  """Median ms of every stage of one step on the same state (each stage timed alone, its
+  inputs (`stage_inputs`) made outside the timed region)."""
+  inputs = stage_inputs(progs, params, state, reshard)
+  return {name: _median_ms(lambda a, f=progs[name]: f(*a), reps, make)
+          for name, make in inputs.items()}
+
+
+def synthetic_oracle(ar_out: np.ndarray) -> jax.Array:
+  """The synthetic drafter's oracle from an AR run's tokens [B, L]: [B, L + 1], the layout
+  `LLM.state_after_prefill` gives the oracle (a zero column appended)."""
+  return jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
 
 
 # ---------------------------------------------------------------- the run
@@ -636,7 +644,7 @@ def run_e2e(a) -> dict:
         if m == "ar":  # continue to the end of the generation budget
           state = run(params, state, jnp.int32(gen))
           ar_out = np.asarray(state.out)
-          oracle = jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
+          oracle = synthetic_oracle(ar_out)
       except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         errors.append(dict(batch=b, mode=m, error=_short(e)))
