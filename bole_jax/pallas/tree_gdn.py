@@ -41,6 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_ref
+from bole_jax.pallas.triton_ops import PRECISIONS
+from bole_jax.pallas.triton_ops import dot as _dot
+from bole_jax.pallas.triton_ops import load as _load
+from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
                                         accepted_path, next_pow2, pad_axis, resolve_backend,
                                         tree_structure)
@@ -50,8 +54,7 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
            "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
-_PRECISIONS = {None: None, "highest": jax.lax.Precision.HIGHEST,
-               "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+_PRECISIONS = PRECISIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,27 +105,8 @@ class TreeGDNConfig:
         return cls(block_v=128, num_warps=8, inverse="matrix", bf16_qk=True, bf16_state=True)
 
 
-def _dot(a, b, precision=None, trans_b=False):
-    """2-D dot with fp32 accumulation (trans_b: a @ b^T)."""
-    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=precision,
-                               preferred_element_type=jnp.float32)
-
-
 def _l2norm_rows(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
-
-
-def _load(ref, mask):
-    """Block load; rows past the array end (mask False) read as 0 without touching memory."""
-    return ref[...] if mask is None else pltriton.load(ref, mask=mask, other=0)
-
-
-def _store(ref, val, mask):
-    if mask is None:
-        ref[...] = val
-    else:
-        pltriton.store(ref, val, mask=mask)
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,

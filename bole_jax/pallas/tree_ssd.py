@@ -33,7 +33,10 @@ from jax.experimental.pallas import triton as pltriton
 from bole_jax.pallas import tree_ssd_ref
 # The Triton-portable dot / masked load / masked store and the precision names are the GDN
 # kernel's: one implementation of each.
-from bole_jax.pallas.tree_gdn import _PRECISIONS, _dot, _load, _store
+from bole_jax.pallas.triton_ops import PRECISIONS as _PRECISIONS
+from bole_jax.pallas.triton_ops import dot as _dot
+from bole_jax.pallas.triton_ops import load as _load
+from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_utils import (TreeFactors, TreeStructure, next_pow2, pad_axis,
                                         resolve_backend, tree_structure)
 
