@@ -32,3 +32,24 @@ def test_default_model_writes_code():
   # trained on Python: a `def` line is followed by an indented body (random weights would not)
   assert out.text.startswith("\n    "), out.text
   assert out.stats["tokens_per_step"] > 1.5  # its MTP head drafts accepted tokens
+
+
+def test_demo_config_sizes_match_the_shipped_model():
+  """train_demo's "demo" widths are the shipped model's config; "wide" has Qwen3-Next's GDN
+  head size (the memory-bound online benchmark relies on its per-request state size)."""
+  import pytest
+
+  from bole_jax.model.config import ModelConfig
+  from bole_jax.train.train_demo import demo_config
+
+  shipped = LLM().cfg
+  demo = demo_config(shipped.vocab_size, shipped.eos_token_ids[0])
+  for f in ("hidden_size", "num_layers", "layer_types", "num_heads", "num_kv_heads", "head_dim",
+            "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim",
+            "intermediate_size", "mtp_num_layers"):
+    assert getattr(demo, f) == getattr(shipped, f), f
+  wide = demo_config(8192, 0, "wide")
+  assert isinstance(wide, ModelConfig)
+  assert (wide.gdn_num_value_heads, wide.gdn_key_dim, wide.gdn_value_dim) == (16, 128, 128)
+  with pytest.raises(ValueError, match="unknown size"):
+    demo_config(8192, 0, "huge")
