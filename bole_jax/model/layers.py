@@ -21,6 +21,8 @@ from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.pallas import moe_gmm
+from bole_jax.pallas.gdn_decode import gdn_decode
+from bole_jax.pallas.tree_utils import resolve_backend
 
 # ----------------------------------------------------------------------------- norms
 
@@ -189,9 +191,34 @@ def gdn_core_chunked(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig
     return _gdn_core_per_shard(rule, p, qkv, g, beta, cache, num_new, cfg)
 
 
-def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
-    """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns."""
-    return _gdn_core_per_shard(recurrent_gated_delta_rule, p, qkv, g, beta, cache, num_new, cfg)
+# Backend of the one-token decode rule (`gdn_core_recurrent`): "auto" = the in-place Pallas kernel
+# on GPU (pallas/gdn_decode.py), the jnp rule elsewhere; "pallas" / "reference" force one (tests).
+DECODE_BACKEND = "auto"
+DECODE_INTERPRET = None  # Pallas interpret mode; None = on anything but GPU
+
+
+def _decode_rule(q, k, v, g, beta, state, *, interpret):
+    """`recurrent_gated_delta_rule`'s signature, T == 1, through the Pallas decode kernel (state
+    updated in place). Padding rows arrive masked by `_gdn_core` (k = v = g = beta = 0), which
+    leaves their state exactly unchanged here too."""
+    o, state = gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                          backend="pallas", interpret=interpret)
+    return o[:, None], state
+
+
+def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig, *,
+                       backend: str | None = None, interpret: bool | None = None):
+    """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns.
+
+    T == 1 with the backend resolving to Pallas (`DECODE_BACKEND`, default: on GPU) runs the
+    in-place decode kernel; otherwise (CPU, T > 1) the jnp rule."""
+    backend = DECODE_BACKEND if backend is None else backend
+    interpret = DECODE_INTERPRET if interpret is None else interpret
+    backend, interpret = resolve_backend(backend, interpret)
+    rule = recurrent_gated_delta_rule
+    if qkv.shape[1] == 1 and backend == "pallas":
+        rule = functools.partial(_decode_rule, interpret=interpret)
+    return _gdn_core_per_shard(rule, p, qkv, g, beta, cache, num_new, cfg)
 
 
 def gdn_out(p: dict, o: jax.Array, z: jax.Array, cfg: ModelConfig) -> jax.Array:
