@@ -136,7 +136,13 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
     cache = parallel.create(lambda: init_cache(c, b, 64, jnp.float32), c)
     fwd = jax.jit(lambda p, x, cache, k: forward(p, c, x, cache, k))
     h1, cache = fwd(p, toks, cache, num_new)
-    h2, cache = fwd(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
+    # backend="pallas": the decode step through the in-place decode kernel too (traced here).
+    prev, layers.DECODE_BACKEND = layers.DECODE_BACKEND, (
+        "pallas" if verify_backend == "pallas" else layers.DECODE_BACKEND)
+    try:
+      h2, cache = fwd(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
+    finally:
+      layers.DECODE_BACKEND = prev
     outs = [logits(p, c, h1), logits(p, c, h2)]
     for name in modes:
       mode = "bole" if name == "bole-lazy" else name
@@ -290,8 +296,8 @@ def group_q35():
 
 
 def group_pallas():
-  """The Pallas kernels (interpret mode) inside shard_map see local heads: tp=2 verify with
-  backend="pallas" against the single-device reference."""
+  """The Pallas kernels (interpret mode) inside shard_map see local heads: tp=2 decode and
+  verify with backend="pallas" against the single-device reference."""
   cfg = tiny("qwen3_next")
   params = init_params(cfg, jax.random.key(1), "float32")
   yield "pallas verify tp=2", lambda: check_logits(
