@@ -11,6 +11,7 @@ Shapes: B batch, T tokens, S KV slots; other letters as in config.ModelConfig.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +194,9 @@ def gdn_core_chunked(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig
 
 # Backend of the one-token decode rule (`gdn_core_recurrent`): "auto" = the in-place Pallas kernel
 # on GPU (pallas/gdn_decode.py), the jnp rule elsewhere; "pallas" / "reference" force one (tests).
-DECODE_BACKEND = "auto"
+# Default "reference" until the kernel has been compiled, checked and timed on the H200 (written
+# in session 4 without device time left); BOLE_GDN_DECODE_BACKEND=auto turns it on for a run.
+DECODE_BACKEND = os.environ.get("BOLE_GDN_DECODE_BACKEND", "reference")
 DECODE_INTERPRET = None  # Pallas interpret mode; None = on anything but GPU
 
 
@@ -210,8 +213,8 @@ def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConf
                        backend: str | None = None, interpret: bool | None = None):
     """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns.
 
-    T == 1 with the backend resolving to Pallas (`DECODE_BACKEND`, default: on GPU) runs the
-    in-place decode kernel; otherwise (CPU, T > 1) the jnp rule."""
+    T == 1 with the backend resolving to Pallas (`DECODE_BACKEND`; "auto" = on GPU) runs the
+    in-place decode kernel; otherwise (the default for now, CPU, T > 1) the jnp rule."""
     backend = DECODE_BACKEND if backend is None else backend
     interpret = DECODE_INTERPRET if interpret is None else interpret
     backend, interpret = resolve_backend(backend, interpret)
