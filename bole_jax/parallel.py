@@ -281,19 +281,46 @@ def unshard_params(params, cfg: ModelConfig):
 def init_params(cfg: ModelConfig, key, dtype=None):
   """`model.init_params` in cfg's TP layout, generated directly on the mesh (one jitted program
   with sharded outputs: no device ever holds the whole model). Same values as
-  `shard_params(model.init_params(canonical cfg, key), cfg)`."""
-  from bole_jax.model.params import abstract_params, init_params as init_canonical
+  `shard_params(model.init_params(canonical cfg, key), cfg)`, except for the leaves of groups
+  above `params.GROUP_DRAW_LIMIT` elements (the MoE experts of big models): each device draws its
+  shard of those from its own key (same distribution, values that depend on tp), because XLA
+  does not partition a random draw and one global fp32 draw per leaf does not fit."""
+  if cfg.tp == 1:
+    from bole_jax.model.params import init_params as init_canonical
+    return init_canonical(dataclasses.replace(cfg, tp=1), key, dtype)
+  return init_program(cfg, dtype)(key)
+
+
+def init_program(cfg: ModelConfig, dtype=None):
+  """The jitted program behind `init_params` for tp > 1 (lower it on a key to see its memory)."""
+  from bole_jax.model.params import abstract_params, build_params, init_leaf
 
   base = dataclasses.replace(cfg, tp=1)
-  if cfg.tp == 1:
-    return init_canonical(base, key, dtype)
+  dtype = jnp.dtype(dtype or cfg.dtype)
   shapes = abstract_params(base, dtype)
+  mesh = make_mesh(cfg.tp)
+  drawn = set()
+
+  def draw_big(path, name, shape, key, dtype):
+    spec = leaf_layout(cfg, path, shape)[0]
+    if all(a is None for a in spec):
+      return init_leaf(name, shape, key, dtype)
+    drawn.add(path)
+    local = tuple(n // cfg.tp if a else n for n, a in
+                  zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
+
+    def shard(k):
+      k = jax.random.fold_in(k, jax.lax.axis_index(AXIS))
+      return init_leaf(name, local, k, dtype, leaf=shape)
+
+    return shard_map(shard, mesh, in_specs=P(), out_specs=spec)(key)
 
   def build(key):
-    params = init_canonical(base, key, dtype)
-    return _map_with_path(lambda path, x: _permute(cfg, path, x), params)
+    params = build_params(base, dtype, key, draw_big)
+    # Leaves drawn shard by shard are i.i.d.: permuting their fused axes would change nothing.
+    return _map_with_path(lambda path, x: x if path in drawn else _permute(cfg, path, x), params)
 
-  return jax.jit(build, out_shardings=param_shardings(shapes, cfg))(key)
+  return jax.jit(build, out_shardings=param_shardings(shapes, cfg))
 
 
 def _permute(cfg, path, x):

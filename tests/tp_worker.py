@@ -221,6 +221,39 @@ def check_layout(cfg, params, tp, init_key=None) -> str:
   return ", ".join(notes)
 
 
+def check_big_init(cfg, tp) -> str:
+  """Groups above params.GROUP_DRAW_LIMIT (the experts of big models) are drawn shard by shard
+  in the tensor-parallel init: the layout, placement and scale are those of the ordinary init,
+  each shard is its own draw, and the init program has no global-sized temporary."""
+  from bole_jax.model import params as params_mod
+
+  tcfg = dataclasses.replace(cfg, tp=tp)
+  ref = parallel.init_params(tcfg, jax.random.key(5), "float32")
+  experts = ref["layers"][0]["mlp"]["w_gate_up"]
+  old, params_mod.GROUP_DRAW_LIMIT = params_mod.GROUP_DRAW_LIMIT, experts.size - 1
+  try:
+    prog = parallel.init_program(tcfg, "float32")
+    big = prog(jax.random.key(5))
+    temp = prog.lower(jax.random.key(5)).compile().memory_analysis().temp_size_in_bytes
+  finally:
+    params_mod.GROUP_DRAW_LIMIT = old
+  for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(ref)):
+    assert a.shape == b.shape and a.dtype == b.dtype and a.sharding.spec == b.sharding.spec
+  w = big["layers"][0]["mlp"]["w_gate_up"]
+  assert not np.array_equal(np.asarray(w), np.asarray(experts))  # drawn the other way
+  shards = [np.asarray(s.data) for s in w.addressable_shards]
+  assert len(shards) == tp and not np.array_equal(shards[0], shards[1])
+  bound = 3.0 ** 0.5 * w.shape[-2] ** -0.5
+  assert np.abs(np.asarray(w)).max() <= bound and np.asarray(w).std() > 0.5 * bound / 3 ** 0.5
+  # the small groups are still the ordinary draws
+  np.testing.assert_array_equal(np.asarray(big["layers"][0]["mlp"]["router"]),
+                                np.asarray(ref["layers"][0]["mlp"]["router"]))
+  ordinary = parallel.init_program(tcfg, "float32").lower(jax.random.key(5)).compile()
+  temp0 = ordinary.memory_analysis().temp_size_in_bytes
+  assert temp < temp0, (temp, temp0)
+  return f"big-group init: shard-wise draws; init temp {temp} B (ordinary draws: {temp0} B)"
+
+
 def check_errors(cfg, params) -> str:
   try:
     LLM(cfg, params=params, tp=jax.device_count() * 2)
@@ -279,6 +312,7 @@ def group_moe():
   notes = parallel.replicated_groups(dataclasses.replace(cfg, tp=4))
   assert len(notes) == 1 and "num_key_value_heads=2" in notes[0], notes
   yield "layout tp=4", lambda: check_layout(cfg, params, 4)
+  yield "big-group init tp=4", lambda: check_big_init(cfg, 4)
   yield "logits tp=4", lambda: check_logits(cfg, params, 4)
   yield "moe gmm tp=4", lambda: check_moe_gmm(cfg, params, 4)
   yield "generate tp=4", lambda: check_generate(cfg, params, 4, ("ar", "bole"))

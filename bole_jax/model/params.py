@@ -67,6 +67,7 @@ weight is a plain scale (applied as w). Shape letters as in `config.ModelConfig`
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -131,11 +132,12 @@ def abstract_params(cfg: ModelConfig, dtype=None) -> dict:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg), is_leaf=_is_shape)
 
 
-def _init_group(name: str, shape: tuple[int, ...], key, dtype):
+def _init_group(name: str, shape: tuple[int, ...], key, dtype, leaf=None):
     """Random values for `shape[0]` leaves called `name` of shape shape[1:] (one RNG call per
     group: the program, hence compile time, does not grow with depth). Uniform with the variance
-    of the intended normal: cheaper to generate, and values do not matter for speed."""
-    leaf = shape[1:]
+    of the intended normal: cheaper to generate, and values do not matter for speed. `leaf`: the
+    whole leaf's shape when `shape` is a block of it (its fan-in sets the scale)."""
+    leaf_given, leaf = leaf is not None, leaf or shape[1:]
     if name == "A_log":  # decay rates exp(A_log) in [1, 16], as transformers initialises them
         return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
     if name in ("dt_bias", "norm_w"):
@@ -145,7 +147,9 @@ def _init_group(name: str, shape: tuple[int, ...], key, dtype):
     fan_in = leaf[-2] if len(leaf) >= 2 else leaf[-1]
     std = 1.0 if name == "embed" else (leaf[0] if name == "conv_w" else fan_in) ** -0.5
     half_width = std * 3.0 ** 0.5
-    return jax.random.uniform(key, shape, jnp.float32, -half_width, half_width).astype(dtype)
+    # Blocks of big leaves are drawn in their own dtype: no fp32 temporary of their size.
+    rng_dtype = dtype if leaf_given and jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+    return jax.random.uniform(key, shape, rng_dtype, -half_width, half_width).astype(dtype)
 
 
 def init_params(cfg: ModelConfig, key, dtype=None) -> dict:
@@ -159,8 +163,31 @@ def init_params(cfg: ModelConfig, key, dtype=None) -> dict:
     return _init_params(cfg, jnp.dtype(dtype or cfg.dtype), key)
 
 
+def init_leaf(name: str, shape: tuple[int, ...], key, dtype, leaf=None):
+    """Random values of one leaf called `name` (or, with `leaf` its whole shape, of a block of
+    shape `shape` of it), as `init_params` draws them."""
+    return _init_group(name, (1,) + tuple(shape), key, dtype, leaf=tuple(leaf or shape))[0]
+
+
+# Param groups (leaves of one name and shape) with more elements than this are drawn one leaf
+# at a time, by `draw_big` (below).
+GROUP_DRAW_LIMIT = 1 << 28
+
+
+def _default_draw(path, name, shape, key, dtype):
+    return init_leaf(name, shape, key, dtype)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _init_params(cfg: ModelConfig, dtype, key) -> dict:
+    return build_params(cfg, dtype, key)
+
+
+def build_params(cfg: ModelConfig, dtype, key, draw_big=_default_draw) -> dict:
+    """The traced body of `init_params`. Groups above GROUP_DRAW_LIMIT elements (MoE experts
+    of big models) are drawn leaf by leaf with draw_big(path, name, shape, key, dtype): one draw
+    of all 49 expert gate_up tensors of Qwen3-Next-80B is a 196 GiB fp32 temporary, and the
+    tensor-parallel init (parallel.init_params) draws those leaves shard by shard instead."""
     shapes = param_shapes(cfg)
     paths_and_shapes = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)[0]
     groups: dict[tuple, list[int]] = {}
@@ -171,6 +198,11 @@ def _init_params(cfg: ModelConfig, dtype, key) -> dict:
     # makes XLA:CPU compile times balloon.
     key = jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl="rbg")
     for ((name, shape), members), k in zip(groups.items(), jax.random.split(key, len(groups))):
+        if len(members) * math.prod(shape) > GROUP_DRAW_LIMIT:
+            for i, kj in zip(members, jax.random.split(k, len(members))):
+                path = tuple(getattr(p, "key", getattr(p, "idx", p)) for p in paths_and_shapes[i][0])
+                leaves[i] = draw_big(path, name, shape, kj, dtype)
+            continue
         values = _init_group(name, (len(members),) + shape, k, dtype)
         for j, i in enumerate(members):
             leaves[i] = values[j]
