@@ -23,7 +23,7 @@ KEYS = ("dtype",)
 ENV_KEYS = ("device", "jax")
 
 
-def merge(paths: list[str]) -> dict:
+def merge(paths: list[str], later_wins: bool = False) -> dict:
   runs = [json.load(open(p)) for p in paths]
   first = runs[0]
   model = lambda r: r["args"].get("preset") or r["args"].get("model")  # noqa: E731
@@ -40,8 +40,10 @@ def merge(paths: list[str]) -> dict:
     seen = {(x["batch"], x["mode"]) for x in rows}
     for row in r["rows"]:
       if (row["batch"], row["mode"]) in seen:
-        raise SystemExit(f"{p}: batch {row['batch']} mode {row['mode']} is already in an earlier "
-                         "file; pass each point once")
+        if not later_wins:
+          raise SystemExit(f"{p}: batch {row['batch']} mode {row['mode']} is already in an "
+                           "earlier file; pass each point once (or --later-wins)")
+        rows = [x for x in rows if (x["batch"], x["mode"]) != (row["batch"], row["mode"])]
       rows.append(dict(row, source=len(sources) - 1))
   rows.sort(key=lambda x: (x["batch"], x["mode"]))
   breakdown = [dict(b, source=i) for i, r in enumerate(runs) for b in r.get("breakdown") or []]
@@ -54,8 +56,10 @@ def main(argv=None) -> int:
   ap.add_argument("files", nargs="+")
   ap.add_argument("--out", required=True, help="merged JSON path (plots beside it)")
   ap.add_argument("--no-plots", action="store_true")
+  ap.add_argument("--later-wins", action="store_true",
+                  help="a point measured in several files: keep the last file's row (a rerun)")
   a = ap.parse_args(argv)
-  result = merge(a.files)
+  result = merge(a.files, a.later_wins)
   print_table(result["rows"], ["batch", "mode", "nodes", "tokens_per_step", "step_ms",
                                "tokens_per_s", "speedup_vs_ar", "speedup_vs_pernode",
                                "ar_agreement", "source"])

@@ -43,3 +43,10 @@ def test_merge_refuses_a_point_twice(tmp_path):
   a, b = _run(tmp_path, "a", [1]), _run(tmp_path, "b", [1])
   with pytest.raises(SystemExit, match="already"):
     merge_e2e.merge([a, b])
+
+
+def test_merge_later_wins_keeps_the_rerun(tmp_path):
+  a, b = _run(tmp_path, "a", [1, 16]), _run(tmp_path, "b", [16])
+  m = merge_e2e.merge([a, b], later_wins=True)
+  assert [(r["batch"], r["mode"], r["source"]) for r in m["rows"]] == [
+      (1, "ar", 0), (1, "bole", 0), (16, "ar", 1), (16, "bole", 1)]
