@@ -3,14 +3,47 @@
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import start_niced
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.serving import cli
 
 REPO = Path(__file__).resolve().parents[1]
+_stdin_run = None  # (Popen, stdout file, stderr file) of test_cli_stdin_subprocess_default_model
+
+
+def _start_stdin_run():
+  """`python -m bole_jax generate` on the embedded default model, the prompt on stdin."""
+  out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+  proc = start_niced([sys.executable, "-m", "bole_jax", "generate", "--max-new-tokens", "4",
+                      "--no-progress", "--json", "--spec", "ar"], stdin=subprocess.PIPE,
+                     stdout=out, stderr=err, text=True, cwd=REPO)
+  proc.stdin.write("def fibonacci(n):\n")
+  proc.stdin.close()
+  return proc, out, err
+
+
+def start_background(names):
+  """Called by conftest.py right after collection: the subprocess test runs meanwhile."""
+  global _stdin_run
+  if "test_cli_stdin_subprocess_default_model" in names and _stdin_run is None:
+    _stdin_run = _start_stdin_run()
+
+
+def stop_background():
+  global _stdin_run
+  if _stdin_run is not None:
+    proc, out, err = _stdin_run
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    out.close()
+    err.close()
+  _stdin_run = None
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +135,16 @@ def test_cli_errors(model_dir, tmp_path, capsys):
 
 
 def test_cli_stdin_subprocess_default_model():
-  """`python -m bole_jax generate` reading stdin, on the embedded default model."""
-  r = subprocess.run([sys.executable, "-m", "bole_jax", "generate", "--max-new-tokens", "4",
-                      "--no-progress", "--json", "--spec", "ar"], input="def fibonacci(n):\n",
-                     capture_output=True, text=True, cwd=REPO, timeout=600)
-  assert r.returncode == 0, r.stderr
-  rec = json.loads(r.stdout)[0]
+  """`python -m bole_jax generate` reading stdin, on the embedded default model (started in the
+  background by start_background, else here)."""
+  global _stdin_run
+  if _stdin_run is None:
+    _stdin_run = _start_stdin_run()
+  proc, out, err = _stdin_run
+  proc.wait(timeout=900)
+  out.seek(0)
+  err.seek(0)
+  stdout, stderr = out.read(), err.read()
+  assert proc.returncode == 0, stderr
+  rec = json.loads(stdout)[0]
   assert rec["prompt"] == "def fibonacci(n):" and rec["stats"]["generated_tokens"] >= 1
