@@ -63,20 +63,29 @@ def test_generate_texts_ids_stats(llm):
 
 
 def test_repeated_calls_do_not_recompile(llm):
+  """Other prompts, sampling parameters and batch sizes of a batch bucket reuse its programs
+  (generate decodes with segment_fn(mode, bucket); the prefill and first token are module-level
+  jits shared by every LLM)."""
+  from bole_jax.spec_decode import loop
+
   llm.generate(["a b c"], max_new_tokens=8, spec="ar")
-  seg = llm.segment_fn("ar")
-  before = seg._cache_size()
-  llm.generate(["x y"], max_new_tokens=8, spec="ar", temperature=0.7, top_p=0.9, seed=3)
   llm.generate(["p", "q r"], max_new_tokens=8, spec="ar")
-  assert seg._cache_size() == before
+  programs = [llm.segment_fn("ar", 1), llm.segment_fn("ar", 2), loop.prefill_chunk,
+              loop.first_token]
+  before = [f._cache_size() for f in programs]
+  assert min(before) >= 1
+  llm.generate(["x y"], max_new_tokens=8, spec="ar", temperature=0.7, top_p=0.9, seed=3)
+  llm.generate(["def", "q r s"], max_new_tokens=8, spec="ar", top_k=5, temperature=1.0)
+  assert [f._cache_size() for f in programs] == before
 
 
 def test_stop_string_and_max_tokens(llm):
-  base = llm.generate(["import os"], max_new_tokens=12, spec="ar")[0]
+  # 8 new tokens, one prompt: the program test_repeated_calls_do_not_recompile compiled
+  base = llm.generate(["import os"], max_new_tokens=8, spec="ar")[0]
   text = base.text
   assert len(text) > 3
   stop = text[2:4]
-  out = llm.generate(["import os"], max_new_tokens=12, spec="ar", stop=[stop])[0]
+  out = llm.generate(["import os"], max_new_tokens=8, spec="ar", stop=[stop])[0]
   assert out.finish_reason == "stop"
   assert stop not in out.text and text.startswith(out.text)
   assert len(out.token_ids) <= len(base.token_ids)
