@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from bole_jax import LLM
@@ -10,12 +11,16 @@ from bole_jax.model import forward, init_cache, logits
 from hf_tiny import rel_err
 
 
-def test_default_model_parity_with_transformers():
+@pytest.fixture(scope="module")
+def llm():
+  return LLM()  # fp32 on CPU
+
+
+def test_default_model_parity_with_transformers(llm):
   from transformers import Qwen3NextForCausalLM
 
   ref = Qwen3NextForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32,
                                              attn_implementation="eager").eval()
-  llm = LLM()  # fp32 on CPU
   assert llm.cfg.mtp_num_layers == 1 and "mtp" in llm.params
   ids = llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
   with torch.no_grad():
@@ -26,8 +31,8 @@ def test_default_model_parity_with_transformers():
   assert rel_err(got, want) < 1e-5
 
 
-def test_default_model_writes_code():
-  out = LLM().generate(["def fibonacci(n):"], max_new_tokens=24, spec="bole")[0]
+def test_default_model_writes_code(llm):
+  out = llm.generate(["def fibonacci(n):"], max_new_tokens=24, spec="bole")[0]
   assert out.stats["mode"] == "bole"
   # trained on Python: a `def` line is followed by an indented body (random weights would not)
   assert out.text.startswith("\n    "), out.text

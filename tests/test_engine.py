@@ -80,6 +80,11 @@ def test_greedy_spec_equals_ar_synthetic(model, bole_llms, mode):
 
 def test_greedy_spec_equals_ar_mtp(model):
   cfg, params, prompts, ar = model
+  if cfg.num_experts or cfg.family != "qwen3_next":
+    pytest.skip("the synthetic drafter runs this family's MTP head too (catch-up and every "
+                "expansion level; it only overrides one candidate per level): "
+                "test_greedy_spec_equals_ar_synthetic covers it, the unforced drafts are "
+                "family-independent")
   out = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4)).generate(
       prompts, max_new_tokens=NEW, spec="bole")
   for a, o in zip(ar, out):
@@ -170,6 +175,13 @@ def test_forward_folds_a_pending_commit():
       np.testing.assert_allclose(committed_state(c), r.state, rtol=1e-5, atol=1e-6)
 
 
+# Jitted, shared by the three modes below (op by op, the bole case alone took 40-100 s on CI).
+_forward = jax.jit(forward, static_argnums=1)
+_verify = jax.jit(verify.verify_forward, static_argnums=1, static_argnames=("mode",))
+_accept = jax.jit(accept_greedy, static_argnums=2)
+_commit = jax.jit(verify.commit, static_argnames=("mode",))
+
+
 @pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode"])
 def test_commit_equals_ar_cache(mode):
   """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
@@ -185,13 +197,13 @@ def test_commit_equals_ar_cache(mode):
   for i in range(b):
     toks[i, :lens[i]] = rng.integers(1, cfg.vocab_size, lens[i])
   cache = init_cache(cfg, b, cap, jnp.float32)
-  hidden, cache = forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens))
+  hidden, cache = _forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens))
   root = jnp.argmax(lm_logits(params, cfg, jnp.take_along_axis(
       hidden, jnp.asarray(lens - 1)[:, None, None], axis=1)[:, 0]), -1).astype(jnp.int32)
   # AR continuation of 5 tokens after the root.
   ar_cache, tok, cont = cache, root, []
-  for _ in range(5):
-    h, ar_cache = forward(params, cfg, tok[:, None], ar_cache)
+  for _ in range(5):  # (num_new all ones: the decode program of the reference run below)
+    h, ar_cache = _forward(params, cfg, tok[:, None], ar_cache, jnp.ones((b,), jnp.int32))
     tok = jnp.argmax(lm_logits(params, cfg, h[:, 0]), -1).astype(jnp.int32)
     cont.append(tok)
   cont = np.stack(cont, 1)  # [B, 5]
@@ -218,10 +230,10 @@ def test_commit_equals_ar_cache(mode):
                        score=jnp.zeros((b, n)))
   if lazy:  # a step's pending: 9 rows (depth 8 + 1); here nothing pending yet
     cache = with_pending(cache, cfg, 9)
-  hid, vcache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode)
-  acc = accept_greedy(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
+  hid, vcache, auxs = _verify(params, cfg, tree, cache, mode=mode)
+  acc = _accept(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
   np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
-  new = verify.commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
+  new = _commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
   if lazy:  # the commit left the accepted paths pending, the state untouched
     for c_new, c_old in zip(new.layers, vcache.layers):
       if isinstance(c_new, GDNCache):
@@ -236,7 +248,7 @@ def test_commit_equals_ar_cache(mode):
     step_tok = jnp.asarray(np.where(np.array(depth_ok) >= d,
                                     np.concatenate([np.asarray(root)[:, None], cont], 1)[:, d], 0))
     num_new = jnp.asarray((np.array(depth_ok) >= d).astype(np.int32))
-    _, ref = forward(params, cfg, step_tok[:, None], ref, num_new)
+    _, ref = _forward(params, cfg, step_tok[:, None], ref, num_new)
   np.testing.assert_array_equal(np.asarray(new.lengths), np.asarray(ref.lengths))
   for c_new, c_ref in zip(new.layers, ref.layers):
     if isinstance(c_new, GDNCache):

@@ -3,14 +3,47 @@
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import start_niced
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.serving import cli
 
 REPO = Path(__file__).resolve().parents[1]
+_stdin_run = None  # (Popen, stdout file, stderr file) of test_cli_stdin_subprocess_default_model
+
+
+def _start_stdin_run():
+  """`python -m bole_jax generate` on the embedded default model, the prompt on stdin."""
+  out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+  proc = start_niced([sys.executable, "-m", "bole_jax", "generate", "--max-new-tokens", "4",
+                      "--no-progress", "--json", "--spec", "ar"], stdin=subprocess.PIPE,
+                     stdout=out, stderr=err, text=True, cwd=REPO)
+  proc.stdin.write("def fibonacci(n):\n")
+  proc.stdin.close()
+  return proc, out, err
+
+
+def start_background(names):
+  """Called by conftest.py right after collection: the subprocess test runs meanwhile."""
+  global _stdin_run
+  if "test_cli_stdin_subprocess_default_model" in names and _stdin_run is None:
+    _stdin_run = _start_stdin_run()
+
+
+def stop_background():
+  global _stdin_run
+  if _stdin_run is not None:
+    proc, out, err = _stdin_run
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    out.close()
+    err.close()
+  _stdin_run = None
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +63,29 @@ def test_generate_texts_ids_stats(llm):
 
 
 def test_repeated_calls_do_not_recompile(llm):
+  """Other prompts, sampling parameters and batch sizes of a batch bucket reuse its programs
+  (generate decodes with segment_fn(mode, bucket); the prefill and first token are module-level
+  jits shared by every LLM)."""
+  from bole_jax.spec_decode import loop
+
   llm.generate(["a b c"], max_new_tokens=8, spec="ar")
-  seg = llm.segment_fn("ar")
-  before = seg._cache_size()
-  llm.generate(["x y"], max_new_tokens=8, spec="ar", temperature=0.7, top_p=0.9, seed=3)
   llm.generate(["p", "q r"], max_new_tokens=8, spec="ar")
-  assert seg._cache_size() == before
+  programs = [llm.segment_fn("ar", 1), llm.segment_fn("ar", 2), loop.prefill_chunk,
+              loop.first_token]
+  before = [f._cache_size() for f in programs]
+  assert min(before) >= 1
+  llm.generate(["x y"], max_new_tokens=8, spec="ar", temperature=0.7, top_p=0.9, seed=3)
+  llm.generate(["def", "q r s"], max_new_tokens=8, spec="ar", top_k=5, temperature=1.0)
+  assert [f._cache_size() for f in programs] == before
 
 
 def test_stop_string_and_max_tokens(llm):
-  base = llm.generate(["import os"], max_new_tokens=12, spec="ar")[0]
+  # 8 new tokens, one prompt: the program test_repeated_calls_do_not_recompile compiled
+  base = llm.generate(["import os"], max_new_tokens=8, spec="ar")[0]
   text = base.text
   assert len(text) > 3
   stop = text[2:4]
-  out = llm.generate(["import os"], max_new_tokens=12, spec="ar", stop=[stop])[0]
+  out = llm.generate(["import os"], max_new_tokens=8, spec="ar", stop=[stop])[0]
   assert out.finish_reason == "stop"
   assert stop not in out.text and text.startswith(out.text)
   assert len(out.token_ids) <= len(base.token_ids)
@@ -102,10 +144,16 @@ def test_cli_errors(model_dir, tmp_path, capsys):
 
 
 def test_cli_stdin_subprocess_default_model():
-  """`python -m bole_jax generate` reading stdin, on the embedded default model."""
-  r = subprocess.run([sys.executable, "-m", "bole_jax", "generate", "--max-new-tokens", "4",
-                      "--no-progress", "--json", "--spec", "ar"], input="def fibonacci(n):\n",
-                     capture_output=True, text=True, cwd=REPO, timeout=600)
-  assert r.returncode == 0, r.stderr
-  rec = json.loads(r.stdout)[0]
+  """`python -m bole_jax generate` reading stdin, on the embedded default model (started in the
+  background by start_background, else here)."""
+  global _stdin_run
+  if _stdin_run is None:
+    _stdin_run = _start_stdin_run()
+  proc, out, err = _stdin_run
+  proc.wait(timeout=900)
+  out.seek(0)
+  err.seek(0)
+  stdout, stderr = out.read(), err.read()
+  assert proc.returncode == 0, stderr
+  rec = json.loads(stdout)[0]
   assert rec["prompt"] == "def fibonacci(n):" and rec["stats"]["generated_tokens"] >= 1

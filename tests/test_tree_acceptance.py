@@ -33,10 +33,11 @@ def test_select_from_pool_invariants(n, m):
   b = 6
   tokens, parents, scores = _random_pool(rng, b, m)
   num_select = rng.integers(0, n, b)
-  t = tree_mod.select_from_pool(jnp.arange(b, dtype=jnp.int32), jnp.asarray(tokens),
-                                jnp.asarray(parents), jnp.asarray(scores), jnp.asarray(num_select), n)
-  t2 = tree_mod.select_from_pool(jnp.arange(b, dtype=jnp.int32), jnp.asarray(tokens),
-                                 jnp.asarray(parents), jnp.asarray(scores), jnp.asarray(num_select), n)
+  select = jax.jit(tree_mod.select_from_pool, static_argnums=5)  # as the decode step runs it
+  t = select(jnp.arange(b, dtype=jnp.int32), jnp.asarray(tokens), jnp.asarray(parents),
+             jnp.asarray(scores), jnp.asarray(num_select), n)
+  t2 = select(jnp.arange(b, dtype=jnp.int32), jnp.asarray(tokens), jnp.asarray(parents),
+              jnp.asarray(scores), jnp.asarray(num_select), n)
   for f in ("tokens", "parents", "depth", "num_nodes"):  # deterministic
     np.testing.assert_array_equal(getattr(t, f), getattr(t2, f))
   par = np.asarray(t.parents)
@@ -132,6 +133,17 @@ def _chi2_critical(dof, alpha):
   return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
+@jax.jit
+def _first_two_emitted(tree, logits, sp, keys):
+  """accept_stochastic once per key: (first two emitted tokens, number accepted) of request 0.
+  Module level: one compile for every parametrization below (sampling params are arrays)."""
+  def one(k):
+    a = acceptance.accept_stochastic(tree, logits, sp, k, 3, 4)
+    return a.tokens[0, :2], a.num_accepted[0]
+
+  return jax.vmap(one)(keys)
+
+
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 1.0, 4)])
 def test_stochastic_acceptance_preserves_target_distribution(temperature, top_p, top_k):
   """Empirical distribution of the first two emitted tokens vs the exact target distribution.
@@ -148,11 +160,7 @@ def test_stochastic_acceptance_preserves_target_distribution(temperature, top_p,
   sp = SamplingParams.make(1, temperature, top_p, top_k)
   p = np.asarray(target_probs(logits, sp))[0]  # [N, V]
 
-  def one(k):
-    a = acceptance.accept_stochastic(tree, logits, sp, k, 3, 4)
-    return a.tokens[0, :2], a.num_accepted[0]
-
-  toks, num = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(7), samples))
+  toks, num = _first_two_emitted(tree, logits, sp, jax.random.split(jax.random.key(7), samples))
   toks, num = np.asarray(toks), np.asarray(num)
   # First token ~ p_root.
   expect = p[0] * samples
@@ -188,8 +196,10 @@ def test_stochastic_with_greedy_rows_equals_greedy():
   tree = _make_tree(np.array(toks), np.array(pars), [n] * b)
   logits = jnp.asarray(rng.normal(size=(b, n, vocab)), jnp.float32)
   sp = SamplingParams.make(b, jnp.array([0.0, 1.0, 0.0, 1.0]), 1.0, 0)
-  a = acceptance.accept_stochastic(tree, logits, sp, jax.random.key(0), n, 4)
-  g = acceptance.accept_greedy(tree, jnp.argmax(logits, -1).astype(jnp.int32), n)
+  a = jax.jit(acceptance.accept_stochastic, static_argnums=(4, 5))(tree, logits, sp,
+                                                                   jax.random.key(0), n, 4)
+  g = jax.jit(acceptance.accept_greedy, static_argnums=2)(
+      tree, jnp.argmax(logits, -1).astype(jnp.int32), n)
   for i in (0, 2):
     np.testing.assert_array_equal(np.asarray(a.tokens[i]), np.asarray(g.tokens[i]))
     assert int(a.num_accepted[i]) == int(g.num_accepted[i])
