@@ -338,6 +338,9 @@ def op_events(events: list[Event], module: str, ops: dict[str, HloOp]) -> tuple[
   where = "device"
   work = [e for e in events if _is_device(e.plane) and e.line not in DERIVED_LINES
           and e.dur_ns > 0]
+  planes = sorted({e.plane for e in work})
+  if len(planes) > 1:  # tensor parallelism: every device runs the same program; count one
+    work = [e for e in work if e.plane == planes[0]]
   if not work:  # no device plane (CPU): the host's thunk events
     where = "host"
     work = [e for e in events if e.plane == "/host:CPU" and "hlo_op" in e.stats
@@ -541,7 +544,8 @@ def _e2e_args(a) -> argparse.Namespace:
   """The options bench.run_e2e's helpers read, from ours."""
   return argparse.Namespace(
       model=None, preset=a.preset, dtype=a.dtype, seed=a.seed, batch=[a.batch],
-      prompt_len=a.prompt_len, modes=["ar", "bole"], tp=1, draft_vocab=a.draft_vocab or None,
+      prompt_len=a.prompt_len, modes=["ar", "bole"], tp=getattr(a, "tp", 1),
+      draft_vocab=a.draft_vocab or None,
       nodes=a.nodes, calibration=None, budget=a.budget, topk=a.topk, depth=a.depth,
       backend=a.backend, lazy_commit=a.lazy_commit)
 
@@ -676,6 +680,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                   help="weights (default bfloat16)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--tp", type=int, default=1,
+                  help="tensor-parallel devices (programs ar and step only; the device tables "
+                       "count the first device's kernels)")
   ap.add_argument("--no-command-buffer", action="store_true",
                   help="GPU: XLA flag --xla_gpu_enable_command_buffer= (each kernel launched "
                        "alone: every kernel keeps its HLO op in the trace)")
@@ -700,6 +707,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
       ap.error(f"--budget must be a positive int or none, got {a.budget!r}")
   a.programs = list(dict.fromkeys(a.programs))
+  if a.tp < 1:
+    ap.error("--tp must be >= 1")
+  if a.tp > 1 and set(a.programs) - {"ar", "step"}:
+    ap.error("with --tp > 1 only the programs ar and step can be profiled (the stage programs "
+             f"are not laid out for a mesh here), got {a.programs}")
   if a.out is None:
     a.out = os.path.join("benchmarks", "results", f"profile_{a.preset}_b{a.batch}.json")
   elif a.out.lower() == "none":

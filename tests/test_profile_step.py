@@ -159,6 +159,18 @@ def test_gpu_shaped_trace(tmp_path):
   assert results["xplane"] == results["json"]
 
 
+def test_tensor_parallel_trace_counts_one_device(tmp_path):
+  """Under --tp every device runs the same program: the tables count the first device only."""
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  one = _gpu_events(2)
+  two = [("/device:GPU:1",) + e[1:] if e[0] == "/device:GPU:0" else e for e in one]
+  _write_both_formats(run, one + two)
+  r = ps.summarise(ps.read_trace(str(tmp_path), "json")[1], 2, GPU_HLO)
+  assert r["busy_ms_per_rep"] == pytest.approx(0.170)
+  assert r["other_modules_ms"] == {"jit__lambda": pytest.approx(0.060)}
+
+
 def test_trace_reading_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="no profiler run"):
     ps.read_trace(str(tmp_path))
@@ -188,6 +200,13 @@ def test_category_patterns():
 def test_cli_errors(argv, msg, capsys):
   assert ps.main(["--compile-cache", "none", "--out", "none", *argv]) == 2
   assert msg in capsys.readouterr().err
+
+
+def test_cli_tp_refuses_stage_programs(capsys):
+  with pytest.raises(SystemExit):
+    ps.parse_args(["--tp", "2", "--programs", "ar", "verify"])
+  assert "only the programs ar and step" in capsys.readouterr().err
+  assert ps.parse_args(["--tp", "2", "--programs", "ar", "step"]).tp == 2
 
 
 def test_profile_step_tiny(tmp_path):
