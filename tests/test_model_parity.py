@@ -288,3 +288,27 @@ def test_init_params_layout_and_forward():
     target = {k: v for k, v in params.items() if k != "mtp"}  # forward never reads the MTP head
     hidden, cache = _forward(target, cfg, jnp.zeros((2, 70), jnp.int32), cache)
     assert bool(jnp.all(jnp.isfinite(hidden)))
+
+
+def test_init_params_big_groups_drawn_leaf_by_leaf():
+    """Groups above GROUP_DRAW_LIMIT (the experts of big models) are drawn one leaf at a time:
+    same layout, each leaf its own draw, the documented scale; the small groups unchanged."""
+    from bole_jax.model import params as params_mod
+
+    cfg = ModelConfig.tiny("qwen3_next", moe=True)
+    ref = init_params(cfg, jax.random.key(0), "float32")
+    experts = ref["layers"][0]["mlp"]["w_gate_up"]
+    old, params_mod.GROUP_DRAW_LIMIT = params_mod.GROUP_DRAW_LIMIT, experts.size - 1
+    try:
+        big = jax.jit(lambda k: params_mod.build_params(cfg, jnp.float32, k))(jax.random.key(0))
+    finally:
+        params_mod.GROUP_DRAW_LIMIT = old
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), big) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), ref)
+    a, b = big["layers"][0]["mlp"]["w_gate_up"], big["layers"][1]["mlp"]["w_gate_up"]
+    assert not np.array_equal(np.asarray(a), np.asarray(experts))
+    assert not np.array_equal(np.asarray(a), np.asarray(b))  # every leaf its own draw
+    bound = 3.0 ** 0.5 * a.shape[-2] ** -0.5  # uniform with std 1/sqrt(fan_in)
+    assert float(jnp.abs(a).max()) <= bound and float(jnp.std(a)) > 0.8 * bound / 3.0 ** 0.5
+    np.testing.assert_array_equal(np.asarray(big["layers"][0]["mlp"]["router"]),
+                                  np.asarray(ref["layers"][0]["mlp"]["router"]))
