@@ -5,6 +5,8 @@
         --duration 180 --server-arg=--max-batch=64 --out benchmarks/results/online_h200
     python benchmarks/bench_online.py --url http://127.0.0.1:8000 --rates 1 2   # a running server
     python benchmarks/bench_online.py --modes pernode --merge ...   # add a mode to an earlier run
+    python benchmarks/bench_online.py --model DIR --server-arg=--memory-gb=4 \
+        --mode-server-arg='pernode=--tree-nodes 64'   # SGLang-style fixed trees for pernode only
 
 Workload: benchmarks/data/agent_sessions.jsonl (see build_agent_sessions.py): BFCL multi-turn
 tool-use sessions (a long system prompt with tool descriptions shared by every call of a
@@ -12,7 +14,8 @@ session and by all sessions with the same tools, tool outputs, many calls) and S
 two-turn chats.
 
 Method:
-- Per mode, `python -m bole_jax serve --spec MODE [--server-arg ...]` runs as a subprocess (log in
+- Per mode, `python -m bole_jax serve --spec MODE [--server-arg ...] [that mode's
+  --mode-server-arg ...]` runs as a subprocess (log in
   OUT/server_<tag>_<mode>.log); /health is awaited, a few requests of growing prompt length warm
   up the prefill shapes, then every rate is replayed on that server, lowest first.
 - Sessions arrive as a Poisson process at RATE sessions/s for --duration seconds (at most
@@ -713,6 +716,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--server-arg", action="append", default=None,
                   help="extra `bole-jax serve` flags, e.g. --server-arg=--max-batch=32 or "
                   "--server-arg='--max-context 8000' (repeatable)")
+  ap.add_argument("--mode-server-arg", action="append", default=[], metavar="MODE=FLAGS",
+                  help="`bole-jax serve` flags for one mode's server only, after the common "
+                  "--server-arg ones, e.g. --mode-server-arg='pernode=--tree-nodes 64' (a fixed "
+                  "tree per request, as SGLang's tree baseline) while bole keeps its batch-wide "
+                  "budget (repeatable)")
   ap.add_argument("--warmup", type=int, default=None, help="warm-up requests per server (6)")
   ap.add_argument("--startup-timeout", type=float, default=1800.0)
   ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -744,6 +752,13 @@ def resolve_args(a) -> None:
     if getattr(a, k, None) is None:
       setattr(a, k, v)
   a.server_args = [x for s in a.server_args for x in shlex.split(s)]
+  a.mode_server_args = {}
+  for item in getattr(a, "mode_server_arg", None) or []:
+    mode, sep, flags = item.partition("=")
+    if not sep or mode not in MODES:
+      raise ValueError(f"--mode-server-arg wants MODE=FLAGS with MODE in {list(MODES)}, got "
+                       f"{item!r}")
+    a.mode_server_args.setdefault(mode, []).extend(shlex.split(flags))
   if a.drain_timeout is None:
     a.drain_timeout = max(a.duration, 30.0)
   if a.max_tokens < 1:
@@ -773,8 +788,12 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-  a = build_parser().parse_args(argv)
-  resolve_args(a)
+  ap = build_parser()
+  a = ap.parse_args(argv)
+  try:
+    resolve_args(a)
+  except ValueError as e:  # bad option values: say which, exit 2, no traceback
+    ap.error(str(e))
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server too, like Ctrl-C
   sessions = load_sessions(a.sessions_file, sources=tuple(a.sources) if a.sources else None,
@@ -801,7 +820,7 @@ def main(argv=None) -> int:
     else:
       for mode in a.modes:
         print(f"\n### mode {mode}", flush=True)
-        server = ServerProcess(mode, a.model, a.server_args,
+        server = ServerProcess(mode, a.model, a.server_args + a.mode_server_args.get(mode, []),
                                os.path.join(a.out, f"server_{tag}_{mode}.log"))
         servers[mode] = dict(command=shlex.join(server.cmd))
         try:
@@ -826,7 +845,7 @@ def main(argv=None) -> int:
     print("nothing measured", flush=True)
     return 1
   run = dict(command=command, env=env, interrupted=interrupted, modes=sorted(servers),
-             config={k: v for k, v in vars(a).items() if k != "server_arg"})
+             config={k: v for k, v in vars(a).items() if k not in ("server_arg", "mode_server_arg")})
   path = os.path.join(a.out, f"online_{tag}.json")
   runs = [run]
   if a.merge and os.path.exists(path):

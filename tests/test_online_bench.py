@@ -223,3 +223,21 @@ def test_merge_keeps_the_other_modes(tmp_path, stub):
   assert [r["mode"] for r in out["rows"]] == ["pernode", "bole"] and len(out["runs"]) == 2
   assert set(out["calls"]) == {"pernode@1", "bole@1"}
   assert out["reductions"][0]["vs"] == "pernode"
+
+
+def test_mode_server_args():
+  """--mode-server-arg: flags for one mode's server, after the common --server-arg ones."""
+  a = bo.build_parser().parse_args([
+      "--server-arg=--memory-gb=4", "--mode-server-arg", "pernode=--tree-nodes 64",
+      "--mode-server-arg=pernode=--max-batch=8", "--mode-server-arg", "ar="])
+  bo.resolve_args(a)
+  assert a.server_args == ["--memory-gb=4"]
+  assert a.mode_server_args == {"pernode": ["--tree-nodes", "64", "--max-batch=8"], "ar": []}
+  srv = bo.ServerProcess("pernode", None, a.server_args + a.mode_server_args["pernode"], "/dev/null")
+  assert srv.cmd[-4:] == ["--memory-gb=4", "--tree-nodes", "64", "--max-batch=8"]
+  for bad in ("pernode", "nope=--x"):
+    a = bo.build_parser().parse_args(["--mode-server-arg", bad])
+    with pytest.raises(ValueError, match="MODE=FLAGS"):
+      bo.resolve_args(a)
+  with pytest.raises(SystemExit):
+    bo.main(["--mode-server-arg", "nope=--x"])
