@@ -198,7 +198,8 @@ class LLM:
     validate_sampling(temperature, top_p, top_k)
     mode = self.default_spec if spec is None else spec
     if mode != "ar":
-      spec_cfg = self._spec_config(mode)
+      # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
+      spec_cfg = self._spec_config(mode, _pow2(min(len(prompts), self.max_batch_size)))
       require_mtp(self.cfg, self.params)
       if (spec_cfg.synthetic_accept is None) != (oracle is None):
         raise ValueError("the synthetic-acceptance drafter needs both spec_options="

@@ -522,7 +522,8 @@ def choice_for(cfg, param_dtype, batch: int, *, calibration: str | os.PathLike |
   d = default_choice(batch)
   _warn_once((device_name(), json.dumps(model_signature(cfg, param_dtype), sort_keys=True)),
              f"bole_jax: no calibration table for this model on {device_name()} ({where}); "
-             f"using the default tree width {d.num_nodes} at batch {batch}. Run `bole-jax "
+             f"using the default of about {DEFAULT_VERIFY_ROWS} verify rows per step (tree "
+             f"width {d.num_nodes} per request at batch {batch}, 4-64 by batch). Run `bole-jax "
              "calibrate` to measure the verify budget.")
   return d
 
