@@ -366,6 +366,7 @@ def test_health_models_metrics(server):
   status, models = _request(server, "GET", "/v1/models")
   assert status == 200 and models["data"][0]["id"] == "tiny"
   assert models["data"][0]["max_model_len"] == MAX_CONTEXT
+  assert models["data"][0]["device"] and models["data"][0]["tensor_parallel"] == 1
   status, text = _request(server, "GET", "/metrics")
   assert status == 200
   sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? '
