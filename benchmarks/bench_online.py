@@ -753,7 +753,7 @@ def resolve_args(a) -> None:
       setattr(a, k, v)
   a.server_args = [x for s in a.server_args for x in shlex.split(s)]
   a.mode_server_args = {}
-  for item in getattr(a, "mode_server_arg", None) or []:
+  for item in a.mode_server_arg:
     mode, sep, flags = item.partition("=")
     if not sep or mode not in MODES:
       raise ValueError(f"--mode-server-arg wants MODE=FLAGS with MODE in {list(MODES)}, got "

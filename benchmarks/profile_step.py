@@ -544,7 +544,7 @@ def _e2e_args(a) -> argparse.Namespace:
   """The options bench.run_e2e's helpers read, from ours."""
   return argparse.Namespace(
       model=None, preset=a.preset, dtype=a.dtype, seed=a.seed, batch=[a.batch],
-      prompt_len=a.prompt_len, modes=["ar", "bole"], tp=getattr(a, "tp", 1),
+      prompt_len=a.prompt_len, modes=["ar", "bole"], tp=a.tp,
       draft_vocab=a.draft_vocab or None,
       nodes=a.nodes, calibration=None, budget=a.budget, topk=a.topk, depth=a.depth,
       backend=a.backend, lazy_commit=a.lazy_commit)

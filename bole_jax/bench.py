@@ -624,8 +624,7 @@ def run_e2e(a) -> dict:
       for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
         jobs[bd_batch, m, name] = workers.submit(low.compile)
   phases["lower_s"] = time.perf_counter() - t
-  parked = park_on_host({b: bases[b] for b in a.batch[1:]})
-  bases.update(parked)
+  bases.update(park_on_host({b: bases[b] for b in a.batch[1:]}))
 
   # ---- wait for every program before timing anything
   t = time.perf_counter()
@@ -658,9 +657,7 @@ def run_e2e(a) -> dict:
   t = time.perf_counter()
   rows, breakdown = [], []
   for b in a.batch:
-    pl, base = plan[b], bases.pop(b)
-    if b in parked:
-      base = unpark(base)
+    pl, base = plan[b], unpark(bases.pop(b))
     n = len(pl["ids"])
     ar_out = oracle = None
     for m in pl["llms"]:

@@ -57,6 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
+from bole_jax.model.params import key_path
 from bole_jax.pallas.tree_utils import PendingCommit
 
 log = logging.getLogger(__name__)
@@ -226,8 +227,7 @@ def leaf_layout(cfg: ModelConfig, path: tuple, shape: tuple[int, ...]
 
 
 def _map_with_path(fn, params):
-  return jax.tree_util.tree_map_with_path(
-      lambda kp, x: fn(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp), x), params)
+  return jax.tree_util.tree_map_with_path(lambda kp, x: fn(key_path(kp), x), params)
 
 
 def param_specs(params, cfg: ModelConfig):

@@ -163,6 +163,11 @@ def init_params(cfg: ModelConfig, key, dtype=None) -> dict:
     return _init_params(cfg, jnp.dtype(dtype or cfg.dtype), key)
 
 
+def key_path(kp) -> tuple:
+    """A jax key path as plain dict keys / list indices, e.g. ("layers", 3, "gdn", "w_qkv")."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kp)
+
+
 def init_leaf(name: str, shape: tuple[int, ...], key, dtype, leaf=None):
     """Random values of one leaf called `name` (or, with `leaf` its whole shape, of a block of
     shape `shape` of it), as `init_params` draws them."""
@@ -200,8 +205,7 @@ def build_params(cfg: ModelConfig, dtype, key, draw_big=_default_draw) -> dict:
     for ((name, shape), members), k in zip(groups.items(), jax.random.split(key, len(groups))):
         if len(members) * math.prod(shape) > GROUP_DRAW_LIMIT:
             for i, kj in zip(members, jax.random.split(k, len(members))):
-                path = tuple(getattr(p, "key", getattr(p, "idx", p)) for p in paths_and_shapes[i][0])
-                leaves[i] = draw_big(path, name, shape, kj, dtype)
+                leaves[i] = draw_big(key_path(paths_and_shapes[i][0]), name, shape, kj, dtype)
             continue
         values = _init_group(name, (len(members),) + shape, k, dtype)
         for j, i in enumerate(members):

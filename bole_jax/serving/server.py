@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bole_jax.serving.scheduler import Delta, Request, RequestError, RequestParams, Scheduler
+from bole_jax.spec_decode.budget import device_name
 
 log = logging.getLogger("bole_jax.serving")
 
@@ -38,16 +39,6 @@ POLL_S = 0.25  # how often a waiting handler checks that its client is still con
 
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
-
-
-def _device_summary() -> str:
-  """The accelerator the server runs on, e.g. "NVIDIA H200" or "2 x NVIDIA H200" (jax's
-  device_kind; the backend name when it has none)."""
-  import jax
-
-  devs = jax.local_devices()
-  kind = getattr(devs[0], "device_kind", "") or jax.default_backend()
-  return kind if len(devs) == 1 else f"{len(devs)} x {kind}"
 
 class ApiError(Exception):
   """An error answered as JSON in the OpenAI shape: {"error": {message, type, param, code}}."""
@@ -491,7 +482,7 @@ class _Handler(BaseHTTPRequestHandler):
     s = self.app.scheduler
     return {"id": self.app.model_name, "object": "model", "created": self.app.created,
             "owned_by": "bole-jax", "max_model_len": s.max_context, "spec_mode": s.mode,
-            "device": _device_summary(), "tensor_parallel": s.llm.cfg.tp}
+            "device": device_name(), "tensor_parallel": s.llm.cfg.tp}
 
   def do_POST(self):
     path = self.path.split("?")[0]
