@@ -67,6 +67,38 @@ def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path):
                              interpret=True, block_v=16, max_path=max_path)
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_commit_with_the_callers_path(backend):
+    """A decode step hands the accepted path it already holds (root first, like
+    `Accepted.path`, junk past count): the same state as the walk up the parents, for every
+    node, with a path longer and shorter than the walk's bound."""
+    rng = np.random.default_rng(RUN_SEED)
+    n, b = 12, 3
+    parents, num_nodes = random_trees(rng, b, n, ("random", "deep", "star"), ragged=True)
+    x = random_gdn_inputs(rng, b, n, 1, 2, 16, 16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    _, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
+    _, factors = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
+    kw = dict(backend=backend, interpret=True, block_v=16)
+    for sel in range(-1, n):
+        acc = np.minimum(np.full(b, sel), num_nodes - 1).astype(np.int32)
+        walk = np.asarray(accepted_path(parents, acc, n))  # accepted first, -1 past the root
+        count = (walk >= 0).sum(1).astype(np.int32)
+        width = int(count.max()) + 2
+        path = rng.integers(-5, n + 5, (b, width)).astype(np.int32)  # junk past count
+        for r in range(b):
+            path[r, :count[r]] = walk[r, :count[r]][::-1]  # root first
+        # -1 requests: a nonzero count must still keep the state
+        count_in = np.where(acc < 0, 2, count).astype(np.int32)
+        new = np.asarray(commit_state(x["state"], factors, parents, acc, path=path,
+                                      count=count_in, **kw))
+        for r in range(b):
+            want = x["state"][r] if acc[r] < 0 else states[r, acc[r]]
+            assert rel(new[r], want) <= 1e-4, f"seed {RUN_SEED} request {r} accepted {acc[r]}"
+    with pytest.raises(ValueError, match="together"):
+        commit_state(x["state"], factors, parents, acc, path=path, **kw)
+
+
 def test_commit_kernel_lowers_to_triton():
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     factors = tree_gdn_ref.TreeFactors(k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)),

@@ -141,6 +141,12 @@ def causal_conv(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array, num_ne
     sequence (unchanged when num_new[b] == 0)."""
     K = conv_w.shape[0]
     T = qkv.shape[1]
+    # At one token per step (AR decode at B = 1) XLA rewrites the qkv projection, a vector x
+    # matrix dot, into multiply + reduce and fused that reduce into the concatenate below: each
+    # output element then ran the whole 2048-long reduction alone, uncoalesced. Measured at
+    # Qwen3-Next-80B dims (TP = 2): 0.58 ms per GDN layer, 72% of the AR step
+    # (benchmarks/results/tp2_h200_s6/). The barrier keeps the projection its own kernel.
+    qkv = jax.lax.optimization_barrier(qkv)
     xs = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
     x32, w32 = xs.astype(jnp.float32), conv_w.astype(jnp.float32)
     y = sum(w32[i] * x32[:, i:i + T] for i in range(K))

@@ -50,7 +50,7 @@ from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, Tree
                                         tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
-           "commit_path_weights", "PendingCommit", "pending_commit", "apply_pending",
+           "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit", "apply_pending",
            "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
@@ -445,41 +445,77 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 # ------------------------------------------------------------------------- selected-state commit
 
 
-def _commit_kernel(count_ref, path_ref, w_ref, p_ref, k_ref, u_ref, s_ref, o_ref):
-    # Blocks: count [] = nodes on the accepted root path (0: nothing accepted); path [L] their
-    # ids, accepted node first; w [L] = exp(gamma_sel - gamma_j); p [] = P_sel (1 when nothing
-    # was accepted); k [N, dk]; u [N, bv]; s, o [dk, bv].
-    # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T (`_rank1_fold`). The path is known up front, so
-    # the row loads do not wait on each other (no pointer chase), and the loop runs the real path
-    # length, not the bound L.
+def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref):
+    # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
+    # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count are
+    # never read); gamma [N] this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
+    # w_m = exp(gamma_sel - gamma_m) (`_rank1_fold`), the weights formed here from gamma (no
+    # per-layer XLA gathers before the kernel). The path is known up front, so the row loads do
+    # not wait on each other (no pointer chase), and the loop runs the real path length.
+    count = count_ref[...]
+    g_sel = gamma_ref[sel_ref[...]]
+    p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
+
     def row(m):
         node = path_ref[m]
-        return w_ref[m], k_ref[node], u_ref[node]
+        return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
 
-    o_ref[...] = _rank1_fold(count_ref[...], p_ref[...] * s_ref[...], row)
+    o_ref[...] = _rank1_fold(count, p_sel * s_ref[...], row)
 
 
-def commit_path_weights(factors: TreeFactors, parents, accepted, length: int):
-    """What a commit needs of the accepted node's root path (at most `length` nodes):
-    path [B, L] int32 node ids, accepted node first (padding repeats it, so gathers stay in
-    bounds and in cache); w [B, L, HV] = exp(gamma_sel - gamma_j) (0 on padding); p_sel [B, HV]
-    = exp(gamma_sel) (1 when accepted = -1); count [B] = real nodes on the path (0 when -1)."""
+def accepted_rows(parents, accepted, length: int):
+    """(path [B, length] int32, count [B] int32): the accepted node's root path as a commit
+    reads it, accepted node first, walked up the parent pointers (padding repeats the accepted
+    node, so loads stay in bounds; count 0 when accepted is -1). A decode step that already
+    holds the accepted path (`Accepted.path`, root first) passes that instead, once for every
+    layer."""
     accepted = jnp.asarray(accepted, jnp.int32)
     walk = accepted_path(parents, accepted, length)  # -1 past the root (all -1 for accepted -1)
     valid = walk >= 0
     path = jnp.where(valid, walk, jnp.clip(accepted, 0, None)[:, None])
+    return path, jnp.sum(valid, axis=1, dtype=jnp.int32)
+
+
+def commit_path_weights(factors: TreeFactors, parents, accepted, length: int, path=None,
+                        count=None):
+    """What a commit needs of the accepted node's root path (at most `length` nodes):
+    path [B, L] int32 node ids (walked: accepted node first; padding repeats it, so gathers stay
+    in bounds and in cache); w [B, L, HV] = exp(gamma_sel - gamma_j) (0 past count); p_sel
+    [B, HV] = exp(gamma_sel) (1 when accepted = -1); count [B] = real nodes on the path (0 when
+    -1). path, count: the path when the caller holds it (any order, see `commit_state_pallas`);
+    then parents and length are not read."""
+    accepted = jnp.asarray(accepted, jnp.int32)
+    path, count = _path_rows(parents, accepted, length, path, count, factors.k.shape[1])
+    valid = jnp.arange(path.shape[1])[None, :] < count[:, None]
     rows = jnp.arange(path.shape[0])[:, None]
     gamma_path = factors.gamma[rows, path]  # [B, L, HV]
-    w = jnp.where(valid[:, :, None], jnp.exp(jnp.minimum(gamma_path[:, :1] - gamma_path, 0.0)),
-                  0.0)
-    p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_path[:, 0]), 1.0)
-    return path, w, p_sel, jnp.sum(valid, axis=1, dtype=jnp.int32)
+    gamma_sel = factors.gamma[rows[:, 0], jnp.clip(accepted, 0, None)]  # [B, HV]
+    w = jnp.where(valid[:, :, None],
+                  jnp.exp(jnp.minimum(gamma_sel[:, None] - gamma_path, 0.0)), 0.0)
+    p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_sel), 1.0)
+    return path, w, p_sel, count
 
 
-def pending_commit(factors: TreeFactors, parents, accepted, length: int) -> PendingCommit:
+def _path_rows(parents, accepted, length, path, count, n):
+    """(path, count) walked from parents, or the caller's, clipped in bounds; count 0 where
+    accepted is -1."""
+    if (path is None) != (count is None):
+        raise ValueError("pass the accepted path and its count together, or neither")
+    if path is None:
+        return accepted_rows(parents, accepted, length)
+    path = jnp.clip(jnp.asarray(path, jnp.int32), 0, n - 1)
+    return path, jnp.where(accepted >= 0, jnp.asarray(count, jnp.int32), 0)
+
+
+def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=None,
+                   count=None) -> PendingCommit:
     """The accepted node's root-path factor rows, gathered (at most `length` nodes): what the
-    next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing."""
-    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length)
+    next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing.
+    path, count: as in `commit_path_weights` (padded to `length` rows when shorter)."""
+    if path is not None and path.shape[1] < length:
+        path = jnp.pad(jnp.asarray(path, jnp.int32), ((0, 0), (0, length - path.shape[1])))
+    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length, path, count)
     rows = jnp.arange(path.shape[0])[:, None]
     return PendingCommit(k=factors.k[rows, path].astype(jnp.float32),
                          u=factors.u[rows, path].astype(jnp.float32), w=w, p_sel=p_sel,
@@ -505,32 +541,40 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, path=None, count=None):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
-    root-path factor rows (the path is walked up front in XLA: [B, L] ids, so the row loads are
-    independent) and writes the new tile: the bytes floor of a commit (read S, write S, path
-    rows).
+    root-path factor rows and writes the new tile over the old one: the bytes floor of a
+    commit (read S, write S, path rows). The weights exp(gamma_sel - gamma_j) are formed in the
+    kernel from gamma, so a layer's commit is this one kernel.
 
-    max_path: static bound on nodes on a root path (tree depth bound); None = N (always exact).
+    path, count: the accepted root path's node ids [B, L] (any order, entries past count[b]
+    unread but in [0, N)) and their number [B] (0 keeps the state); both or neither. None: walked
+    here from parents (`accepted_rows`). A decode step passes its accepted path once for all
+    layers.
+    max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
+    (always exact).
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(block_v, dvp)
-    length = next_pow2(min(n, max_path or n), minimum=1)  # power-of-two blocks; padding weighs 0
-    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length)
+    accepted = jnp.asarray(accepted, jnp.int32)
+    path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
+                             path, count, n)  # power-of-two blocks when walked here
+    length = path.shape[1]
+    sel = jnp.clip(accepted, 0, n - 1)
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
+    per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
         _commit_kernel,
         grid=(dvp // bv, hv, b),
-        in_specs=[pl.BlockSpec((None,), lambda t, h, i: (i,)),
+        in_specs=[per_req, per_req,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
-                  pl.BlockSpec((None, length, None), lambda t, h, i: (i, 0, h)),
-                  pl.BlockSpec((None, None), lambda t, h, i: (i, h)),
+                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
                   pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
                   pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
@@ -545,5 +589,5 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
-    )(count, path, w, p_sel, kf, uf, s)
+    )(count, sel, path, factors.gamma.astype(jnp.float32), kf, uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

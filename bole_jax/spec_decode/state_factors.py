@@ -24,7 +24,8 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
-                 interpret: bool | None = None, block_v: int = 64, num_warps: int = 4):
+                 interpret: bool | None = None, block_v: int = 64, num_warps: int = 4,
+                 path=None, count=None):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -33,6 +34,9 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
 
     max_path: static bound on nodes on any root path (the tree depth bound): only that many
     factor rows are gathered (None = N, always exact).
+    path [B, L], count [B]: the accepted root path's node ids (any order; entries past count
+    are not read) and their number, when the caller holds them (a decode step: `Accepted.path`,
+    once for every layer); None: walked here from parents.
     backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
@@ -42,16 +46,20 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
-                                   num_warps=num_warps, max_path=max_path, interpret=interpret)
-    return _commit_state_einsum(state, factors, parents, accepted, max_path=max_path,
-                                precision=precision)
+                                   num_warps=num_warps, max_path=max_path, interpret=interpret,
+                                   path=path, count=count)
+    return _commit_state_einsum(state, factors, parents, accepted, path, count,
+                                max_path=max_path, precision=precision)
 
 
 @functools.partial(jax.jit, static_argnames=("max_path", "precision"))
-def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, *, max_path, precision):
+def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, path, count, *,
+                         max_path, precision):
     n = factors.k.shape[1]
     length = n if max_path is None else min(max_path, n)
-    pending = pending_commit(factors, parents, accepted, length)
+    if path is not None:
+        length = path.shape[1]
+    pending = pending_commit(factors, parents, accepted, length, path, count)
     new = apply_pending(state, pending, precision=precision)
     accepted = jnp.asarray(accepted, jnp.int32)
     return jnp.where((accepted >= 0)[:, None, None, None], new, state.astype(jnp.float32))

@@ -168,29 +168,32 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
-def _commit_state(state, factors, parents, last, cfg: ModelConfig | None):
-  """state_factors.commit_state, per device on its own heads under tensor parallelism."""
+def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
+  """state_factors.commit_state with the step's accepted path (no walk per layer), per device
+  on its own heads under tensor parallelism."""
+  commit = lambda s, f, p, a, pa, c: state_factors.commit_state(s, f, p, a, path=pa, count=c)  # noqa: E731
   if cfg is None:
-    return state_factors.commit_state(state, factors, parents, last)
+    return commit(state, factors, parents, last, path, count)
   heads = parallel.split_at(1)
   f = parallel.split_at(2)
+  rep = parallel.REPLICATED
   return parallel.over_gdn_heads(
-      state_factors.commit_state, cfg,
-      in_specs=(heads, TreeFactors(k=f, u=f, gamma=f), parallel.REPLICATED, parallel.REPLICATED),
-      out_specs=heads)(state, factors, parents, last)
+      commit, cfg, in_specs=(heads, TreeFactors(k=f, u=f, gamma=f), rep, rep, rep, rep),
+      out_specs=heads)(state, factors, parents, last, path, count)
 
 
-def _pending_rows(factors, parents, last, length: int, cfg: ModelConfig | None):
-  """tree_gdn.pending_commit, per device on its own heads under tensor parallelism (the rows
-  come out split like the cache's pending: `parallel.pending_specs`)."""
-  rows = functools.partial(tree_gdn.pending_commit, length=length)
+def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelConfig | None):
+  """tree_gdn.pending_commit with the step's accepted path, per device on its own heads under
+  tensor parallelism (the rows come out split like the cache's pending:
+  `parallel.pending_specs`)."""
+  rows = lambda f, p, a, pa, c: tree_gdn.pending_commit(f, p, a, length, pa, c)  # noqa: E731
   if cfg is None:
-    return rows(factors, parents, last)
+    return rows(factors, parents, last, path, count)
   f = parallel.split_at(2)
+  rep = parallel.REPLICATED
   return parallel.over_gdn_heads(
-      rows, cfg,
-      in_specs=(TreeFactors(k=f, u=f, gamma=f), parallel.REPLICATED, parallel.REPLICATED),
-      out_specs=parallel.pending_specs(cfg))(factors, parents, last)
+      rows, cfg, in_specs=(TreeFactors(k=f, u=f, gamma=f), rep, rep, rep, rep),
+      out_specs=parallel.pending_specs(cfg))(factors, parents, last, path, count)
 
 
 def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
@@ -219,12 +222,14 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
         conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
       else:
         conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
+        # The accepted path (root first, num nodes) is the step's: no walk up the parents
+        # per layer; inactive requests (last -1) get count 0 and keep their state.
         if pending is None:
-          state = _commit_state(c.state, aux.factors, tree.parents, last, cfg)
-        else:  # lazy: inactive requests (last -1) get count 0, p_sel 1: nothing pending
+          state = _commit_state(c.state, aux.factors, tree.parents, last, acc.path, num, cfg)
+        else:  # lazy: inactive requests get count 0, p_sel 1: nothing pending
           length = pending.k.shape[1]
           assert length >= d1, f"pending rows ({length}) < nodes on an accepted path ({d1})"
-          pending = _pending_rows(aux.factors, tree.parents, last, length, cfg)
+          pending = _pending_rows(aux.factors, tree.parents, last, acc.path, num, length, cfg)
       layers.append(GDNCache(conv=conv, state=state, pending=pending))
     else:
       b = jnp.arange(c.k.shape[0])[:, None]
