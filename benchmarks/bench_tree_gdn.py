@@ -60,8 +60,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, pending_commit,  # noqa: E402
-                                      tree_gdn_verify)
+from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
+                                      pending_commit, tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import random_parents, tree_depth, tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
@@ -87,12 +87,17 @@ SGLANG = {
 }
 
 DEFAULT_BOLE = [  # the sweep, default config first (see docs/kernels.md for the reasoning)
-    "bv=32,w=4,inv=squaring",  # many programs: small batches
-    "bv=16,w=4,inv=squaring",  # even more programs: B = 1 latency
-    "bv=32,tpp=4,w=8,inv=matrix",  # a whole value head per program: fewest flops, large batches
-    "bv=32,tpp=4,w=8,inv=matrix,qk=1",
+    "auto",  # TreeGDNConfig.auto: the winners of the last full sweep, per (B, N)
+    "bv=32,w=4,inv=squaring",  # fp32 operands: the accuracy reference point
+    "bv=32,w=2,inv=squaring,qk=1,st=1",  # many small programs: B = 1 latency
+    "bv=64,w=2,inv=matrix,qk=1,st=1",  # half a value head, T formed once: B >= 16, N <= 32
+    "bv=128,w=4,inv=matrix,qk=1,st=1",  # a whole value head: N = 64
 ]
 FULL_EXTRA_BOLE = [
+    "bv=16,w=4,inv=squaring",
+    "bv=32,tpp=4,w=8,inv=matrix,qk=1",
+    "bv=64,w=4,inv=matrix,qk=1,st=1",
+    "bv=128,w=8,inv=matrix,qk=1,st=1",
     "bv=64,w=8,inv=squaring",
     "bv=32,w=4,inv=neumann",
     "bv=64,w=8,inv=neumann",
@@ -115,7 +120,11 @@ TOL = dict(o=2e-2, u=5e-3, k=1e-4, gamma=1e-4, state=5e-3, conv=2e-2, copy=0.0)
 # ----------------------------------------------------------------------------- configs
 
 
-def parse_bole(spec: str) -> TreeGDNConfig:
+def parse_bole(spec: str) -> TreeGDNConfig | str:
+    """A config string ("bv=32,w=4,inv=squaring,..."), or "auto": `TreeGDNConfig.auto` for
+    each point's (B, N)."""
+    if spec.strip() == "auto":
+        return "auto"
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
@@ -134,6 +143,16 @@ def parse_bole(spec: str) -> TreeGDNConfig:
         else:
             kw[name] = int(v)
     return TreeGDNConfig(**kw)
+
+
+def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
+    """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n)`, duplicates dropped."""
+    out = []
+    for c in cfgs:
+        c = TreeGDNConfig.auto(b, n) if c == "auto" else c
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
@@ -370,7 +389,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
     mask = np.arange(n)[None, :] < num_nodes[:, None]
     acc = np.array([n - 1, 16, 0], np.int32)
     want_state = np.asarray(states)[np.arange(b), acc]
-    for cfg in bole_cfgs:
+    for cfg in resolve_bole(bole_cfgs, b, n):
         try:
             o, f = tree_gdn_verify(*args, parents, num_nodes, tree=tree, backend="pallas",
                                    interpret=INTERPRET, config=cfg)
@@ -510,7 +529,8 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
     length = min(MAX_DEPTH, parents.shape[1])
     res = dict(config=cfg_str(cfg), path_rows=length)
     try:
-        gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length))
+        path, count = accepted_rows(parents, accepted, length)  # the step's, as in bole_commit
+        gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count))
         pend = [gather(f) for f in fac]
         verify = jax.jit(lambda q, k, v, g, beta, state, pending: tree_gdn_verify(
             q, k, v, g, beta, state, parents, num_nodes, tree=tree, backend="pallas",
@@ -574,7 +594,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
 
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents_d, num_nodes, tree=tree)
     point["bole"], best = sweep(
-        "bole", bole_cfgs, lambda cfg: jax.jit(lambda *a: tree_gdn_verify(
+        "bole", resolve_bole(bole_cfgs, b, n), lambda cfg: jax.jit(lambda *a: tree_gdn_verify(
             *a, parents_d, num_nodes, tree=tree, backend="pallas", interpret=INTERPRET,
             config=cfg)),
         lambda out, o_ref=o_ref, f_ref=f_ref: dict(o=(rel(out[0], o_ref), TOL["o"]),
@@ -590,21 +610,26 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                interpret=INTERPRET, config=cfg)[1] for s in sets]
         point["bole_commit"] = []
         variants = [dict(backend="pallas", block_v=32, num_warps=4),
+                    dict(backend="pallas", block_v=32, num_warps=2),
                     dict(backend="pallas", block_v=64, num_warps=4),
-                    dict(backend="pallas", block_v=64, num_warps=4, max_path=MAX_DEPTH),
-                    dict(backend="pallas", block_v=128, num_warps=8, max_path=MAX_DEPTH),
-                    dict(backend="reference", max_path=MAX_DEPTH, precision="highest")]
+                    dict(backend="pallas", block_v=128, num_warps=4),
+                    dict(backend="reference", precision="highest")]
+        # The decode step hands every layer's commit the accepted path that acceptance
+        # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
+        path_rows, path_count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
         for kw in variants:
             try:
                 t = timer_in_place(lambda s, f, kw=kw: commit_state(
-                    s, f, parents_d, accepted, interpret=INTERPRET, **kw), sets, fac, timer)
+                    s, f, parents_d, accepted, interpret=INTERPRET, path=path_rows,
+                    count=path_count, **kw), sets, fac, timer)
             except Exception as e:  # noqa: BLE001
                 t = dict(us=float("inf"), error=f"{type(e).__name__}: {str(e)[:300]}")
             t.update(kw)
             point["bole_commit"].append(t)
         point["bole_commit_best"] = min(point["bole_commit"], key=lambda t: t["us"])
-        # For comparison with session 1-5 tables: the default variant without donation (XLA
-        # copies the state before the aliased kernel writes it).
+        # For comparison with session 1-5 tables: the default variant as timed then, without
+        # donation (XLA copies the state before the aliased kernel writes it) and walking the
+        # path up the parents inside the call.
         kw = variants[0]
         fn = jax.jit(lambda s, f: commit_state(s, f, parents_d, accepted, interpret=INTERPRET,
                                                **kw))
@@ -855,7 +880,10 @@ def main(argv=None):
             continue
         cfgs, pcfgs = bole_cfgs, pn_cfgs
         if elapsed > args.budget_s and best_so_far:
-            cfgs, pcfgs = [best_so_far[0]], [best_so_far[1]]
+            # Past the budget: the measured winner table for this point (not the previous
+            # point's best, which can be far off: bv=64, w=2 took 793 us at B=64 N=64 against
+            # 211 us for the auto config) and the best per-node config so far.
+            cfgs, pcfgs = ["auto"], [best_so_far[1]]
         print(f"B={b} N={n} ({elapsed:.0f} s)", flush=True)
         try:
             p = bench_point(b, n, timer, cfgs, pcfgs, bw["bandwidth"], args.seed)

@@ -91,18 +91,23 @@ class TreeGDNConfig:
 
     @classmethod
     def auto(cls, batch: int, nodes: int) -> "TreeGDNConfig":
-        """The launch the H200 sweep measured fastest (benchmarks/results/tree_gdn_h200_s2,
-        Qwen3-Next dims): bf16 q/k/state operands everywhere (verify 1.2-2.1x faster than fp32
-        operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs 2e-5); small programs (2
-        warps, 32 columns) for N <= 32 at B > 1, whole value heads with the matrix inverse for
-        N = 64 (the N x N work formed once per head), 8 warps above."""
+        """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
+        benchmarks/results/tree_gdn_h200_s6/): bf16 q/k/state operands everywhere (verify
+        1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
+        2e-5). B = 1: many small programs (32 columns, squaring per tile). B > 1: the matrix
+        inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
+        64 columns on 2 warps for N <= 32 and a whole value head on 4 warps for N = 64 above
+        (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
+        2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns."""
         if nodes > 64:
             return cls(block_v=32, num_warps=8, bf16_qk=True, bf16_state=True)
         if batch == 1:
             return cls(block_v=32, num_warps=4, bf16_qk=True, bf16_state=True)
+        if batch <= 4:
+            return cls(block_v=64, num_warps=4, inverse="matrix", bf16_qk=True, bf16_state=True)
         if nodes <= 32:
-            return cls(block_v=32, num_warps=2, bf16_qk=True, bf16_state=True)
-        return cls(block_v=128, num_warps=8, inverse="matrix", bf16_qk=True, bf16_state=True)
+            return cls(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True, bf16_state=True)
+        return cls(block_v=128, num_warps=4, inverse="matrix", bf16_qk=True, bf16_state=True)
 
 
 def _l2norm_rows(x):
