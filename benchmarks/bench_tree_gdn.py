@@ -401,8 +401,11 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             pad = float(jnp.max(jnp.abs(jnp.where(mask[:, :, None, None], 0.0,
                                                    f.u.astype(jnp.float32)))))
             record(f"{tag} padding rows zero", pad, 0.0)
-            new = commit_state(args[5], f, parents, acc, backend="pallas", interpret=INTERPRET)
-            record(f"{tag} + pallas commit vs sequential", rel(new, want_state), TOL["state"])
+            for unroll in (False, True):
+                new = commit_state(args[5], f, parents, acc, backend="pallas",
+                                   interpret=INTERPRET, unroll=unroll)
+                record(f"{tag} + pallas commit{' (unrolled)' if unroll else ''} vs sequential",
+                       rel(new, want_state), TOL["state"])
             # Lazy commit: the same inputs verified again with the path rows pending; the
             # kernel's folded state is the accepted node's state of the recurrence.
             pend = pending_commit(f, parents, acc, n)
@@ -613,6 +616,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                     dict(backend="pallas", block_v=32, num_warps=2),
                     dict(backend="pallas", block_v=64, num_warps=4),
                     dict(backend="pallas", block_v=128, num_warps=4),
+                    dict(backend="pallas", block_v=32, num_warps=4, unroll=True),
+                    dict(backend="pallas", block_v=64, num_warps=4, unroll=True),
                     dict(backend="reference", precision="highest")]
         # The decode step hands every layer's commit the accepted path that acceptance
         # produced (`Accepted.path`): formed once here, outside the timed per-layer call.

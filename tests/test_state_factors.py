@@ -61,13 +61,15 @@ def test_commit_every_node(case, seed):
     (33, 2, 4, 16, 16, ("random",), 8),
     (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
 ])
-def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path):
-    """The Pallas commit (interpret mode) matches the recurrence's state at every node."""
+@pytest.mark.parametrize("unroll", [False, True])
+def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path, unroll):
+    """The Pallas commit (interpret mode) matches the recurrence's state at every node, with the
+    row loop and with the rows unrolled."""
     _check_commit_every_node(RUN_SEED, n, hk, hv, dk, dv, kinds, backend="pallas",
-                             interpret=True, block_v=16, max_path=max_path)
+                             interpret=True, block_v=16, max_path=max_path, unroll=unroll)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-unrolled"])
 def test_commit_with_the_callers_path(backend):
     """A decode step hands the accepted path it already holds (root first, like
     `Accepted.path`, junk past count): the same state as the walk up the parents, for every
@@ -79,7 +81,8 @@ def test_commit_with_the_callers_path(backend):
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
     _, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     _, factors = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
-    kw = dict(backend=backend, interpret=True, block_v=16)
+    kw = dict(backend=backend.split("-")[0], interpret=True, block_v=16,
+              unroll=backend.endswith("unrolled"))
     for sel in range(-1, n):
         acc = np.minimum(np.full(b, sel), num_nodes - 1).astype(np.int32)
         walk = np.asarray(accepted_path(parents, acc, n))  # accepted first, -1 past the root
@@ -99,14 +102,21 @@ def test_commit_with_the_callers_path(backend):
         commit_state(x["state"], factors, parents, acc, path=path, **kw)
 
 
-def test_commit_kernel_lowers_to_triton():
-    b, n, hk, hv, d = 2, 8, 2, 4, 128
+@pytest.mark.parametrize("n,path_len,unroll", [(8, None, False), (9, 9, False), (9, 9, True),
+                                                (7, 3, True)])
+def test_commit_kernel_lowers_to_triton(n, path_len, unroll):
+    """The GPU kernel lowers, also for node counts and caller paths (an engine's depth + 1) that
+    are not powers of two."""
+    b, hk, hv, d = 2, 2, 4, 128
     factors = tree_gdn_ref.TreeFactors(k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)),
                                        gamma=jnp.zeros((b, n, hv)))
     state = jnp.zeros((b, hv, d, d))
     parents = jnp.zeros((b, n), jnp.int32)
     acc = jnp.zeros((b,), jnp.int32)
-    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False))
+    kw = {} if path_len is None else dict(path=jnp.zeros((b, path_len), jnp.int32),
+                                          count=jnp.ones((b,), jnp.int32))
+    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False, unroll=unroll,
+                                         **kw))
     assert "bole_commit_state" in fn.trace(state, factors, parents, acc).lower(
         lowering_platforms=("cuda",)).as_text()
 

@@ -211,16 +211,26 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         jax.lax.fori_loop(0, hg, value_head, 0)
 
 
-def _rank1_fold(count, init, row):
+def _rank1_fold(count, init, row, static_len: int | None = None):
     """init + sum_{m < count} w_m k_m u_m^T on one fp32 state tile [dk, bv], row(m) -> (w_m [],
     k_m [dk], u_m [bv]): exact fp32 rank-1 updates over the real count, with row loads that do
     not wait on each other. (An IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower on the
-    H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it."""
+    H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it.
+
+    static_len None: a loop of `count` trips (each trip's loads issue after the previous trip's
+    update). static_len L: all L rows unrolled (every load can be in flight at once), rows
+    m >= count weighted 0; row(m) must then be finite for every m < L."""
     def update(m, acc):
         w, k, u = row(m)
         return acc + (w * k)[:, None] * u[None, :]
 
-    return jax.lax.fori_loop(0, count, update, init)
+    if static_len is None:
+        return jax.lax.fori_loop(0, count, update, init)
+    acc = init
+    for m in range(static_len):
+        w, k, u = row(m)
+        acc = acc + (jnp.where(m < count, w, 0.0) * k)[:, None] * u[None, :]
+    return acc
 
 
 def _fold_pending(s, pend, j, cols):
@@ -450,7 +460,8 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 # ------------------------------------------------------------------------- selected-state commit
 
 
-def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref):
+def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
+                   unroll):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count are
     # never read); gamma [N] this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
@@ -466,7 +477,8 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
         node = path_ref[m]
         return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
 
-    o_ref[...] = _rank1_fold(count, p_sel * s_ref[...], row)
+    o_ref[...] = _rank1_fold(count, p_sel * s_ref[...], row,
+                             path_ref.shape[0] if unroll else None)
 
 
 def accepted_rows(parents, accepted, length: int):
@@ -543,22 +555,27 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
             + delta.reshape(b, hv, dk, dv))
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
+                                             "unroll"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None):
+                        interpret: bool = False, path=None, count=None, unroll: bool = False):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
     commit (read S, write S, path rows). The weights exp(gamma_sel - gamma_j) are formed in the
     kernel from gamma, so a layer's commit is this one kernel.
 
-    path, count: the accepted root path's node ids [B, L] (any order, entries past count[b]
-    unread but in [0, N)) and their number [B] (0 keeps the state); both or neither. None: walked
+    path, count: the accepted root path's node ids [B, L] (any order; entries past count[b]
+    weigh nothing, and are clipped into [0, N)) and their number [B] (0 keeps the state); both
+    or neither. None: walked
     here from parents (`accepted_rows`). A decode step passes its accepted path once for all
     layers.
     max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
     (always exact).
+    unroll: add all L path rows unrolled (rows past count weighted 0) instead of a loop of
+    count trips whose loads wait for the previous trip: a candidate for the latency of the
+    row loads, not yet timed on the GPU (bench_tree_gdn times both).
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
@@ -575,7 +592,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        _commit_kernel,
+        functools.partial(_commit_kernel, unroll=unroll),
         grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),

@@ -25,7 +25,7 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
                  interpret: bool | None = None, block_v: int = 64, num_warps: int = 4,
-                 path=None, count=None):
+                 path=None, count=None, unroll: bool = False):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -35,19 +35,19 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     max_path: static bound on nodes on any root path (the tree depth bound): only that many
     factor rows are gathered (None = N, always exact).
     path [B, L], count [B]: the accepted root path's node ids (any order; entries past count
-    are not read) and their number, when the caller holds them (a decode step: `Accepted.path`,
+    weigh nothing) and their number, when the caller holds them (a decode step: `Accepted.path`,
     once for every layer); None: walked here from parents.
     backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
-    per state tile as exact fp32 rank-1 updates (precision does not apply), at the commit's
-    bytes floor.
+    per state tile as exact fp32 rank-1 updates (precision does not apply), moving the commit's
+    floor bytes (read S, write S, the path rows; `unroll`: see `commit_state_pallas`).
     """
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
                                    num_warps=num_warps, max_path=max_path, interpret=interpret,
-                                   path=path, count=count)
+                                   path=path, count=count, unroll=unroll)
     return _commit_state_einsum(state, factors, parents, accepted, path, count,
                                 max_path=max_path, precision=precision)
 
