@@ -774,6 +774,10 @@ def _jaxlib_version():
 
 
 def git_commit():
+    """BOLE_GIT_COMMIT when set (the GPU machine's copy of the tree has no usable git history:
+    in session 6 this read a stale HEAD there), else git."""
+    if os.environ.get("BOLE_GIT_COMMIT"):
+        return os.environ["BOLE_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
