@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision")
+                prec="precision", uf="unroll_fold")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -138,7 +138,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
             kw[name] = None
         elif name in ("inverse", "precision"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state"):
+        elif name in ("bf16_qk", "bf16_state", "unroll_fold"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -177,6 +177,8 @@ def cfg_str(cfg) -> str:
         s += ",st=1"
     if cfg.precision:
         s += f",prec={cfg.precision}"
+    if cfg.unroll_fold:
+        s += ",uf=1"
     return s
 
 
@@ -642,6 +644,10 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                            **kw)
         point["bole_lazy"] = bench_lazy(cfg, sets, fac, parents_d, num_nodes, tree, accepted,
                                         timer)
+        # The fold with its rows unrolled (TreeGDNConfig.unroll_fold), as the commit's `unroll`.
+        point["bole_lazy_unrolled"] = bench_lazy(
+            dataclasses.replace(cfg, unroll_fold=True), sets, fac, parents_d, num_nodes, tree,
+            accepted, timer)
         del fac
 
     # TREE-PERNODE verify: sweep (the scratch is huge: fewer input sets when needed).

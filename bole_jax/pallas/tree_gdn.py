@@ -76,6 +76,8 @@ class TreeGDNConfig:
       flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
     precision: of the fp32 dots on GPU: None (TF32), "tf32x3" (3 TF32 passes, ~fp32) or
       "highest" (IEEE fp32 FMA). Interpret mode always computes in fp32.
+    unroll_fold: with a lazy commit pending, add its L rows unrolled (every row load in flight at
+      once) instead of a loop of `count` dependent trips; not yet timed on the GPU.
     """
 
     block_v: int | None = None
@@ -88,6 +90,7 @@ class TreeGDNConfig:
     bf16_qk: bool = False
     bf16_state: bool = False
     precision: str | None = None
+    unroll_fold: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int) -> "TreeGDNConfig":
@@ -183,7 +186,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
             if pend is not None:
-                s = _fold_pending(s, pend, j, cols)
+                s = _fold_pending(s, pend, j, cols, cfg.unroll_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -218,8 +221,9 @@ def _rank1_fold(count, init, row, static_len: int | None = None):
     H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it.
 
     static_len None: a loop of `count` trips (each trip's loads issue after the previous trip's
-    update). static_len L: all L rows unrolled (every load can be in flight at once), rows
-    m >= count weighted 0; row(m) must then be finite for every m < L."""
+    update). static_len L: all L rows unrolled (every load can be in flight at once); rows
+    m >= count are loaded but selected away (zeroed before the update, so even NaN there
+    cannot leak in)."""
     def update(m, acc):
         w, k, u = row(m)
         return acc + (w * k)[:, None] * u[None, :]
@@ -229,16 +233,20 @@ def _rank1_fold(count, init, row, static_len: int | None = None):
     acc = init
     for m in range(static_len):
         w, k, u = row(m)
-        acc = acc + (jnp.where(m < count, w, 0.0) * k)[:, None] * u[None, :]
+        live = m < count
+        k = jnp.where(live, w * k, 0.0)
+        acc = acc + k[:, None] * jnp.where(live, u, 0.0)[None, :]
     return acc
 
 
-def _fold_pending(s, pend, j, cols):
+def _fold_pending(s, pend, j, cols, unroll: bool = False):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
-    (columns cols): the gathered rows of a lazy commit, as `_commit_kernel` adds them."""
+    (columns cols): the gathered rows of a lazy commit, as `_commit_kernel` adds them (unroll:
+    all L rows at once, `_rank1_fold`)."""
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     return _rank1_fold(count, ps_ref[j] * s,
-                       lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
+                       lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]),
+                       pk_ref.shape[0] if unroll else None)
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -573,7 +581,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     layers.
     max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
     (always exact).
-    unroll: add all L path rows unrolled (rows past count weighted 0) instead of a loop of
+    unroll: add all L path rows unrolled (rows past count selected away) instead of a loop of
     count trips whose loads wait for the previous trip: a candidate for the latency of the
     row loads, not yet timed on the GPU (bench_tree_gdn times both).
     """
