@@ -50,8 +50,8 @@ from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, Tree
                                         tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
-           "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit", "apply_pending",
-           "resolve_backend"]
+           "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit",
+           "apply_pending", "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
 _PRECISIONS = PRECISIONS
@@ -216,8 +216,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
 
 def _rank1_fold(count, init, row, static_len: int | None = None):
     """init + sum_{m < count} w_m k_m u_m^T on one fp32 state tile [dk, bv], row(m) -> (w_m [],
-    k_m [dk], u_m [bv]): exact fp32 rank-1 updates over the real count, with row loads that do
-    not wait on each other. (An IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower on the
+    k_m [dk], u_m [bv]): exact fp32 rank-1 updates over the real count; no row's address depends
+    on another row's data (no pointer chase). (An IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower on the
     H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it.
 
     static_len None: a loop of `count` trips (each trip's loads issue after the previous trip's
@@ -471,12 +471,12 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
                    unroll):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
-    # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count are
-    # never read); gamma [N] this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
+    # nothing: never read by the loop, selected away when unrolled); gamma [N] this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
     # w_m = exp(gamma_sel - gamma_m) (`_rank1_fold`), the weights formed here from gamma (no
-    # per-layer XLA gathers before the kernel). The path is known up front, so the row loads do
-    # not wait on each other (no pointer chase), and the loop runs the real path length.
+    # per-layer XLA gathers before the kernel). The path is known up front (no pointer chase);
+    # the loop runs the real path length, the unrolled form all L rows.
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
     p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
@@ -576,9 +576,8 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
 
     path, count: the accepted root path's node ids [B, L] (any order; entries past count[b]
     weigh nothing, and are clipped into [0, N)) and their number [B] (0 keeps the state); both
-    or neither. None: walked
-    here from parents (`accepted_rows`). A decode step passes its accepted path once for all
-    layers.
+    or neither. None: walked here from parents (`accepted_rows`). A decode step passes its
+    accepted path once for all layers.
     max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
     (always exact).
     unroll: add all L path rows unrolled (rows past count selected away) instead of a loop of

@@ -171,7 +171,9 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
   """state_factors.commit_state with the step's accepted path (no walk per layer), per device
   on its own heads under tensor parallelism."""
-  commit = lambda s, f, p, a, pa, c: state_factors.commit_state(s, f, p, a, path=pa, count=c)  # noqa: E731
+  def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
+    return state_factors.commit_state(s, f, p, a, path=pa, count=c)
+
   if cfg is None:
     return commit(state, factors, parents, last, path, count)
   heads = parallel.split_at(1)
@@ -186,7 +188,9 @@ def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelCo
   """tree_gdn.pending_commit with the step's accepted path, per device on its own heads under
   tensor parallelism (the rows come out split like the cache's pending:
   `parallel.pending_specs`)."""
-  rows = lambda f, p, a, pa, c: tree_gdn.pending_commit(f, p, a, length, pa, c)  # noqa: E731
+  def rows(f, p, a, pa, c):
+    return tree_gdn.pending_commit(f, p, a, length, pa, c)
+
   if cfg is None:
     return rows(factors, parents, last, path, count)
   f = parallel.split_at(2)
