@@ -1,0 +1,100 @@
+"""Launch each GDN tree kernel exactly once, for Nsight Compute to profile.
+
+Every variant is compiled ahead of time (`.lower().compile()`: no launch), then run once, so
+under `ncu -k regex:'bole|pernode'` each kernel of interest is one profiled launch. Qwen3-Next
+dims (H = 16, HV = 32, dk = dv = 128), bench_tree_gdn.py's random trees and inputs.
+
+    ncu --clock-control none --import-source yes --set full -k regex:'bole|pernode' \\
+        -o /tmp/r python benchmarks/ncu_tree_gdn.py --B 16 --N 64
+    ncu --import /tmp/r.ncu-rep --page details > details.txt
+
+Variants: the verify (`--bole-configs`, default `auto`), the commit kernel (loop and unrolled),
+the lazy verify (fold loop and unrolled) and TREE-PERNODE. It prints each variant's name in
+launch order, so the report's kernels can be matched to them. Without ncu it is a smoke test of
+the kernels (it checks nothing: bench_tree_gdn.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import bench_tree_gdn as btg  # noqa: E402
+from bole_jax.pallas import tree_pernode  # noqa: E402
+from bole_jax.pallas.tree_gdn import accepted_rows, pending_commit, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
+from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
+from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--N", type=int, default=64)
+    ap.add_argument("--bole-configs", default="auto",
+                    help="';'-separated bench_tree_gdn config specs (default auto)")
+    ap.add_argument("--no-pernode", action="store_true", help="skip TREE-PERNODE")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    b, n = args.B, args.N
+    parents = btg.make_trees(np.random.default_rng(args.seed), b, n)
+    parents_d = jnp.asarray(parents)
+    num_nodes = jnp.full((b,), n, jnp.int32)
+    tree = tree_structure(parents_d, num_nodes)
+    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(args.seed), b, n, 1)[0]
+    accepted = jnp.asarray(btg.deepest_nodes(parents))
+    length = min(btg.MAX_DEPTH, n)
+    path, count = accepted_rows(parents_d, accepted, length)
+    runs = []  # (name, compiled, args)
+
+    def add(name, fn, *a, donate=()):
+        runs.append((name, jax.jit(fn, donate_argnums=donate).lower(*a).compile(), a))
+
+    cfgs = btg.resolve_bole([btg.parse_bole(s) for s in args.bole_configs.split(";")], b, n)
+    for cfg in cfgs:
+        def verify(q, k, v, g, beta, s, cfg=cfg):
+            return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,
+                                   backend="pallas", config=cfg)
+        add(f"verify {btg.cfg_str(cfg)}", verify, q, k, v, g, beta, state)
+    cfg = cfgs[0]
+    fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
+                          backend="pallas", config=cfg)[1]
+    for unroll in (False, True):
+        def commit(s, f, unroll=unroll):
+            return commit_state(s, f, parents_d, accepted, backend="pallas", block_v=32,
+                                num_warps=4, path=path, count=count, unroll=unroll)
+        add(f"commit bv32 w4 unroll={unroll}", commit, jnp.copy(state), fac, donate=(0,))
+    pend = pending_commit(fac, parents_d, accepted, length, path, count)
+    for unroll in (False, True):
+        lcfg = dataclasses.replace(cfg, unroll_fold=unroll)
+
+        def lazy(q, k, v, g, beta, s, p, lcfg=lcfg):
+            return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,
+                                   backend="pallas", config=lcfg, pending=p)
+        add(f"lazy verify {btg.cfg_str(lcfg)}", lazy, q, k, v, g, beta, jnp.copy(state), pend,
+            donate=(5,))
+    if not args.no_pernode:
+        def pernode(q, k, v, g, beta, s):
+            return tree_pernode.tree_pernode_verify(q, k, v, g, beta, s, parents_d, num_nodes,
+                                                    backend="pallas",
+                                                    config=PernodeConfig(block_v=32, num_warps=4))
+        add("pernode bv32 w4", pernode, q, k, v, g, beta, state)
+    jax.block_until_ready(fac)
+    print(f"B={b} N={n} depth={max(btg.tree_depth(p) for p in parents)}; launch order:",
+          flush=True)
+    for i, (name, fn, a) in enumerate(runs):
+        jax.block_until_ready(fn(*a))
+        print(f"  {i}: {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
