@@ -8,8 +8,8 @@ dims (H = 16, HV = 32, dk = dv = 128), bench_tree_gdn.py's random trees and inpu
         -o /tmp/r python benchmarks/ncu_tree_gdn.py --B 16 --N 64
     ncu --import /tmp/r.ncu-rep --page details > details.txt
 
-Variants: the verify (`--bole-configs`, default `auto`), the commit kernel (loop and unrolled),
-the lazy verify (fold loop and unrolled) and TREE-PERNODE. It prints each variant's name in
+Variants: the verify (`--bole-configs`, default `auto`), the commit kernel (fold loop and dot),
+the lazy verify (fold loop and dot) and TREE-PERNODE. It prints each variant's name in
 launch order, so the report's kernels can be matched to them. Without ncu it is a smoke test of
 the kernels (it checks nothing: bench_tree_gdn.py does).
 """
@@ -68,14 +68,14 @@ def main(argv=None):
     cfg = cfgs[0]
     fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
                           backend="pallas", config=cfg)[1]
-    for unroll in (False, True):
-        def commit(s, f, unroll=unroll):
+    for fold in ("loop", "dot"):
+        def commit(s, f, fold=fold):
             return commit_state(s, f, parents_d, accepted, backend="pallas", block_v=32,
-                                num_warps=4, path=path, count=count, unroll=unroll)
-        add(f"commit bv32 w4 unroll={unroll}", commit, jnp.copy(state), fac, donate=(0,))
+                                num_warps=4, path=path, count=count, fold=fold)
+        add(f"commit bv32 w4 fold={fold}", commit, jnp.copy(state), fac, donate=(0,))
     pend = pending_commit(fac, parents_d, accepted, length, path, count)
-    for unroll in (False, True):
-        lcfg = dataclasses.replace(cfg, unroll_fold=unroll)
+    for fold in ("loop", "dot"):
+        lcfg = dataclasses.replace(cfg, fold=fold)
 
         def lazy(q, k, v, g, beta, s, p, lcfg=lcfg):
             return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,

@@ -61,15 +61,15 @@ def test_commit_every_node(case, seed):
     (33, 2, 4, 16, 16, ("random",), 8),
     (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
 ])
-@pytest.mark.parametrize("unroll", [False, True])
-def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path, unroll):
+@pytest.mark.parametrize("fold", ["loop", "dot"])
+def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path, fold):
     """The Pallas commit (interpret mode) matches the recurrence's state at every node, with the
-    row loop and with the rows unrolled."""
+    rows added by the rank-1 loop and by the dot."""
     _check_commit_every_node(RUN_SEED, n, hk, hv, dk, dv, kinds, backend="pallas",
-                             interpret=True, block_v=16, max_path=max_path, unroll=unroll)
+                             interpret=True, block_v=16, max_path=max_path, fold=fold)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-unrolled"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-dot"])
 def test_commit_with_the_callers_path(backend):
     """A decode step hands the accepted path it already holds (root first, like
     `Accepted.path`, junk past count): the same state as the walk up the parents, for every
@@ -81,8 +81,9 @@ def test_commit_with_the_callers_path(backend):
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
     _, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     _, factors = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
-    kw = dict(backend=backend.split("-")[0], interpret=True, block_v=16,
-              unroll=backend.endswith("unrolled"))
+    kw = dict(backend=backend.split("-")[0], interpret=True, block_v=16)
+    if backend == "pallas-dot":
+        kw["fold"] = "dot"
     for sel in range(-1, n):
         acc = np.minimum(np.full(b, sel), num_nodes - 1).astype(np.int32)
         walk = np.asarray(accepted_path(parents, acc, n))  # accepted first, -1 past the root
@@ -102,9 +103,9 @@ def test_commit_with_the_callers_path(backend):
         commit_state(x["state"], factors, parents, acc, path=path, **kw)
 
 
-@pytest.mark.parametrize("n,path_len,unroll", [(8, None, False), (9, 9, False), (9, 9, True),
-                                                (7, 3, True)])
-def test_commit_kernel_lowers_to_triton(n, path_len, unroll):
+@pytest.mark.parametrize("n,path_len,fold", [(8, None, "loop"), (9, 9, "loop"), (9, 9, "dot"),
+                                              (7, 3, "dot"), (40, None, "dot")])
+def test_commit_kernel_lowers_to_triton(n, path_len, fold):
     """The GPU kernel lowers, also for node counts and caller paths (an engine's depth + 1) that
     are not powers of two."""
     b, hk, hv, d = 2, 2, 4, 128
@@ -115,7 +116,7 @@ def test_commit_kernel_lowers_to_triton(n, path_len, unroll):
     acc = jnp.zeros((b,), jnp.int32)
     kw = {} if path_len is None else dict(path=jnp.zeros((b, path_len), jnp.int32),
                                           count=jnp.ones((b,), jnp.int32))
-    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False, unroll=unroll,
+    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False, fold=fold,
                                          **kw))
     assert "bole_commit_state" in fn.trace(state, factors, parents, acc).lower(
         lowering_platforms=("cuda",)).as_text()

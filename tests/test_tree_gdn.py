@@ -246,9 +246,11 @@ PENDING_CASES = [
      TreeGDNConfig(block_v=16, heads_per_program=2)),
     (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 3, (1, 3, 0),
      TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix")),
-    # the unrolled fold loads every row, NaN ones past count included: they must not leak
+    # the dot fold loads every row, NaN ones past count included: they must not leak
     (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
-     TreeGDNConfig(block_v=16, unroll_fold=True)),
+     TreeGDNConfig(block_v=16, fold="dot")),
+    (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 16, (16, 3, 0),
+     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", fold="dot")),
 ]
 
 
@@ -367,7 +369,7 @@ def test_kernel_lowers_to_triton(n, cfg):
                             inverse="matrix", bf16_qk=True, bf16_state=True, num_warps=8)),
     (20, 100, TreeGDNConfig(block_v=32)),
     (64, 128, TreeGDNConfig(block_v=128, num_warps=4, inverse="matrix", bf16_qk=True,
-                            bf16_state=True, unroll_fold=True)),
+                            bf16_state=True, fold="dot")),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit

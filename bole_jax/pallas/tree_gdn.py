@@ -54,6 +54,7 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
            "apply_pending", "resolve_backend"]
 
 _INVERSES = ("neumann", "squaring", "matrix")
+_FOLDS = ("loop", "dot")
 _PRECISIONS = PRECISIONS
 
 
@@ -76,8 +77,9 @@ class TreeGDNConfig:
       flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
     precision: of the fp32 dots on GPU: None (TF32), "tf32x3" (3 TF32 passes, ~fp32) or
       "highest" (IEEE fp32 FMA). Interpret mode always computes in fp32.
-    unroll_fold: with a lazy commit pending, add its L rows unrolled (every row load in flight at
-      once) instead of a loop of `count` dependent trips; not yet timed on the GPU.
+    fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
+      updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
+      three TF32 passes, ~fp32; see `_dot_fold`).
     """
 
     block_v: int | None = None
@@ -90,7 +92,7 @@ class TreeGDNConfig:
     bf16_qk: bool = False
     bf16_state: bool = False
     precision: str | None = None
-    unroll_fold: bool = False
+    fold: str = "loop"
 
     @classmethod
     def auto(cls, batch: int, nodes: int) -> "TreeGDNConfig":
@@ -118,17 +120,19 @@ def _l2norm_rows(x):
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-                     *refs, n_real, scale, ratio, cfg, interpret, has_pending):
+                     *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; kn [Np, dk]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
-    # has_pending adds, after s: count [] (rows to fold), pk [L, dk], pu [L, hg, tpp*bv],
-    # pw [L, hg], ps [hg] (p_sel); and the output sn [hg, dk, tpp*bv], the folded state (it may
-    # alias s: each tile is read before its own store and by no other program).
+    # has_pending adds, after s: count [] (rows to fold), pk [Lb, dk], pu [Lb, hg, tpp*bv],
+    # pw [Lb, hg], ps [hg] (p_sel); and the output sn [hg, dk, tpp*bv], the folded state (it may
+    # alias s: each tile is read before its own store and by no other program). Lb = the
+    # pend_rows rows present, or (fold "dot") a power of two >= 16 of them, rows past
+    # pend_rows touched only through masks.
     if has_pending:
         cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, kn_ref, sn_ref = refs
         # The loop bound is clamped to the rows present, so a bad count cannot read past them.
-        pend = (jnp.minimum(cnt_ref[...], pk_ref.shape[0]), pk_ref, pu_ref, pw_ref, ps_ref)
+        pend = (jnp.minimum(cnt_ref[...], pend_rows), pk_ref, pu_ref, pw_ref, ps_ref)
     else:
         o_ref, u_ref, gamma_ref, kn_ref = refs
         pend = None
@@ -140,6 +144,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     prec = None if interpret else _PRECISIONS[cfg.precision]
     qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
+    prec_fold = None if interpret else _PRECISIONS["tf32x3"]
 
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
@@ -186,7 +191,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
             if pend is not None:
-                s = _fold_pending(s, pend, j, cols, cfg.unroll_fold)
+                s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -214,39 +219,43 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         jax.lax.fori_loop(0, hg, value_head, 0)
 
 
-def _rank1_fold(count, init, row, static_len: int | None = None):
+def _rank1_fold(count, init, row):
     """init + sum_{m < count} w_m k_m u_m^T on one fp32 state tile [dk, bv], row(m) -> (w_m [],
-    k_m [dk], u_m [bv]): exact fp32 rank-1 updates over the real count; no row's address depends
-    on another row's data (no pointer chase). (An IEEE fp32 [dk, L] x [L, bv] dot measured up to 10x slower on the
-    H200: no dot here.) The commit kernel and the verify's lazy-commit fold share it.
-
-    static_len None: a loop of `count` trips (each trip's loads issue after the previous trip's
-    update). static_len L: all L rows unrolled (every load can be in flight at once); rows
-    m >= count are loaded but selected away (zeroed before the update, so even NaN there
-    cannot leak in)."""
+    k_m [dk], u_m [bv]): exact fp32 rank-1 updates in a loop over the real count (no row's
+    address depends on another row's data, but each trip's loads issue after the previous
+    trip's update: on the GPU the loop is bound by load latency, see `_dot_fold`)."""
     def update(m, acc):
         w, k, u = row(m)
         return acc + (w * k)[:, None] * u[None, :]
 
-    if static_len is None:
-        return jax.lax.fori_loop(0, count, update, init)
-    acc = init
-    for m in range(static_len):
-        w, k, u = row(m)
-        live = m < count
-        k = jnp.where(live, w * k, 0.0)
-        acc = acc + k[:, None] * jnp.where(live, u, 0.0)[None, :]
-    return acc
+    return jax.lax.fori_loop(0, count, update, init)
 
 
-def _fold_pending(s, pend, j, cols, unroll: bool = False):
+def _dot_fold(init, w, k, u, live, precision):
+    """init + sum_{m: live[m]} w_m k_m u_m^T = init + (w k)^T u as ONE tensor-core dot:
+    w [Lp], k [Lp, dk], u [Lp, bv], live [Lp] bool (Lp a power of two >= 16, Triton's smallest
+    dot). Every row is loaded at once (no dependent trips as in `_rank1_fold`); rows not live
+    are zeroed before the dot, so even NaN there cannot leak in. precision: the commit kernels
+    pass "tf32x3" (three TF32 passes with split operands, ~fp32 rounding: the state keeps
+    fp32-class accuracy); None in interpret mode (fp32)."""
+    kw = jnp.where(live[:, None], w[:, None] * k, 0.0)
+    return init + _dot(kw, jnp.where(live[:, None], u, 0.0), precision, trans_a=True)
+
+
+def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
-    (columns cols): the gathered rows of a lazy commit, as `_commit_kernel` adds them (unroll:
-    all L rows at once, `_rank1_fold`)."""
+    (columns cols): the gathered rows of a lazy commit (`rows` of them present), added as
+    `_commit_kernel` adds them: a loop of fp32 rank-1 updates, or fold "dot" (`_dot_fold`)."""
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
-    return _rank1_fold(count, ps_ref[j] * s,
-                       lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]),
-                       pk_ref.shape[0] if unroll else None)
+    init = ps_ref[j] * s
+    if fold == "dot":
+        lp = pk_ref.shape[0]
+        idx = jnp.arange(lp, dtype=jnp.int32)
+        inb = None if lp == rows else idx < rows
+        col = None if inb is None else inb[:, None]
+        return _dot_fold(init, _load(pw_ref.at[:, j], inb), _load(pk_ref, col),
+                         _load(pu_ref.at[:, j, cols], col), idx < count, precision)
+    return _rank1_fold(count, init, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -356,14 +365,16 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
     if pending is not None:
-        # Rows are loaded one at a time ([dk] / [bw] vectors), so L need not be a power of two:
-        # no padding copy of the rows along L, only along dk / dv when those are padded.
+        # fold "loop" loads the rows one at a time ([dk] / [bw] vectors), so L need not be a
+        # power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows, those past L
+        # masked. Either way no padding copy along L, only along dk / dv when those are padded.
         length = pending.k.shape[1]
+        lb = length if cfg.fold == "loop" else next_pow2(length)
         in_specs += [
             per_req,
-            pl.BlockSpec((None, length, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
-            pl.BlockSpec((None, length, hg, bw), lambda t, h, i: (i, 0, h, t)),
-            pl.BlockSpec((None, length, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, lb, hg, bw), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
             pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
         ]
         out_specs.append(state_spec)
@@ -375,7 +386,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         aliases = {8: 4}  # state -> folded state
     outs = pl.pallas_call(
         functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
-                          interpret=interpret, has_pending=pending is not None),
+                          interpret=interpret, has_pending=pending is not None,
+                          pend_rows=0 if pending is None else pending.k.shape[1]),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -448,9 +460,11 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
     # (tests compare against the fp32 reference there).
     cfg = config or (TreeGDNConfig() if interpret else TreeGDNConfig.auto(b, n))
-    if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS:
-        raise ValueError(f"inverse must be one of {_INVERSES} and precision one of "
-                         f"{tuple(_PRECISIONS)}, got {cfg.inverse!r}, {cfg.precision!r}")
+    if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
+            or cfg.fold not in _FOLDS):
+        raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "
+                         f"{tuple(_PRECISIONS)} and fold one of {_FOLDS}, got {cfg.inverse!r}, "
+                         f"{cfg.precision!r}, {cfg.fold!r}")
     return _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
                             jnp.asarray(num_nodes, jnp.int32), tree.path_len.astype(jnp.int32),
                             pending, scale=scale, cfg=cfg, interpret=interpret)
@@ -469,24 +483,32 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 
 
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
-                   unroll):
+                   fold, precision):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
-    # nothing: never read by the loop, selected away when unrolled); gamma [N] this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # nothing: the loop stops at count, the dot zeroes them); gamma [N] this head's root-path
+    # log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
-    # w_m = exp(gamma_sel - gamma_m) (`_rank1_fold`), the weights formed here from gamma (no
-    # per-layer XLA gathers before the kernel). The path is known up front (no pointer chase);
-    # the loop runs the real path length, the unrolled form all L rows.
+    # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
+    # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
+    # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
+    # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`).
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
     p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
+    init = p_sel * s_ref[...]
+    if fold == "dot":
+        path = path_ref[...]
+        w = jnp.exp(jnp.minimum(g_sel - gamma_ref[path], 0.0))
+        live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
+        o_ref[...] = _dot_fold(init, w, k_ref[path, :], u_ref[path, :], live, precision)
+        return
 
     def row(m):
         node = path_ref[m]
         return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
 
-    o_ref[...] = _rank1_fold(count, p_sel * s_ref[...], row,
-                             path_ref.shape[0] if unroll else None)
+    o_ref[...] = _rank1_fold(count, init, row)
 
 
 def accepted_rows(parents, accepted, length: int):
@@ -564,10 +586,10 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "unroll"))
+                                             "fold"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None, unroll: bool = False):
+                        interpret: bool = False, path=None, count=None, fold: str = "loop"):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -580,9 +602,9 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     accepted path once for all layers.
     max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
     (always exact).
-    unroll: add all L path rows unrolled (rows past count selected away) instead of a loop of
-    count trips whose loads wait for the previous trip: a candidate for the latency of the
-    row loads, not yet timed on the GPU (bench_tree_gdn times both).
+    fold: "loop" (fp32 rank-1 updates, a loop over the real path length) or "dot" (the path
+    rows gathered as blocks of a power of two >= 16 rows and added by one [dk, L] x [L, bv]
+    tensor-core dot in three TF32 passes, ~fp32: no dependent trips; `_dot_fold`).
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
@@ -592,6 +614,11 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
+    if fold not in _FOLDS:
+        raise ValueError(f"fold must be one of {_FOLDS}, got {fold!r}")
+    if fold == "dot" and path.shape[1] < next_pow2(path.shape[1]):
+        # dot blocks: a power of two >= 16 rows; the extra entries lie past count (zeroed)
+        path = jnp.pad(path, ((0, 0), (0, next_pow2(path.shape[1]) - path.shape[1])))
     length = path.shape[1]
     sel = jnp.clip(accepted, 0, n - 1)
     kf = pad_axis(factors.k, 3, dkp)
@@ -599,7 +626,8 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, unroll=unroll),
+        functools.partial(_commit_kernel, fold=fold,
+                          precision=None if interpret else _PRECISIONS["tf32x3"]),
         grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),

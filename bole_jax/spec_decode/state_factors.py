@@ -25,7 +25,7 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
                  interpret: bool | None = None, block_v: int = 64, num_warps: int = 4,
-                 path=None, count=None, unroll: bool = False):
+                 path=None, count=None, fold: str = "loop"):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -41,13 +41,13 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
     per state tile as exact fp32 rank-1 updates (precision does not apply), moving the commit's
-    floor bytes (read S, write S, the path rows; `unroll`: see `commit_state_pallas`).
+    floor bytes (read S, write S, the path rows; `fold`: see `commit_state_pallas`).
     """
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
                                    num_warps=num_warps, max_path=max_path, interpret=interpret,
-                                   path=path, count=count, unroll=unroll)
+                                   path=path, count=count, fold=fold)
     return _commit_state_einsum(state, factors, parents, accepted, path, count,
                                 max_path=max_path, precision=precision)
 
