@@ -190,13 +190,13 @@ def _decode_fn(cfg):
   return jax.jit(dec, donate_argnums=1)
 
 
-def _verify_fn(cfg, mode: str, backend: str):
+def _verify_fn(cfg, mode: str, backend: str, depth_hint: int | None = None):
   from bole_jax.model import logits
   from bole_jax.spec_decode import verify
 
   def ver(params, cache, tree):  # the complete hybrid tree-verify forward + lm head
     hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode,
-                                                backend=backend)
+                                                backend=backend, depth_hint=depth_hint)
     return jnp.argmax(logits(params, cfg, hidden), axis=-1), parallel.constrain(cache, cfg), auxs
 
   return jax.jit(ver, donate_argnums=1)
@@ -308,7 +308,7 @@ def calibrate(model, batch_buckets: Sequence[int] = DEFAULT_BATCHES,
   batch_buckets, node_buckets, kv_buckets = check_calibration_args(
       batch_buckets, node_buckets, kv_buckets, eps, mode=mode, warmup=warmup, repeats=repeats)
   dtype = params["embed"].dtype
-  dec_fn, ver_fn = _decode_fn(cfg), _verify_fn(cfg, mode, backend)
+  dec_fn, ver_fn = _decode_fn(cfg), _verify_fn(cfg, mode, backend, depth + 1)
   rng = np.random.default_rng(seed)
   entries = []
   groups = [(s, b) for s in kv_buckets for b in batch_buckets]

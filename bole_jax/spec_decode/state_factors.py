@@ -24,8 +24,8 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
-                 interpret: bool | None = None, block_v: int = 64, num_warps: int = 4,
-                 path=None, count=None, fold: str = "loop"):
+                 interpret: bool | None = None, block_v: int = 32, num_warps: int = 4,
+                 path=None, count=None, fold: str = "dot"):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -40,9 +40,9 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
-    per state tile as exact fp32 rank-1 updates (precision does not apply), moving the commit's
-    floor bytes (read S, write S, the path rows; `fold`: see `commit_state_pallas`).
-    """
+    per state tile by one TF32x3 tensor-core dot (fold "dot", ~fp32) or as fp32 rank-1 updates
+    (fold "loop"); precision does not apply. It moves the commit's floor bytes (read S, write
+    S, the path rows)."""
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
