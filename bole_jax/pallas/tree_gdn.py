@@ -72,8 +72,8 @@ class TreeGDNConfig:
       once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
     depth_hint: the most nodes a root path of the caller's trees has (an engine's tree depth
       + 1), or None. With a hint the inverse is unrolled for that depth (static steps: 51 vs
-      57 us at B = 16, N = 64 on the H200) and a request whose tree is deeper (path_len read at
-      run time) takes the run-time loop instead, so any hint is exact; None: always the loop.
+      57 us at B = 16, N = 64 on the H200) and a run-time loop adds the steps a deeper tree
+      needs (path_len read per request), so any hint is exact; None: the loop only.
     bf16_qk: bf16 operands (fp32 accumulation) for K K^T and Q K^T (q, k arrive in bf16 anyway).
     bf16_state: bf16 operands for K S_pre and Q S_pre (the state tile rounded to bf16, as
       flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
@@ -192,7 +192,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
         inv = None
         if cfg.inverse == "matrix":
-            inv = _hinted(lambda d: _inverse_matrix(gmat, d, prec), path_len, cfg.depth_hint)
+            inv = _inverse_matrix(gmat, path_len, prec, cfg.depth_hint)
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
@@ -206,8 +206,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if inv is None:
-                u = _hinted(lambda d: _apply_inverse(gmat, rhs, d, cfg.inverse, prec),
-                            path_len, cfg.depth_hint)
+                u = _apply_inverse(gmat, rhs, path_len, cfg.inverse, prec, cfg.depth_hint)
             else:
                 u = _dot(inv, rhs, prec)
             o = p * qs + _dot(qkg, u, prec)
@@ -266,18 +265,12 @@ def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     return _rank1_fold(count, init, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
 
 
-def _hinted(inverse, path_len, hint: int | None):
-    """inverse(d) for d = nodes on the longest root path: the static form d = hint (unrolled
-    steps) when the request's tree is that shallow, else the run-time loop d = path_len (a
-    traced scalar); without a hint, always the loop."""
-    if hint is None:
-        return inverse(path_len)
-    return jax.lax.cond(path_len <= hint, lambda: inverse(int(hint)), lambda: inverse(path_len))
-
-
-def _inverse_matrix(gmat, path_len, prec):
+def _inverse_matrix(gmat, path_len, prec, hint: int | None = None):
     """T = (I + G)^-1 = prod_m (I + X^(2^m)), X = -G, by squaring: 2 dependent [Np, Np] dots per
-    doubling of the covered depth (2 steps for path_len <= 8)."""
+    doubling of the covered depth (2 steps for path_len <= 8). path_len: nodes on the longest
+    root path (traced); hint: the steps a tree of that many nodes per path needs are unrolled
+    (static code), a run-time loop adds any further steps a deeper tree needs (none when the
+    hint holds: one compare)."""
     n = gmat.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
     x = -gmat
@@ -288,40 +281,36 @@ def _inverse_matrix(gmat, path_len, prec):
         x = _dot(x, x, prec)
         return width * 2, x, t + _dot(t, x, prec)
 
-    if isinstance(path_len, int):
-        width = 2
-        while width < path_len:
-            width, x, t = body((width, x, t))
-        return t
-    return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(2), x, t))[2]
+    width = 2
+    while hint is not None and width < hint:
+        width, x, t = body((width, x, t))
+    return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(width), x, t))[2]
 
 
-def _apply_inverse(gmat, rhs, path_len, method, prec):
-    """(I + G)^-1 rhs for G nilpotent of index <= path_len (static int or traced scalar)."""
+def _apply_inverse(gmat, rhs, path_len, method, prec, hint: int | None = None):
+    """(I + G)^-1 rhs for G nilpotent of index <= path_len (traced); hint as in
+    `_inverse_matrix` (static steps first, a run-time loop for the rest)."""
     if method == "neumann":
         def body(_, zu):
             z, u = zu
             z = -_dot(gmat, z, prec)
             return z, u + z
 
-        return jax.lax.fori_loop(0, path_len - 1, body, (rhs, rhs))[1]
+        zu, done = (rhs, rhs), 0
+        while hint is not None and done < hint - 1:
+            zu, done = body(done, zu), done + 1
+        return jax.lax.fori_loop(done, path_len - 1, body, zu)[1]
     if method == "squaring":
         # prod_m (I + (-G)^(2^m)) = sum_{j < 2^steps} (-G)^j: exact once 2^steps >= path_len.
-        if isinstance(path_len, int):
-            x, u, width = -gmat, rhs, 1
-            while width < path_len:
-                u = u + _dot(x, u, prec)
-                width *= 2
-                if width < path_len:
-                    x = _dot(x, x, prec)
-            return u
-
         def body(c):
             width, x, u = c
             return width * 2, _dot(x, x, prec), u + _dot(x, u, prec)
 
+        c = (1, -gmat, rhs)
+        while hint is not None and c[0] < hint:
+            c = body(c)
         return jax.lax.while_loop(lambda c: c[0] < path_len, body,
-                                  (jnp.int32(1), -gmat, rhs))[2]
+                                  (jnp.int32(c[0]),) + c[1:])[2]
     raise ValueError(f"inverse must be one of {_INVERSES}, got {method!r}")
 
 
