@@ -127,7 +127,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
         return "auto"
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
-                inv="inverse", db="depth_hint", qk="bf16_qk", st="bf16_state",
+                inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
                 prec="precision", fold="fold")
     kw = {}
     for item in filter(None, spec.split(",")):
@@ -147,8 +147,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
 
 def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
     """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n, MAX_DEPTH)` (the
-    trees' depth bound as the hint, as a decode step passes its tree shape's), duplicates
-    dropped."""
+    trees' depth bound, as a decode step passes its tree shape's), duplicates dropped."""
     out = []
     for c in cfgs:
         c = TreeGDNConfig.auto(b, n, MAX_DEPTH) if c == "auto" else c
@@ -171,8 +170,8 @@ def cfg_str(cfg) -> str:
         s += f",tpp={cfg.tiles_per_program}"
     if cfg.num_stages != 1:
         s += f",ns={cfg.num_stages}"
-    if cfg.depth_hint is not None:
-        s += f",db={cfg.depth_hint}"
+    if cfg.depth_bound is not None:
+        s += f",db={cfg.depth_bound}"
     if cfg.bf16_qk:
         s += ",qk=1"
     if cfg.bf16_state:

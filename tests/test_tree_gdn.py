@@ -18,7 +18,7 @@ from bole_jax.pallas import tree_gdn_ref as ref
 from bole_jax.pallas.tree_gdn import (TreeGDNConfig, apply_pending, pending_commit,
                                       tree_gdn_verify)
 from bole_jax.pallas.tree_utils import (PendingCommit, check_parents, random_gdn_inputs,
-                                        random_trees, tree_structure)
+                                        random_parents, random_trees, tree_structure)
 from bole_jax.spec_decode.state_factors import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -124,23 +124,16 @@ KERNEL_CASES = [
      TreeGDNConfig(block_v=16, heads_per_program=3, inverse="neumann")),
     (16, 2, 4, 16, 64, ("bushy", "forest"), jnp.bfloat16, TreeGDNConfig(block_v=32)),
     (37, 1, 2, 16, 16, ("deep", "random"), np.float32,
-     TreeGDNConfig(block_v=16, depth_hint=37)),
+     TreeGDNConfig(block_v=16, depth_bound=37)),
     (64, 1, 1, 128, 128, ("random",), jnp.bfloat16,
-     TreeGDNConfig(block_v=64, depth_hint=8, inverse="neumann")),
+     TreeGDNConfig(block_v=64, depth_bound=8, inverse="neumann")),
     (128, 1, 2, 16, 16, ("chain", "random"), np.float32, TreeGDNConfig(block_v=16)),
     (20, 1, 2, 24, 40, ("random", "forest"), np.float32, TreeGDNConfig(inverse="neumann")),
     (33, 2, 4, 16, 64, ("random", "deep", "forest"), np.float32,
      TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", heads_per_program=2)),
     (12, 1, 2, 16, 32, ("chain", "bushy"), jnp.bfloat16,
-     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="squaring", depth_hint=12)),
-    (64, 1, 1, 16, 16, ("chain",), np.float32, TreeGDNConfig(inverse="matrix", depth_hint=64)),
-    # a hint below some requests' depth: those take the run-time loop (still exact)
-    (24, 1, 2, 16, 16, ("chain", "random", "deep"), np.float32,
-     TreeGDNConfig(block_v=16, inverse="matrix", depth_hint=4)),
-    (24, 1, 2, 16, 16, ("chain", "star", "deep"), np.float32,
-     TreeGDNConfig(block_v=16, inverse="squaring", depth_hint=3)),
-    (17, 1, 2, 16, 16, ("deep", "bushy", "chain"), np.float32,
-     TreeGDNConfig(block_v=16, inverse="neumann", depth_hint=5)),
+     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="squaring", depth_bound=12)),
+    (64, 1, 1, 16, 16, ("chain",), np.float32, TreeGDNConfig(inverse="matrix", depth_bound=64)),
     (24, 2, 4, 32, 32, ("random", "bushy"), jnp.bfloat16,  # bf16 operands (the GPU default)
      TreeGDNConfig(block_v=16, num_warps=2, bf16_qk=True, bf16_state=True)),
     (40, 1, 2, 16, 32, ("random", "deep"), np.float32,
@@ -152,8 +145,12 @@ KERNEL_CASES = [
                          ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].inverse}")
 def test_kernel_matches_reference(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
+    if cfg.depth_bound is not None and "random" not in kinds and n > cfg.depth_bound:
+        pytest.skip("depth bound below tree depth")
     seed = RUN_SEED
     x, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, kinds, ragged=True, dtype=dtype)
+    if cfg.depth_bound is not None:  # a static bound must cover the trees it is used with
+        assert int(tree_structure(parents, num_nodes).path_len.max()) <= cfg.depth_bound
     o_ref, f_ref = tree_gdn_verify(*_args(x), parents, num_nodes, backend="reference")
     o, f = tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
                            config=cfg)
@@ -170,6 +167,27 @@ def test_kernel_matches_reference(case):
     m = _valid(num_nodes, n)
     for arr in (o, f.u, f.k, f.gamma):
         assert not np.any(np.asarray(arr, np.float32)[~m]), f"padding not zero: {msg}"
+
+
+@pytest.mark.parametrize("inverse", ["matrix", "squaring", "neumann"])
+def test_depth_bound_broken_is_nan(inverse):
+    """A request whose tree is deeper than the static depth bound gets NaN outputs and u (a
+    wrong bound is loud); the requests within it are exact."""
+    rng = np.random.default_rng(RUN_SEED)
+    n, bound = 12, 4
+    parents = np.stack([random_parents(rng, n, kind)
+                        for kind in ("chain", "star", "deep")]).astype(np.int32)
+    num_nodes = np.array([3, n, n], np.int32)  # chain of 3 and a star: within; deep: beyond
+    x = random_gdn_inputs(rng, 3, n, 1, 2, 16, 16)
+    plen = np.asarray(tree_structure(jnp.asarray(parents), jnp.asarray(num_nodes)).path_len)
+    assert plen[0] <= bound and plen[1] <= bound and plen[2] > bound, plen
+    o_ref, f_ref = tree_gdn_verify(*_args(x), parents, num_nodes, backend="reference")
+    o, f = tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
+                           config=TreeGDNConfig(block_v=16, inverse=inverse, depth_bound=bound))
+    for r in (0, 1):
+        m = slice(0, num_nodes[r])
+        assert rel(o[r, m], o_ref[r, m]) <= 1e-5 and rel(f.u[r, m], f_ref.u[r, m]) <= 2e-5, r
+    assert np.isnan(np.asarray(o[2])).all() and np.isnan(np.asarray(f.u[2])).all()
 
 
 def test_kernel_state_reconstruction_every_node():
@@ -348,7 +366,7 @@ def test_bad_shapes_raise():
     (64, TreeGDNConfig(block_v=32, heads_per_program=2, inverse="squaring", bf16_qk=True,
                        bf16_state=True, num_warps=8)),
     (32, TreeGDNConfig(block_v=64, precision="tf32x3")),
-    (16, TreeGDNConfig(block_v=128, depth_hint=8, inverse="squaring", precision="highest")),
+    (16, TreeGDNConfig(block_v=128, depth_bound=8, inverse="squaring", precision="highest")),
     (64, TreeGDNConfig(block_v=32, tiles_per_program=4, inverse="matrix", num_warps=8)),
 ])
 def test_kernel_lowers_to_triton(n, cfg):

@@ -70,10 +70,11 @@ class TreeGDNConfig:
       > 1 reuses K K^T, Q K^T, Gam, G (and T with "matrix") across them, with fewer programs.
     inverse: "neumann", "squaring" (applied to each value tile) or "matrix" (T = (I + G)^-1 formed
       once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
-    depth_hint: the most nodes a root path of the caller's trees has (an engine's tree depth
-      + 1), or None. With a hint the inverse is unrolled for that depth (static steps: 51 vs
-      57 us at B = 16, N = 64 on the H200) and a run-time loop adds the steps a deeper tree
-      needs (path_len read per request), so any hint is exact; None: the loop only.
+    depth_bound: the most nodes a root path of the caller's trees can have (a decode step's
+      tree depth + 1), or None. With a bound the inverse is unrolled for that depth (static
+      code: 51 vs 57 us at B = 16, N = 64 on the H200, s7) and a request whose tree is deeper
+      gets NaN outputs and factors (so a wrong bound is loud); None: the exact number of steps
+      read per request at run time (path_len), in a loop.
     bf16_qk: bf16 operands (fp32 accumulation) for K K^T and Q K^T (q, k arrive in bf16 anyway).
     bf16_state: bf16 operands for K S_pre and Q S_pre (the state tile rounded to bf16, as
       flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
@@ -90,14 +91,14 @@ class TreeGDNConfig:
     num_warps: int | None = None
     num_stages: int = 1
     inverse: str = "squaring"
-    depth_hint: int | None = None
+    depth_bound: int | None = None
     bf16_qk: bool = False
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
 
     @classmethod
-    def auto(cls, batch: int, nodes: int, depth_hint: int | None = None) -> "TreeGDNConfig":
+    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
         """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
         benchmarks/results/tree_gdn_h200_s6/): bf16 q/k/state operands everywhere (verify
         1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
@@ -105,10 +106,10 @@ class TreeGDNConfig:
         inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
         64 columns on 2 warps for N <= 32 and a whole value head on 4 warps for N = 64 above
         (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
-        2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_hint
-        (the caller's tree depth + 1, exact for any tree): the inverse unrolled for it
-        (session 7: 57 -> 51 us at B = 16 N = 64, 211 -> 190 us at B = 64)."""
-        kw = dict(bf16_qk=True, bf16_state=True, depth_hint=depth_hint)
+        2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_bound
+        (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
+        B = 16 N = 64, 211 -> 190 us at B = 64)."""
+        kw = dict(bf16_qk=True, bf16_state=True, depth_bound=depth_bound)
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
         if batch == 1:
@@ -172,6 +173,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     qk = _dot(qb, kb, prec, trans_b=True)
     kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
     path_len = plen_ref[...]
+    # depth_bound: the inverse's steps unrolled for it (static code; a run-time loop or cond
+    # around them measured 10% slower at B = 16 N = 64); a request whose tree breaks the bound
+    # gets NaN outputs and factors (loud, never silently wrong).
+    depth = path_len if cfg.depth_bound is None else cfg.depth_bound
+    broken = None if cfg.depth_bound is None else path_len > cfg.depth_bound
 
     gate_mask = None if inb is None else inb[:, 0]
 
@@ -192,7 +198,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
         inv = None
         if cfg.inverse == "matrix":
-            inv = _inverse_matrix(gmat, path_len, prec, cfg.depth_hint)
+            inv = _inverse_matrix(gmat, depth, prec)
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
@@ -206,10 +212,12 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if inv is None:
-                u = _apply_inverse(gmat, rhs, path_len, cfg.inverse, prec, cfg.depth_hint)
+                u = _apply_inverse(gmat, rhs, depth, cfg.inverse, prec)
             else:
                 u = _dot(inv, rhs, prec)
             o = p * qs + _dot(qkg, u, prec)
+            if broken is not None:
+                o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
             _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
             _store(u_ref.at[:, j, cols], u, inb)
             return c
@@ -265,12 +273,9 @@ def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     return _rank1_fold(count, init, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
 
 
-def _inverse_matrix(gmat, path_len, prec, hint: int | None = None):
+def _inverse_matrix(gmat, path_len, prec):
     """T = (I + G)^-1 = prod_m (I + X^(2^m)), X = -G, by squaring: 2 dependent [Np, Np] dots per
-    doubling of the covered depth (2 steps for path_len <= 8). path_len: nodes on the longest
-    root path (traced); hint: the steps a tree of that many nodes per path needs are unrolled
-    (static code), a run-time loop adds any further steps a deeper tree needs (none when the
-    hint holds: one compare)."""
+    doubling of the covered depth (2 steps for path_len <= 8)."""
     n = gmat.shape[0]
     idx = jnp.arange(n, dtype=jnp.int32)
     x = -gmat
@@ -281,36 +286,40 @@ def _inverse_matrix(gmat, path_len, prec, hint: int | None = None):
         x = _dot(x, x, prec)
         return width * 2, x, t + _dot(t, x, prec)
 
-    width = 2
-    while hint is not None and width < hint:
-        width, x, t = body((width, x, t))
-    return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(width), x, t))[2]
+    if isinstance(path_len, int):
+        width = 2
+        while width < path_len:
+            width, x, t = body((width, x, t))
+        return t
+    return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(2), x, t))[2]
 
 
-def _apply_inverse(gmat, rhs, path_len, method, prec, hint: int | None = None):
-    """(I + G)^-1 rhs for G nilpotent of index <= path_len (traced); hint as in
-    `_inverse_matrix` (static steps first, a run-time loop for the rest)."""
+def _apply_inverse(gmat, rhs, path_len, method, prec):
+    """(I + G)^-1 rhs for G nilpotent of index <= path_len (static int or traced scalar)."""
     if method == "neumann":
         def body(_, zu):
             z, u = zu
             z = -_dot(gmat, z, prec)
             return z, u + z
 
-        zu, done = (rhs, rhs), 0
-        while hint is not None and done < hint - 1:
-            zu, done = body(done, zu), done + 1
-        return jax.lax.fori_loop(done, path_len - 1, body, zu)[1]
+        return jax.lax.fori_loop(0, path_len - 1, body, (rhs, rhs))[1]
     if method == "squaring":
         # prod_m (I + (-G)^(2^m)) = sum_{j < 2^steps} (-G)^j: exact once 2^steps >= path_len.
+        if isinstance(path_len, int):
+            x, u, width = -gmat, rhs, 1
+            while width < path_len:
+                u = u + _dot(x, u, prec)
+                width *= 2
+                if width < path_len:
+                    x = _dot(x, x, prec)
+            return u
+
         def body(c):
             width, x, u = c
             return width * 2, _dot(x, x, prec), u + _dot(x, u, prec)
 
-        c = (1, -gmat, rhs)
-        while hint is not None and c[0] < hint:
-            c = body(c)
         return jax.lax.while_loop(lambda c: c[0] < path_len, body,
-                                  (jnp.int32(c[0]),) + c[1:])[2]
+                                  (jnp.int32(1), -gmat, rhs))[2]
     raise ValueError(f"inverse must be one of {_INVERSES}, got {method!r}")
 
 
@@ -416,7 +425,7 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
                     tree: TreeStructure | None = None, backend: str = "auto",
                     interpret: bool | None = None, config: TreeGDNConfig | None = None,
-                    pending: PendingCommit | None = None, depth_hint: int | None = None):
+                    pending: PendingCommit | None = None, depth_bound: int | None = None):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -425,9 +434,10 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     num_nodes [B] int32 or None (nodes >= num_nodes are padding: zero outputs and factors).
     tree: `tree_structure(parents, num_nodes)`, computed once per step and shared by all layers
     (computed here when None). backend: "auto" | "pallas" | "reference". config: launch
-    parameters of the kernel (None: `TreeGDNConfig.auto(B, N, depth_hint)` on a GPU).
-    depth_hint: the most nodes on a root path of the caller's trees (a decode step's tree depth
-    + 1), used by the auto config (`TreeGDNConfig.depth_hint`: any value is exact).
+    parameters of the kernel (None: `TreeGDNConfig.auto(B, N, depth_bound)` on a GPU).
+    depth_bound: the most nodes on a root path of the caller's trees (a decode step's tree depth
+    + 1), used by the auto config (`TreeGDNConfig.depth_bound`: a request whose tree is deeper
+    gets NaN outputs and factors from the kernel; the reference backend ignores it).
 
     pending: the previous step's commit, not yet applied (`pending_commit`, the lazy commit):
     the verify starts from S = apply_pending(state, pending) and also returns that state. The
@@ -467,8 +477,8 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         num_nodes = jnp.full((b,), n, jnp.int32)
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
     # (tests compare against the fp32 reference there).
-    cfg = config or (TreeGDNConfig(depth_hint=depth_hint) if interpret
-                     else TreeGDNConfig.auto(b, n, depth_hint))
+    cfg = config or (TreeGDNConfig(depth_bound=depth_bound) if interpret
+                     else TreeGDNConfig.auto(b, n, depth_bound))
     if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
             or cfg.fold not in _FOLDS):
         raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "

@@ -190,13 +190,13 @@ def _decode_fn(cfg):
   return jax.jit(dec, donate_argnums=1)
 
 
-def _verify_fn(cfg, mode: str, backend: str, depth_hint: int | None = None):
+def _verify_fn(cfg, mode: str, backend: str, depth_bound: int | None = None):
   from bole_jax.model import logits
   from bole_jax.spec_decode import verify
 
   def ver(params, cache, tree):  # the complete hybrid tree-verify forward + lm head
     hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode,
-                                                backend=backend, depth_hint=depth_hint)
+                                                backend=backend, depth_bound=depth_bound)
     return jnp.argmax(logits(params, cfg, hidden), axis=-1), parallel.constrain(cache, cfg), auxs
 
   return jax.jit(ver, donate_argnums=1)

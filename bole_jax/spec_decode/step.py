@@ -122,7 +122,7 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
   tree = select(spec, state, pool)
   hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
                                               backend=spec.backend,
-                                              depth_hint=spec.shape.depth + 1)
+                                              depth_bound=spec.shape.depth + 1)
   acc = accept(tree, lm_logits(params, cfg, hidden), state.sampling, k_acc,
                max_depth=spec.shape.depth, max_children=spec.shape.topk)
   cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)

@@ -72,7 +72,7 @@ def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) ->
 
 
 def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeStructure, *,
-                   cfg: ModelConfig, mode: str, backend: str, depth_hint: int | None = None):
+                   cfg: ModelConfig, mode: str, backend: str, depth_bound: int | None = None):
   """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut,
   state): state [B, HV, dk, dv] fp32 is the committed state the verify started from when the
   cache carried a pending commit (it was folded in: the cache takes it), else None."""
@@ -94,12 +94,12 @@ def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeSt
     o, factors, new_state = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
                                                      tree.num_nodes, backend=backend, tree=ts,
                                                      pending=cache.pending,
-                                                     depth_hint=depth_hint)
+                                                     depth_bound=depth_bound)
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "bole":
     o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, state, tree.parents,
                                           tree.num_nodes, backend=backend, tree=ts,
-                                          depth_hint=depth_hint)
+                                          depth_bound=depth_bound)
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "pernode":
     o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, state, tree.parents,
@@ -113,7 +113,7 @@ def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeSt
 
 
 def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
-                    mode: str, backend: str, depth_hint: int | None = None):
+                    mode: str, backend: str, depth_bound: int | None = None):
   """One GDN layer's verify: (output [B, N, H], GDNVerifyOut, the layer's cache afterwards: its
   pending commit, if any, folded into the state and cleared)."""
   qkv, z, g, beta = gdn_in_proj(p, x, cfg)
@@ -125,7 +125,7 @@ def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: M
   lazy = cache.pending is not None
   core = parallel.over_gdn_heads(
       functools.partial(_gdn_tree_core, cfg=parallel.gdn_local_cfg(cfg), mode=mode,
-                        backend=backend, depth_hint=depth_hint), cfg,
+                        backend=backend, depth_bound=depth_bound), cfg,
       in_specs=(parallel.split_at(1), heads, heads, heads,
                 parallel.gdn_cache_specs(cfg, pending=lazy), parallel.REPLICATED,
                 parallel.REPLICATED),
@@ -137,15 +137,15 @@ def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: M
 
 
 def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: str = "bole",
-                   backend: str = "auto", depth_hint: int | None = None):
+                   backend: str = "auto", depth_bound: int | None = None):
   """Run all tree nodes through the target.
 
   Returns hidden [B, N, H] (after the final norm), the cache with the node KV rows written after
   each prefix (lengths unchanged, committed rows untouched; a GDN layer's pending commit, if
   any, is folded into its state and cleared: the committed state is the same), and one
-  GDNVerifyOut per GDN layer (None for attention layers). depth_hint: the most nodes on a root
-  path of these trees (the tree shape's depth + 1), or None: lets the bole kernel unroll its
-  inverse for that depth (`tree_gdn_verify`; exact for any tree).
+  GDNVerifyOut per GDN layer (None for attention layers). depth_bound: the most nodes on a root
+  path of these trees (the tree shape's depth + 1, which no tree of the step exceeds), or None:
+  lets the bole kernel unroll its inverse for that depth (`tree_gdn_verify`).
   """
   if mode not in GDN_MODES:
     raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
@@ -159,7 +159,7 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
     if cfg.layer_types[i] == LINEAR:
       h, aux, c = _gdn_tree_layer(lp["gdn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps),
-                                  c, tree, ts, cfg, mode, backend, depth_hint)
+                                  c, tree, ts, cfg, mode, backend, depth_bound)
       x = mlp_block(lp, x + h, cfg)
     else:
       if mask is None:
