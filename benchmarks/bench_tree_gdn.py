@@ -618,10 +618,10 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         fac = [tree_gdn_verify(*s, parents_d, num_nodes, tree=tree, backend="pallas",
                                interpret=INTERPRET, config=cfg)[1] for s in sets]
         point["bole_commit"] = []
-        variants = [dict(backend="pallas", block_v=32, num_warps=4),
-                    dict(backend="pallas", block_v=32, num_warps=2),
-                    dict(backend="pallas", block_v=64, num_warps=4),
-                    dict(backend="pallas", block_v=128, num_warps=4),
+        variants = [dict(backend="pallas", block_v=32, num_warps=4, fold="loop"),
+                    dict(backend="pallas", block_v=32, num_warps=2, fold="loop"),
+                    dict(backend="pallas", block_v=64, num_warps=4, fold="loop"),
+                    dict(backend="pallas", block_v=128, num_warps=4, fold="loop"),
                     dict(backend="pallas", block_v=32, num_warps=4, fold="dot"),
                     dict(backend="pallas", block_v=64, num_warps=4, fold="dot"),
                     dict(backend="pallas", block_v=128, num_warps=4, fold="dot"),
