@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -172,11 +173,17 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
+# How the Pallas commit adds the accepted path's rows: "dot" (one TF32x3 tensor-core dot, the
+# default since session 7) or "loop" (fp32 rank-1 updates): env BOLE_COMMIT_FOLD, read at import,
+# for A/B checks of the engine on a GPU (docs/NOTES.md).
+COMMIT_FOLD = os.environ.get("BOLE_COMMIT_FOLD", "dot")
+
+
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
   """state_factors.commit_state with the step's accepted path (no walk per layer), per device
   on its own heads under tensor parallelism."""
   def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
-    return state_factors.commit_state(s, f, p, a, path=pa, count=c)
+    return state_factors.commit_state(s, f, p, a, path=pa, count=c, fold=COMMIT_FOLD)
 
   if cfg is None:
     return commit(state, factors, parents, last, path, count)
