@@ -104,6 +104,22 @@ def test_greedy_bole_with_draft_vocab_equals_ar(model):
   assert llm.params["mtp"]["draft_head"].shape == (cfg.hidden_size, 24)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_greedy_bole_with_pallas_kernels_equals_ar(model, lazy):
+  """The engine on the Pallas kernels (interpret mode here; the GPU default): the tree verify
+  with the step's static depth bound (tree depth + 1; a request past it would get NaN), the
+  dot-fold commit kernel (eager) or the verify's fold (lazy), the tree conv kernel."""
+  cfg, params, prompts, ar = model
+  if cfg.num_experts or cfg.family != "qwen3_next":
+    pytest.skip("kernel plumbing, not model family: one family covers it")
+  llm = LLM(cfg, params=params, spec_options=dict(SYNTHETIC, backend="pallas", lazy_commit=lazy))
+  out = llm.generate(prompts[:2], max_new_tokens=24, spec="bole",
+                     oracle=[o.token_ids for o in ar[:2]])
+  for a, o in zip(ar, out):
+    assert o.token_ids == a.token_ids[:24]
+  assert np.mean([o.stats["tokens_per_step"] for o in out]) > 2.0
+
+
 def test_default_mode_is_bole_with_mtp_else_ar():
   cfg = _cfg("qwen3_next")
   assert LLM(cfg).default_spec == "bole"
