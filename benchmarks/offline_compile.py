@@ -1,0 +1,152 @@
+"""Compile the Bole verify kernel for sm_90 without a GPU: registers, spills, shared memory, SASS.
+
+The GPU image compiles Pallas kernels inside XLA (no line info, nothing to read back), so this
+lowers the kernel here, takes the Triton module that `pallas_call(debug=True)` prints, strips its
+location annotations, and compiles it with a separately installed Triton (its own Python: Triton
+is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
+
+    python benchmarks/offline_compile.py --triton-python /path/to/venv/bin/python \\
+        --B 16 --N 64 --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix",
+        "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending] [--out DIR]
+
+Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
+opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
+build gave the B = 1 launch 234 registers where this gives 252), and nothing here is timed.
+Qwen3-Next dims: Hk 16, HV 32, dk = dv 128, bf16 q/k/v, fp32 state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_COMPILE = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=int(sys.argv[2]), num_stages=int(sys.argv[3])))
+open(sys.argv[4], "w").write(k.asm["ptx"])
+print(k.metadata.shared)
+bin_dir = __import__("os").path.join(__import__("os").path.dirname(triton.__file__),
+                                     "backends", "nvidia", "bin")
+print(bin_dir)
+"""
+
+
+def triton_module(b: int, n: int, cfg, pending: bool) -> str:
+    """The kernel's Triton module as text, as pallas_call(debug=True) prints it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    import bole_jax.pallas.tree_gdn as tg
+    from bole_jax.pallas.tree_utils import PendingCommit, tree_structure
+
+    hk, hv, d, length = 16, 32, 128, 8
+    sd = jax.ShapeDtypeStruct
+    q, v = sd((b, n, hk, d), jnp.bfloat16), sd((b, n, hv, d), jnp.bfloat16)
+    g, state, parents = sd((b, n, hv), jnp.float32), sd((b, hv, d, d), jnp.float32), sd((b, n),
+                                                                                        jnp.int32)
+    pend = PendingCommit(k=sd((b, length, hk, d), jnp.float32),
+                         u=sd((b, length, hv, d), jnp.float32), w=sd((b, length, hv), jnp.float32),
+                         p_sel=sd((b, hv), jnp.float32), count=sd((b,), jnp.int32)) \
+        if pending else None
+
+    def f(q, k, v, g, beta, s, parents, pend):
+        tree = tree_structure(parents, None)
+        tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+        return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
+                                  backend="pallas", interpret=False, config=cfg, pending=pend)
+
+    orig = pl.pallas_call
+
+    def debug_call(*a, **kw):
+        return orig(*a, **dict(kw, debug=True))
+
+    buf = io.StringIO()
+    tg.pl.pallas_call = debug_call
+    try:
+        with contextlib.redirect_stdout(buf):
+            jax.jit(f).trace(q, q, v, g, g, state, parents, pend).lower(
+                lowering_platforms=("cuda",))
+    finally:
+        tg.pl.pallas_call = orig
+    text = buf.getvalue()
+    start = text.index("The Triton module for pallas_call")
+    return text[text.index("\n", start) + 1:]
+
+
+def strip_locations(text: str) -> str:
+    """Drop the pretty-printed debug locations (not parseable MLIR) and anything after the
+    module."""
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("#loc") or line.strip() == "at":
+            continue
+        line = re.sub(r' "[^"]*"\(#loc\d*\)', "", line)
+        line = re.sub(r" \(?#loc\d*\)?", "", line)
+        lines.append(line.replace(" [unknown]", ""))
+        if line.startswith("}"):
+            break
+    out = "".join(lines)
+    return out[out.index("module @"):]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--triton-python", required=True,
+                    help="a Python with Triton installed (e.g. a venv with triton==3.6)")
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--N", type=int, default=64)
+    ap.add_argument("--config", default="{}", help="TreeGDNConfig fields as JSON")
+    ap.add_argument("--pending", action="store_true", help="the lazy-commit (folding) variant")
+    ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
+    args = ap.parse_args(argv)
+    from bole_jax.pallas.tree_gdn import TreeGDNConfig
+    try:
+        cfg = TreeGDNConfig(**json.loads(args.config))
+    except (TypeError, ValueError) as e:
+        ap.error(f"--config: {e}")
+    num_warps = cfg.num_warps or (4 if args.N <= 64 else 8)
+    out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
+    os.makedirs(out, exist_ok=True)
+    ttir, ptx, cubin = (os.path.join(out, f"bole_tree_gdn.{e}") for e in ("ttir", "ptx", "cubin"))
+    with open(ttir, "w") as f:
+        f.write(strip_locations(triton_module(args.B, args.N, cfg, args.pending)))
+    res = subprocess.run([args.triton_python, "-c", _COMPILE, ttir, str(num_warps),
+                          str(cfg.num_stages), ptx], capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
+    shared, bin_dir = res.stdout.split()[-2:]
+    ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                            cubin], capture_output=True, text=True)
+    if ptxas.returncode:
+        sys.exit(f"ptxas failed:\n{ptxas.stderr[-3000:]}")
+    info = " ".join(line.split("ptxas info    :")[-1].strip() for line in ptxas.stderr.splitlines()
+                    if "registers" in line or "spill" in line)
+    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
+                          capture_output=True, text=True).stdout
+    with open(os.path.join(out, "bole_tree_gdn.sass"), "w") as f:
+        f.write(sass)
+    ops = [m.group(1).split(".")[0] for m in
+           re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
+    print(f"B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
+    print(f"shared {int(shared)} bytes | {info}")
+    print(f"SASS {len(ops)} instructions; top: "
+          + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
+    print(f"files: {out}")
+
+
+if __name__ == "__main__":
+    main()
