@@ -12,7 +12,7 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
 opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
 build gave the B = 1 launch 234 registers where this gives 252), and nothing here is timed.
-Qwen3-Next dims: Hk 16, HV 32, dk = dv 128, bf16 q/k/v, fp32 state.
+Qwen3-Next dims (bench_tree_gdn.py's): Hk 16, HV 32, dk = dv 128, bf16 q/k/v, fp32 state.
 """
 
 from __future__ import annotations
@@ -51,17 +51,18 @@ def triton_module(b: int, n: int, cfg, pending: bool) -> str:
     from jax.experimental import pallas as pl
 
     import bole_jax.pallas.tree_gdn as tg
+    from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
     from bole_jax.pallas.tree_utils import PendingCommit, tree_structure
 
-    hk, hv, d, length = 16, 32, 128, 8
     sd = jax.ShapeDtypeStruct
-    q, v = sd((b, n, hk, d), jnp.bfloat16), sd((b, n, hv, d), jnp.bfloat16)
-    g, state, parents = sd((b, n, hv), jnp.float32), sd((b, hv, d, d), jnp.float32), sd((b, n),
-                                                                                        jnp.int32)
-    pend = PendingCommit(k=sd((b, length, hk, d), jnp.float32),
-                         u=sd((b, length, hv, d), jnp.float32), w=sd((b, length, hv), jnp.float32),
-                         p_sel=sd((b, hv), jnp.float32), count=sd((b,), jnp.int32)) \
-        if pending else None
+    q, v = sd((b, n, HK, DK), jnp.bfloat16), sd((b, n, HV, DV), jnp.bfloat16)
+    g, state, parents = sd((b, n, HV), jnp.float32), sd((b, HV, DK, DV), jnp.float32), sd((b, n),
+                                                                                          jnp.int32)
+    # pending: the accepted path's rows, as many as bench_tree_gdn's trees' depth bound
+    pend = PendingCommit(k=sd((b, MAX_DEPTH, HK, DK), jnp.float32),
+                         u=sd((b, MAX_DEPTH, HV, DV), jnp.float32),
+                         w=sd((b, MAX_DEPTH, HV), jnp.float32), p_sel=sd((b, HV), jnp.float32),
+                         count=sd((b,), jnp.int32)) if pending else None
 
     def f(q, k, v, g, beta, s, parents, pend):
         tree = tree_structure(parents, None)

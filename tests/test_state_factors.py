@@ -82,8 +82,8 @@ def test_commit_with_the_callers_path(backend):
     _, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     _, factors = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
     kw = dict(backend=backend.split("-")[0], interpret=True, block_v=16)
-    if backend == "pallas-dot":
-        kw["fold"] = "dot"
+    if backend != "reference":  # both kernel folds, explicitly (the default is "dot")
+        kw["fold"] = "dot" if backend == "pallas-dot" else "loop"
     for sel in range(-1, n):
         acc = np.minimum(np.full(b, sel), num_nodes - 1).astype(np.int32)
         walk = np.asarray(accepted_path(parents, acc, n))  # accepted first, -1 past the root
