@@ -683,16 +683,18 @@ def run_e2e(a) -> dict:
         say(f"[bench] B={b} {m}: failed ({_short(e)})")
         continue
       num_out, out = np.asarray(state.num_out), np.asarray(state.out)
-      agree = None
+      agree, diverge = None, None
       if ar_out is not None:
-        agree = float(np.mean([np.mean(out[i, :num_out[i]] == ar_out[i, :num_out[i]])
-                               for i in range(n)]))
+        same = [out[i, :num_out[i]] == ar_out[i, :num_out[i]] for i in range(n)]
+        agree = float(np.mean([np.mean(x) for x in same]))
+        # per request: the first generated position that differs from AR (None: identical)
+        diverge = [None if x.all() else int(np.argmin(x)) for x in same]
       cap = state.cache.capacity
       nodes = spec.shape.num_nodes if spec else 1
       row = dict(mode=m, batch=b, nodes=nodes, budget=(spec.budget if spec else None) or "-",
                  width_from=pl["choice"].source if spec and m != "chain" else "-",
                  **{k: v for k, v in r.items() if k != "batch"}, ar_agreement=agree,
-                 kv_capacity=cap,
+                 ar_first_divergence=diverge, kv_capacity=cap,
                  **memory_per_request(cfg, m, nodes if spec else 0, cap, dtype))
       if p is not None and spec is not None:
         row["expected_tokens_per_step"] = expected_tokens_per_step(

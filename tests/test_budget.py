@@ -320,6 +320,7 @@ def test_bench_e2e_tiny(tmp_path):
   assert set(rows) == {"ar", "bole", "pernode", "chain"}
   for m, r in rows.items():
     assert r["ar_agreement"] == 1.0, m  # greedy fp32: lossless, also with the budget binding
+    assert r["ar_first_divergence"] == [None, None], m
     assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
   assert rows["bole"]["budget"] == 5 and rows["chain"]["budget"] == "-"
   assert rows["bole"]["tokens_per_step"] > 1.3 and rows["ar"]["tokens_per_step"] == 1.0
