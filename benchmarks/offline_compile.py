@@ -44,8 +44,9 @@ print(bin_dir)
 """
 
 
-def triton_module(b: int, n: int, cfg, pending: bool) -> str:
-    """The kernel's Triton module as text, as pallas_call(debug=True) prints it."""
+def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
+    """The verify's Triton modules as text, as pallas_call(debug=True) prints them (one per
+    launch: two with split=True, prep then apply)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -83,9 +84,8 @@ def triton_module(b: int, n: int, cfg, pending: bool) -> str:
                 lowering_platforms=("cuda",))
     finally:
         tg.pl.pallas_call = orig
-    text = buf.getvalue()
-    start = text.index("The Triton module for pallas_call")
-    return text[text.index("\n", start) + 1:]
+    parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
+    return [part[part.index("\n") + 1:] for part in parts]
 
 
 def strip_locations(text: str) -> str:
@@ -122,11 +122,23 @@ def main(argv=None):
     num_warps = cfg.num_warps or (4 if args.N <= 64 else 8)
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
-    ttir, ptx, cubin = (os.path.join(out, f"bole_tree_gdn.{e}") for e in ("ttir", "ptx", "cubin"))
+    print(f"B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
+    modules = triton_modules(args.B, args.N, cfg, args.pending)
+    for i, module in enumerate(modules):
+        name = "bole_tree_gdn" + (f"_{i}" if len(modules) > 1 else "")
+        warps = cfg.prep_warps or num_warps if len(modules) > 1 and i == 0 else num_warps
+        _compile_one(args.triton_python, strip_locations(module), os.path.join(out, name),
+                     warps, cfg.num_stages)
+    print(f"files: {out}")
+
+
+def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages):
+    """Compile one Triton module to sm_90 and print its resources and SASS opcode mix."""
+    ttir, ptx, cubin = (f"{stem}.{e}" for e in ("ttir", "ptx", "cubin"))
     with open(ttir, "w") as f:
-        f.write(strip_locations(triton_module(args.B, args.N, cfg, args.pending)))
-    res = subprocess.run([args.triton_python, "-c", _COMPILE, ttir, str(num_warps),
-                          str(cfg.num_stages), ptx], capture_output=True, text=True)
+        f.write(ttir_text)
+    res = subprocess.run([triton_python, "-c", _COMPILE, ttir, str(num_warps),
+                          str(num_stages), ptx], capture_output=True, text=True)
     if res.returncode:
         sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
     shared, bin_dir = res.stdout.split()[-2:]
@@ -138,15 +150,13 @@ def main(argv=None):
                     if "registers" in line or "spill" in line)
     sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
                           capture_output=True, text=True).stdout
-    with open(os.path.join(out, "bole_tree_gdn.sass"), "w") as f:
+    with open(f"{stem}.sass", "w") as f:
         f.write(sass)
     ops = [m.group(1).split(".")[0] for m in
            re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
-    print(f"B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
-    print(f"shared {int(shared)} bytes | {info}")
+    print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
     print(f"SASS {len(ops)} instructions; top: "
           + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
-    print(f"files: {out}")
 
 
 if __name__ == "__main__":

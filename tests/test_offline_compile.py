@@ -14,10 +14,19 @@ from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
 def test_triton_module_text_without_locations():
     cfg = TreeGDNConfig(block_v=64, inverse="matrix", bf16_qk=True, bf16_state=True,
                         depth_bound=8)
-    raw = offline_compile.triton_module(2, 16, cfg, pending=True)
+    (raw,) = offline_compile.triton_modules(2, 16, cfg, pending=True)
     assert "#loc" in raw  # the debug print carries locations ...
     text = offline_compile.strip_locations(raw)
     assert text.startswith("module @bole_tree_gdn")  # ... the stripped module none
     assert "#loc" not in text and "[unknown]" not in text
     assert text.count("tt.func") == 1 and text.rstrip().endswith("}")
     assert text.count("tt.dot") >= 8  # K K^T, Q K^T, 2 x inverse steps, K S, Q S, T rhs, output
+
+
+def test_split_launch_gives_two_modules():
+    cfg = TreeGDNConfig(block_v=32, split=True, bf16_qk=True, bf16_state=True, depth_bound=8)
+    prep, apply = map(offline_compile.strip_locations,
+                      offline_compile.triton_modules(2, 16, cfg, pending=False))
+    assert prep.startswith("module @bole_tree_gdn_prep") and apply.startswith(
+        "module @bole_tree_gdn_apply")
+    assert prep.count("tt.dot") >= 4 and apply.count("tt.dot") == 4  # K S, Q S, T rhs, output
