@@ -556,7 +556,7 @@ def _split_launch(args, b, n, hk, hv, dk, dv, bv, o_dtype, pending, *, scale, cf
     padded. The prep grid is (value-head group, request); the apply grid (value tile, value
     head, request)."""
     nn, plen, anc, q, k, v, g, beta, state = args[:9]
-    np_, dkp, dvp = anc.shape[1], q.shape[3], v.shape[3]
+    np_, dkp, dvp = next_pow2(n), q.shape[3], v.shape[3]
     hg = cfg.heads_per_program
     ratio = hv // hk
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
