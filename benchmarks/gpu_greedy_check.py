@@ -18,25 +18,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bole_jax import bench  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
-from bole_jax.model import forward, init_cache, init_params  # noqa: E402
-from bole_jax.model import logits as lm_logits  # noqa: E402
+from bole_jax.model import init_params  # noqa: E402
 from bole_jax.model.presets import peaked_lm_head, preset  # noqa: E402
-
-
-def top2_gap(llm, prompt, cont, pos):
-  """AR logit gap between the best two tokens at generated position `pos` (teacher forcing)."""
-  cfg, params = llm.cfg, llm.params
-  seq = list(prompt) + list(cont[:pos])
-  cache = init_cache(cfg, 1, len(seq) + 8, params["embed"].dtype)
-  h, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), cache)
-  lg = np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
-  a, b = np.sort(lg)[-2:][::-1]
-  return float(a - b)
 
 
 def main(argv=None):
@@ -73,7 +60,7 @@ def main(argv=None):
                    first_divergence=first if first is not None else "-",
                    tokens_per_step=o.stats["tokens_per_step"])
         if first is not None:
-          row["ar_top2_gap_at_divergence"] = top2_gap(llm, ids[i], r.token_ids, first)
+          row["ar_top2_gap_at_divergence"] = bench.ar_top2_gap(llm, ids[i], r.token_ids, first)
         rows.append(row)
   print(f"\ngreedy spec vs AR, {a.preset} dims, random weights, bf16, {env['device']}")
   table = bench.print_table(rows, ["mode", "drafter", "prompt", "tokens", "identical_frac",

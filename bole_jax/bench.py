@@ -485,6 +485,21 @@ def _short(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
+def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
+  """AR logit gap between the best two tokens at generated position `pos` (teacher forcing:
+  one forward over prompt + cont[:pos]). A small gap at a spec mode's first divergence from AR
+  says a near-tie flipped (the tree kernels sum in another order than the decode kernels)."""
+  from bole_jax.model import forward, init_cache
+  from bole_jax.model import logits as lm_logits
+  cfg, params = llm.cfg, llm.params
+  seq = list(prompt) + list(cont[:pos])
+  cache = init_cache(cfg, 1, len(seq) + 8, params["embed"].dtype)
+  h, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), cache)
+  lg = np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
+  top, second = np.sort(lg)[-2:][::-1]
+  return float(top - second)
+
+
 def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
   """Tree width / budget for this batch and one LLM per mode (all sharing `params`)."""
   from bole_jax.llm import LLM
@@ -656,7 +671,7 @@ def run_e2e(a) -> dict:
 
   # ---- run the points, batch by batch; AR first (the oracle and the agreement reference)
   t = time.perf_counter()
-  rows, breakdown = [], []
+  rows, breakdown, diverged = [], [], []
   for b in a.batch:
     pl, base = plan[b], unpark(bases.pop(b))
     n = len(pl["ids"])
@@ -700,6 +715,8 @@ def run_e2e(a) -> dict:
         row["expected_tokens_per_step"] = expected_tokens_per_step(
             p, min(a.depth, nodes - 1))
       rows.append(row)
+      diverged += [(row, i, pos, pl, ar_out[i]) for i, pos in enumerate(diverge or [])
+                   if pos is not None]
       say(f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
           f"  {r['tokens_per_step']:.2f} tok/step"
           + (f"  agree {agree:.3f}" if agree is not None else ""))
@@ -722,6 +739,15 @@ def run_e2e(a) -> dict:
       del state
     del base
   phases["run_s"] = time.perf_counter() - t
+  # AR's top-2 logit gap where a mode first left AR's tokens (the first 4 such requests, if
+  # time remains): a near-tie flipped by another summation order, or a real difference?
+  for row, i, pos, pl, ar_i in diverged[:4]:
+    if time.perf_counter() > deadline:
+      break
+    gap = ar_top2_gap(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
+    row.setdefault("ar_top2_gap_at_divergence", {})[str(i)] = gap
+    say(f"[bench] B={row['batch']} {row['mode']}: request {i} first differs from AR at "
+        f"token {pos}; AR's top-2 logit gap there {gap:.3g}")
   for s in skipped:
     say(f"[bench] skipped B={s['batch']} {s['mode']}: {s['reason']}")
 
