@@ -485,18 +485,23 @@ def _short(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
-def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
-  """AR logit gap between the best two tokens at generated position `pos` (teacher forcing:
-  one forward over prompt + cont[:pos]). A small gap at a spec mode's first divergence from AR
-  says a near-tie flipped (the tree kernels sum in another order than the decode kernels)."""
+def ar_logits(llm, prompt, cont, pos: int) -> np.ndarray:
+  """AR's logits [V] fp32 for generated position `pos` (teacher forcing: one forward over
+  prompt + cont[:pos])."""
   from bole_jax.model import forward, init_cache
   from bole_jax.model import logits as lm_logits
   cfg, params = llm.cfg, llm.params
   seq = list(prompt) + list(cont[:pos])
   cache = init_cache(cfg, 1, len(seq) + 8, params["embed"].dtype)
   h, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), cache)
-  lg = np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
-  top, second = np.sort(lg)[-2:][::-1]
+  return np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
+
+
+def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
+  """AR logit gap between the best two tokens at generated position `pos`. A small gap at a
+  spec mode's first divergence from AR says a near-tie flipped (the tree kernels sum in another
+  order than the decode kernels)."""
+  top, second = np.sort(ar_logits(llm, prompt, cont, pos))[-2:][::-1]
   return float(top - second)
 
 
@@ -715,8 +720,8 @@ def run_e2e(a) -> dict:
         row["expected_tokens_per_step"] = expected_tokens_per_step(
             p, min(a.depth, nodes - 1))
       rows.append(row)
-      diverged += [(row, i, pos, pl, ar_out[i]) for i, pos in enumerate(diverge or [])
-                   if pos is not None]
+      diverged += [(row, i, pos, pl, ar_out[i], int(out[i, pos]))
+                   for i, pos in enumerate(diverge or []) if pos is not None]
       say(f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
           f"  {r['tokens_per_step']:.2f} tok/step"
           + (f"  agree {agree:.3f}" if agree is not None else ""))
@@ -739,15 +744,20 @@ def run_e2e(a) -> dict:
       del state
     del base
   phases["run_s"] = time.perf_counter() - t
-  # AR's top-2 logit gap where a mode first left AR's tokens (the first 4 such requests, if
-  # time remains): a near-tie flipped by another summation order, or a real difference?
-  for row, i, pos, pl, ar_i in diverged[:4]:
+  # Where a mode first left AR's tokens (the first 4 such requests, if time remains): AR's
+  # top-2 logit gap there, and how far below AR's top logit the mode's token was (its rank):
+  # a near-tie flipped by another summation order, or a real difference?
+  for row, i, pos, pl, ar_i, tok in diverged[:4]:
     if time.perf_counter() > deadline:
       break
-    gap = ar_top2_gap(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
-    row.setdefault("ar_top2_gap_at_divergence", {})[str(i)] = gap
-    say(f"[bench] B={row['batch']} {row['mode']}: request {i} first differs from AR at "
-        f"token {pos}; AR's top-2 logit gap there {gap:.3g}")
+    lg = ar_logits(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
+    top = np.sort(lg)[::-1]
+    info = dict(position=pos, ar_top2_gap=float(top[0] - top[1]),
+                token_deficit=float(top[0] - lg[tok]), token_rank=int(np.sum(lg > lg[tok])))
+    row.setdefault("divergences", {})[str(i)] = info
+    say(f"[bench] B={row['batch']} {row['mode']}: request {i} first differs from AR at token "
+        f"{pos}: AR's top-2 logit gap {info['ar_top2_gap']:.3g}; the {row['mode']} token is "
+        f"AR's rank {info['token_rank']}, {info['token_deficit']:.3g} below the top")
   for s in skipped:
     say(f"[bench] skipped B={s['batch']} {s['mode']}: {s['reason']}")
 

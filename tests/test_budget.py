@@ -347,3 +347,19 @@ def test_park_on_host_round_trip():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert [x.sharding for x in jax.tree.leaves(back)] == [x.sharding for x in jax.tree.leaves(tree)]
   assert bench.unpark(tree) is tree
+
+
+def test_ar_logits_teacher_forcing_matches_greedy():
+  """bench.ar_logits (the divergence report's yardstick): the teacher-forced forward's argmax
+  at each generated position is the token greedy AR generated there."""
+  from bole_jax.llm import LLM
+  from bole_jax.model.presets import preset
+  cfg = preset("tiny")
+  llm = LLM(cfg, params=init_params(cfg, jax.random.key(1), "float32"))
+  prompt = [3, 5, 7, 11, 13]
+  out = llm.generate([prompt], max_new_tokens=4, spec="ar")[0].token_ids
+  for pos in (1, 3):
+    lg = bench.ar_logits(llm, prompt, out, pos)
+    assert int(np.argmax(lg)) == out[pos]
+    assert bench.ar_top2_gap(llm, prompt, out, pos) == pytest.approx(
+        float(np.sort(lg)[-1] - np.sort(lg)[-2]))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,9 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
            "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit",
            "apply_pending", "resolve_backend"]
 
+# BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
+# dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
+BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
 _FOLDS = ("loop", "dot")
 _PRECISIONS = PRECISIONS
@@ -118,8 +122,9 @@ class TreeGDNConfig:
         (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
         2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_bound
         (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
-        B = 16 N = 64, 211 -> 190 us at B = 64)."""
-        kw = dict(bf16_qk=True, bf16_state=True, depth_bound=depth_bound)
+        B = 16 N = 64, 211 -> 190 us at B = 64). The environment variable BOLE_TREE_GDN_BF16=0
+        keeps fp32 operands (same launch shapes)."""
+        kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound)
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
         if batch == 1:
