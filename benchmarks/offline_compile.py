@@ -46,7 +46,7 @@ print(bin_dir)
 
 def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
     """The verify's Triton modules as text, as pallas_call(debug=True) prints them (one per
-    launch: two with split=True, prep then apply)."""
+    launch)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -126,9 +126,8 @@ def main(argv=None):
     modules = triton_modules(args.B, args.N, cfg, args.pending)
     for i, module in enumerate(modules):
         name = "bole_tree_gdn" + (f"_{i}" if len(modules) > 1 else "")
-        warps = cfg.prep_warps or num_warps if len(modules) > 1 and i == 0 else num_warps
         _compile_one(args.triton_python, strip_locations(module), os.path.join(out, name),
-                     warps, cfg.num_stages)
+                     num_warps, cfg.num_stages)
     print(f"files: {out}")
 
 

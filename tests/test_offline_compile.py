@@ -5,8 +5,6 @@ needs a Triton install, not a test dependency)."""
 import os
 import sys
 
-import pytest
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import offline_compile  # noqa: E402
@@ -23,17 +21,3 @@ def test_triton_module_text_without_locations():
     assert "#loc" not in text and "[unknown]" not in text
     assert text.count("tt.func") == 1 and text.rstrip().endswith("}")
     assert text.count("tt.dot") >= 8  # K K^T, Q K^T, 2 x inverse steps, K S, Q S, T rhs, output
-
-
-@pytest.mark.parametrize("n, pending", [(16, False), (24, True)])
-def test_split_launch_gives_two_modules(n, pending):
-    """Both kernels lower for cuda (Triton's power-of-two blocks: N = 24 runs on Np = 32
-    blocks; interpret mode would not notice a block of 24)."""
-    cfg = TreeGDNConfig(block_v=32, split=True, bf16_qk=True, bf16_state=True, depth_bound=8,
-                        fold="dot")
-    prep, apply = map(offline_compile.strip_locations,
-                      offline_compile.triton_modules(2, n, cfg, pending=pending))
-    assert prep.startswith("module @bole_tree_gdn_prep") and apply.startswith(
-        "module @bole_tree_gdn_apply")
-    # apply: K S, Q S, T rhs, output (+ the pending rows' dot fold)
-    assert prep.count("tt.dot") >= 4 and apply.count("tt.dot") == 4 + pending

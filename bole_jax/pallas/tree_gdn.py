@@ -87,14 +87,6 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
-    split: two launches instead of one (see `_tree_gdn_pallas_split`): a prep kernel per
-      (request, value-head group) forms the state-independent N x N matrices T = (I + G)^-1 and
-      (Q K^T) * Gam * A* and writes them out; an apply kernel per (request, value head, value
-      tile of block_v) reads them with its state tile and does the four dots that touch the
-      state. Neither program holds the N x N phase and a state tile at once (fewer registers,
-      more programs), for 2 [B, HV, Np, Np] fp32 intermediates. Any inverse's T is the matrix
-      one; tiles_per_program must be 1.
-    prep_warps: warps of the split prep kernel (None: num_warps).
     """
 
     block_v: int | None = None
@@ -108,8 +100,6 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
-    split: bool = False
-    prep_warps: int | None = None
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -140,34 +130,6 @@ def _l2norm_rows(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
 
-def _node_masks(nn_ref, n, n_real):
-    """(valid [Np] real nodes, inb [Np, 1] rows inside the arrays or None when Np = N)."""
-    idx = jnp.arange(n, dtype=jnp.int32)
-    valid = idx < jnp.minimum(nn_ref[...], n_real)
-    return valid, None if n == n_real else (idx < n_real)[:, None]
-
-
-def _tree_and_keys(anc_ref, q_ref, k_ref, valid, inb, scale):
-    """The request's masks anc (ancestor-or-self) and strict [Np, Np] bool, and its L2-normalised
-    keys kn and scaled queries qn [Np, dk] fp32 (zero on padding nodes)."""
-    n = anc_ref.shape[0]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    vrow = valid[:, None]
-    anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0
-    strict = anc & (idx[:, None] != idx[None, :])
-    kn = _l2norm_rows(jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0))
-    qn = _l2norm_rows(jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)) * scale
-    return anc, strict, kn, qn
-
-
-def _head_matrices(anc, strict, kk, qk, g, beta):
-    """One value head's gamma [Np] (root-path log gates), G = diag(b) ((K K^T) * Gam * A) and
-    (Q K^T) * Gam * A* [Np, Np], from its gates g, beta [Np] (zero on padding nodes)."""
-    gamma = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)
-    gam = jnp.where(anc, jnp.exp(jnp.minimum(gamma[:, None] - gamma[None, :], 0.0)), 0.0)
-    return gamma, jnp.where(strict, beta[:, None] * kk * gam, 0.0), qk * gam
-
-
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
                      *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
@@ -195,9 +157,16 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
     prec_fold = None if interpret else _PRECISIONS["tf32x3"]
 
-    valid, inb = _node_masks(nn_ref, n, n_real)
+    idx = jnp.arange(n, dtype=jnp.int32)
+    valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
     vrow = valid[:, None]
-    anc, strict, kn, qn = _tree_and_keys(anc_ref, q_ref, k_ref, valid, inb, scale)
+    inb = None if n == n_real else (idx < n_real)[:, None]  # rows inside the arrays
+    anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0  # [Np, Np] ancestor-or-self
+    strict = anc & (idx[:, None] != idx[None, :])
+
+    # Keys/queries once per program, shared by its value heads (GQA) and value tile.
+    kn = _l2norm_rows(jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0))  # [Np, dk]
+    qn = _l2norm_rows(jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)) * scale
     first_tile = tile == 0
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
@@ -221,13 +190,16 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
         g = jnp.where(valid, _load(g_ref.at[:, j], gate_mask), 0.0)
         beta = jnp.where(valid, _load(beta_ref.at[:, j], gate_mask), 0.0)
-        gamma, gmat, qkg = _head_matrices(anc, strict, kk, qk, g, beta)
+        gamma = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # [Np] root-path log gate
 
         @pl.when(first_tile)
         def _():
             _store(gamma_ref.at[:, j], gamma, gate_mask)
 
+        gam = jnp.where(anc, jnp.exp(jnp.minimum(gamma[:, None] - gamma[None, :], 0.0)), 0.0)
         p = jnp.where(valid, jnp.exp(gamma), 0.0)[:, None]  # [Np, 1]
+        gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
+        qkg = qk * gam
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
         inv = None
         if cfg.inverse == "matrix":
@@ -265,84 +237,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         value_head(jnp.int32(0), 0)
     else:
         jax.lax.fori_loop(0, hg, value_head, 0)
-
-
-def _prep_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, g_ref, beta_ref, t_ref, qkg_ref,
-                 gamma_ref, kn_ref, qn_ref, *, n_real, scale, ratio, cfg, interpret):
-    # split, launch 1 of 2: the state-independent N x N phase. Blocks: anc [Np, Np]; q, k
-    # [Np, dk]; g, beta, gamma [Np, hg]; t, qkg [hg, Np, Np] (whole Np blocks of [B, HV, Np, Np]
-    # buffers, rows past N zero); kn [Np, dk] fp32 (the factor) and qn [Np, dk] (the state
-    # dots' operand dtype), written by the first value-head group of each key head.
-    n = anc_ref.shape[0]
-    hg = g_ref.shape[1]
-    head_block = pl.program_id(0)
-    prec = None if interpret else _PRECISIONS[cfg.precision]
-    qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
-    valid, inb = _node_masks(nn_ref, n, n_real)
-    anc, strict, kn, qn = _tree_and_keys(anc_ref, q_ref, k_ref, valid, inb, scale)
-
-    @pl.when((head_block * hg) % ratio == 0)
-    def _():
-        _store(kn_ref, kn, inb)
-        _store(qn_ref, qn.astype(qn_ref.dtype), inb)
-
-    kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
-    kk = _dot(kb, kb, prec, trans_b=True)
-    qk = _dot(qb, kb, prec, trans_b=True)
-    path_len = plen_ref[...]
-    depth = path_len if cfg.depth_bound is None else cfg.depth_bound
-    gate_mask = None if inb is None else inb[:, 0]
-
-    def value_head(j, carry):
-        g = jnp.where(valid, _load(g_ref.at[:, j], gate_mask), 0.0)
-        beta = jnp.where(valid, _load(beta_ref.at[:, j], gate_mask), 0.0)
-        gamma, gmat, qkg = _head_matrices(anc, strict, kk, qk, g, beta)
-        _store(gamma_ref.at[:, j], gamma, gate_mask)
-        t = _inverse_matrix(gmat, depth, prec)
-        if cfg.depth_bound is not None:  # a deeper tree than the bound: NaN o and u (loud)
-            t = jnp.where(path_len > cfg.depth_bound, jnp.nan, t)
-        t_ref[j] = t
-        qkg_ref[j] = qkg
-        return carry
-
-    if hg == 1:
-        value_head(jnp.int32(0), 0)
-    else:
-        jax.lax.fori_loop(0, hg, value_head, 0)
-
-
-def _apply_kernel(nn_ref, qn_ref, kn_ref, v_ref, gamma_ref, beta_ref, t_ref, qkg_ref, s_ref,
-                  *refs, n_real, cfg, interpret, has_pending, pend_rows=0):
-    # split, launch 2 of 2: one value tile of one value head. Blocks: qn, kn [Np, dk]; v
-    # [Np, 1, bv]; gamma, beta [Np, 1]; t, qkg [Np, Np]; s [1, dk, bv]; o, u [Np, 1, bv]; with
-    # has_pending the lazy commit's blocks as in `_tree_gdn_kernel` (hg = 1) and sn [1, dk, bv].
-    if has_pending:
-        cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, sn_ref = refs
-        pend = (jnp.minimum(cnt_ref[...], pend_rows), pk_ref, pu_ref, pw_ref, ps_ref)
-    else:
-        o_ref, u_ref = refs
-        pend = None
-    n = t_ref.shape[0]
-    prec = None if interpret else _PRECISIONS[cfg.precision]
-    s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
-    valid, inb = _node_masks(nn_ref, n, n_real)
-    gate_mask = None if inb is None else inb[:, 0]
-    gamma = _load(gamma_ref.at[:, 0], gate_mask)
-    beta = jnp.where(valid, _load(beta_ref.at[:, 0], gate_mask), 0.0)
-    p = jnp.where(valid, jnp.exp(gamma), 0.0)[:, None]
-    s = s_ref[0]  # [dk, bv] committed state tile, fp32
-    if pend is not None:
-        s = _fold_pending(s, pend, jnp.int32(0), slice(None), cfg.fold, pend_rows,
-                          None if interpret else _PRECISIONS["tf32x3"])
-        sn_ref[0] = s
-    s = s.astype(s_dtype)
-    ks = _dot(_load(kn_ref, inb).astype(s_dtype), s, prec)  # [Np, bv]
-    v = jnp.where(valid[:, None], _load(v_ref.at[:, 0], inb).astype(jnp.float32), 0.0)
-    u = _dot(t_ref[...], beta[:, None] * (v - p * ks), prec)
-    qs = _dot(_load(qn_ref, inb).astype(s_dtype), s, prec)
-    o = p * qs + _dot(qkg_ref[...], u, prec)
-    _store(o_ref.at[:, 0], o.astype(o_ref.dtype), inb)
-    _store(u_ref.at[:, 0], u, inb)
 
 
 def _rank1_fold(count, init, row):
@@ -461,9 +355,6 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
-    if cfg.split and tpp != 1:
-        raise ValueError(f"split=True launches one value tile per program: tiles_per_program "
-                         f"must be 1, got {tpp}")
     bw = bv * tpp  # value columns per program
     q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
     v = pad_axis(v, 3, dvp)
@@ -494,15 +385,25 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
     if pending is not None:
-        specs, pend_args = _pending_operands(pending, cfg, hg, bw, dkp, dvp, key_head)
-        in_specs += specs
-        args += pend_args
+        # fold "loop" loads the rows one at a time ([dk] / [bw] vectors), so L need not be a
+        # power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows, those past L
+        # masked. Either way no padding copy along L, only along dk / dv when those are padded.
+        length = pending.k.shape[1]
+        lb = length if cfg.fold == "loop" else next_pow2(length)
+        in_specs += [
+            per_req,
+            pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, lb, hg, bw), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
+        ]
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        args += [jnp.asarray(pending.count, jnp.int32),
+                 pad_axis(pending.k.astype(jnp.float32), 3, dkp),
+                 pad_axis(pending.u.astype(jnp.float32), 3, dvp),
+                 pending.w.astype(jnp.float32), pending.p_sel.astype(jnp.float32)]
         aliases = {8: 4}  # state -> folded state
-    if cfg.split:
-        return _split_launch(args, b, n, hk, hv, dk, dv, bv, v.dtype, pending, scale=scale,
-                             cfg=cfg, num_warps=num_warps, interpret=interpret)
     outs = pl.pallas_call(
         functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
                           interpret=interpret, has_pending=pending is not None,
@@ -516,14 +417,7 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
         name="bole_tree_gdn",
     )(*args)
-    return _verify_outputs(outs, dk, dv, pending)
-
-
-def _verify_outputs(outs, dk, dv, pending):
-    """(o, factors[, folded state]) from a launch's (o, u, gamma, kn[, state]), padded dk / dv
-    cut back."""
     o, u, gamma, kn = outs[:4]
-    dkp, dvp = kn.shape[3], u.shape[3]
     if (dkp, dvp) != (dk, dv):
         o, u, kn = o[..., :dv], u[..., :dv], kn[..., :dk]
     factors = TreeFactors(k=kn, u=u, gamma=gamma)
@@ -531,93 +425,6 @@ def _verify_outputs(outs, dk, dv, pending):
         return o, factors
     new = outs[4]
     return o, factors, (new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new)
-
-
-def _pending_operands(pending: PendingCommit, cfg, hg, bw, dkp, dvp, key_head):
-    """BlockSpecs and operands of a lazy commit's rows for a (value tile, head group, request)
-    grid. fold "loop" loads the rows one at a time ([dk] / [bw] vectors), so L need not be a
-    power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows, those past L
-    masked. Either way no padding copy along L, only along dk / dv when those are padded."""
-    length = pending.k.shape[1]
-    lb = length if cfg.fold == "loop" else next_pow2(length)
-    specs = [
-        pl.BlockSpec((None,), lambda t, h, i: (i,)),
-        pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
-        pl.BlockSpec((None, lb, hg, bw), lambda t, h, i: (i, 0, h, t)),
-        pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
-        pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
-    ]
-    args = [jnp.asarray(pending.count, jnp.int32),
-            pad_axis(pending.k.astype(jnp.float32), 3, dkp),
-            pad_axis(pending.u.astype(jnp.float32), 3, dvp),
-            pending.w.astype(jnp.float32), pending.p_sel.astype(jnp.float32)]
-    return specs, args
-
-
-def _split_launch(args, b, n, hk, hv, dk, dv, bv, o_dtype, pending, *, scale, cfg, num_warps,
-                  interpret):
-    """cfg.split: the verify as two launches (see TreeGDNConfig.split). args: the fused
-    launch's operands (num_nodes, path_len, anc, q, k, v, g, beta, state[, pending rows]),
-    padded. The prep grid is (value-head group, request); the apply grid (value tile, value
-    head, request)."""
-    nn, plen, anc, q, k, v, g, beta, state = args[:9]
-    np_, dkp, dvp = next_pow2(n), q.shape[3], v.shape[3]
-    hg = cfg.heads_per_program
-    ratio = hv // hk
-    s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
-    per_req = pl.BlockSpec((None,), lambda h, i: (i,))
-    key_head = lambda h: (h * hg) // ratio  # noqa: E731
-    qk_spec = pl.BlockSpec((None, np_, None, dkp), lambda h, i: (i, 0, key_head(h), 0))
-    gate_spec = pl.BlockSpec((None, np_, hg), lambda h, i: (i, 0, h))
-    mat_spec = pl.BlockSpec((None, hg, np_, np_), lambda h, i: (i, h, 0, 0))
-    mats = jax.ShapeDtypeStruct((b, hv, np_, np_), jnp.float32)
-    t_mat, qkg, gamma, kn, qn = pl.pallas_call(
-        functools.partial(_prep_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
-                          interpret=interpret),
-        grid=(hv // hg, b),
-        in_specs=[per_req, per_req, pl.BlockSpec((None, np_, np_), lambda h, i: (i, 0, 0)),
-                  qk_spec, qk_spec, gate_spec, gate_spec],
-        out_specs=[mat_spec, mat_spec, gate_spec, qk_spec, qk_spec],
-        out_shape=[mats, mats, jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, n, hk, dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, n, hk, dkp), s_dtype)],
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.prep_warps or num_warps,
-                                                num_stages=cfg.num_stages),
-        name="bole_tree_gdn_prep",
-    )(nn, plen, anc, q, k, g, beta)
-    # apply: one value head per program (hg = 1)
-    head_qk = pl.BlockSpec((None, np_, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0))
-    head_gate = pl.BlockSpec((None, np_, 1), lambda t, h, i: (i, 0, h))
-    head_mat = pl.BlockSpec((None, None, np_, np_), lambda t, h, i: (i, h, 0, 0))
-    val_spec = pl.BlockSpec((None, np_, 1, bv), lambda t, h, i: (i, 0, h, t))
-    state_spec = pl.BlockSpec((None, 1, dkp, bv), lambda t, h, i: (i, h, 0, t))
-    in_specs = [pl.BlockSpec((None,), lambda t, h, i: (i,)), head_qk, head_qk, val_spec,
-                head_gate, head_gate, head_mat, head_mat, state_spec]
-    out_specs = [val_spec, val_spec]
-    out_shape = [jax.ShapeDtypeStruct((b, n, hv, dvp), o_dtype),
-                 jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32)]
-    apply_args = [nn, qn, kn, v, gamma, beta, t_mat, qkg, state]
-    if pending is not None:
-        in_specs += _pending_operands(pending, dataclasses.replace(cfg, heads_per_program=1), 1,
-                                      bv, dkp, dvp, lambda h: h // ratio)[0]
-        apply_args += args[9:]
-        out_specs.append(state_spec)
-        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
-    outs = pl.pallas_call(
-        functools.partial(_apply_kernel, n_real=n, cfg=cfg, interpret=interpret,
-                          has_pending=pending is not None,
-                          pend_rows=0 if pending is None else pending.k.shape[1]),
-        grid=(dvp // bv, hv, b),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases={8: 2} if pending is not None else {},
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
-        name="bole_tree_gdn_apply",
-    )(*apply_args)
-    return _verify_outputs([outs[0], outs[1], gamma, kn, *outs[2:]], dk, dv, pending)
 
 
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
