@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", kc="k_chunk")
+                prec="precision", fold="fold")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -180,8 +180,6 @@ def cfg_str(cfg) -> str:
         s += f",prec={cfg.precision}"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
-    if cfg.k_chunk:
-        s += f",kc={cfg.k_chunk}"
     return s
 
 

@@ -87,10 +87,6 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
-    k_chunk: K S and Q S by a loop over slabs of k_chunk rows of the state tile (a power of two
-      >= 16 dividing dk; the raw q, k rows, scaled by their norms after the dot), which Triton
-      can software-pipeline with num_stages >= 2; None: the whole [dk, block_v] tile at once.
-      Ignored when a pending commit is folded (that needs the whole tile).
     """
 
     block_v: int | None = None
@@ -104,7 +100,6 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
-    k_chunk: int | None = None
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -131,27 +126,8 @@ class TreeGDNConfig:
         return cls(block_v=128, num_warps=4, inverse="matrix", **kw)
 
 
-def _inv_norm_rows(x):
-    """1 / ||x_i|| per row [Np, 1] (with the model's L2 epsilon)."""
-    return jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
-
-
-def _chunked_state_dots(k_ref, q_ref, s_ref, j, cols, bv, inb, chunk, s_dtype, prec):
-    """(K S, Q S) [Np, bv] from the raw key / query rows (unnormalised) and state tile j, cols
-    by a loop over `chunk`-row slabs of the key dimension: each trip loads a [chunk, bv] slab of
-    the state and [Np, chunk] of q and k, so the whole tile is never held in registers and
-    Triton can prefetch the next slab (num_stages >= 2) while the current one is multiplied."""
-    n = k_ref.shape[0]
-
-    def body(c, acc):
-        rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        slab = s_ref[j, rows, cols].astype(s_dtype)  # [chunk, bv]
-        kc = _load(k_ref.at[:, rows], inb).astype(s_dtype)  # [Np, chunk]
-        qc = _load(q_ref.at[:, rows], inb).astype(s_dtype)
-        return acc[0] + _dot(kc, slab, prec), acc[1] + _dot(qc, slab, prec)
-
-    zero = jnp.zeros((n, bv), jnp.float32)
-    return jax.lax.fori_loop(0, k_ref.shape[1] // chunk, body, (zero, zero))
+def _l2norm_rows(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
@@ -189,16 +165,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     strict = anc & (idx[:, None] != idx[None, :])
 
     # Keys/queries once per program, shared by its value heads (GQA) and value tile.
-    kraw = jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0)  # [Np, dk]
-    qraw = jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)
-    rk = _inv_norm_rows(kraw)  # [Np, 1]: kn = rk * k
-    rq = _inv_norm_rows(qraw) * scale
-    kn, qn = kraw * rk, qraw * rq
-    # k_chunk (no pending fold): K S and Q S from the raw q, k rows, chunk by chunk of the key
-    # dimension, scaled by the row norms afterwards (zero rows for padding nodes).
-    chunked = cfg.k_chunk is not None and pend is None
-    if chunked:
-        rk, rq = jnp.where(vrow, rk, 0.0), jnp.where(vrow, rq, 0.0)
+    kn = _l2norm_rows(jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0))  # [Np, dk]
+    qn = _l2norm_rows(jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)) * scale
     first_tile = tile == 0
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
@@ -208,8 +176,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
     kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
     qk = _dot(qb, kb, prec, trans_b=True)
-    if not chunked:
-        kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
+    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
     path_len = plen_ref[...]
     # depth_bound: the inverse's steps unrolled for it (static code; a run-time loop or cond
     # around them measured 10% slower at B = 16 N = 64); a request whose tree breaks the bound
@@ -240,18 +207,13 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-            if chunked:
-                ks, qs = _chunked_state_dots(k_ref, q_ref, s_ref, j, cols, bv, inb,
-                                             cfg.k_chunk, s_dtype, prec)
-                ks, qs = rk * ks, rq * qs
-            else:
-                s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
-                if pend is not None:
-                    s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
-                    sn_ref[j, :, cols] = s
-                s = s.astype(s_dtype)
-                ks = _dot(kb, s, prec)  # [Np, bv]
-                qs = _dot(qb, s, prec)
+            s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
+            if pend is not None:
+                s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
+                sn_ref[j, :, cols] = s
+            s = s.astype(s_dtype)
+            ks = _dot(kb, s, prec)  # [Np, bv]
+            qs = _dot(qb, s, prec)
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if inv is None:
@@ -393,9 +355,6 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
-    kc = cfg.k_chunk
-    if kc is not None and (kc < 16 or kc & (kc - 1) or dkp % kc):
-        raise ValueError(f"k_chunk={kc} must be a power of two >= 16 dividing dk={dkp}")
     bw = bv * tpp  # value columns per program
     q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
     v = pad_axis(v, 3, dvp)
