@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", fo="fold_output")
+                prec="precision", fold="fold")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -138,7 +138,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state", "fold_output"):
+        elif name in ("bf16_qk", "bf16_state"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -180,8 +180,6 @@ def cfg_str(cfg) -> str:
         s += f",prec={cfg.precision}"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
-    if cfg.fold_output:
-        s += ",fo=1"
     return s
 
 

@@ -87,10 +87,6 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
-    fold_output: with depth_bound and the "matrix" or "squaring" inverse, fold the inverse's
-      last factor into the output matrix: o = P Q S + (QKG T) rhs beside u = T rhs ("matrix"),
-      or o = P Q S + (QKG (I + X^(2^m))) u' beside u = u' + X^(2^m) u' ("squaring"), so o no
-      longer waits for u: one dependent dot fewer per value tile, one [Np, Np] dot more per head.
     """
 
     block_v: int | None = None
@@ -104,7 +100,6 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
-    fold_output: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -190,10 +185,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     broken = None if cfg.depth_bound is None else path_len > cfg.depth_bound
 
     gate_mask = None if inb is None else inb[:, 0]
-    # fold_output: the inverse's last step folded into the output matrix, so o and u come out
-    # of the same dependent step (needs the static depth bound; not for "neumann").
-    fold_o = (cfg.fold_output and cfg.depth_bound is not None
-              and cfg.inverse in ("matrix", "squaring"))
 
     def value_head(j, carry):
         # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
@@ -210,15 +201,9 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
         qkg = qk * gam
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
-        inv = powers = None
+        inv = None
         if cfg.inverse == "matrix":
             inv = _inverse_matrix(gmat, depth, prec)
-        if fold_o and cfg.inverse == "matrix":
-            qkg = _dot(qkg, inv, prec)  # o = P Q S + (QKG T) rhs, beside u = T rhs
-        elif fold_o:  # squaring: u = (I + X^(2^m)) u' with the last factor folded into QKG
-            powers = _squaring_powers(gmat, depth, prec)
-            if powers:
-                qkg = qkg + _dot(qkg, powers[-1], prec)
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
@@ -231,21 +216,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             qs = _dot(qb, s, prec)
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
-            if fold_o and inv is not None:
-                u, o = _dot(inv, rhs, prec), p * qs + _dot(qkg, rhs, prec)
-            elif fold_o:
-                u = rhs
-                for x in powers[:-1]:
-                    u = u + _dot(x, u, prec)
-                o = p * qs + _dot(qkg, u, prec)
-                if powers:
-                    u = u + _dot(powers[-1], u, prec)
+            if inv is None:
+                u = _apply_inverse(gmat, rhs, depth, cfg.inverse, prec)
             else:
-                if inv is None:
-                    u = _apply_inverse(gmat, rhs, depth, cfg.inverse, prec)
-                else:
-                    u = _dot(inv, rhs, prec)
-                o = p * qs + _dot(qkg, u, prec)
+                u = _dot(inv, rhs, prec)
+            o = p * qs + _dot(qkg, u, prec)
             if broken is not None:
                 o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
             _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
@@ -322,16 +297,6 @@ def _inverse_matrix(gmat, path_len, prec):
             width, x, t = body((width, x, t))
         return t
     return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(2), x, t))[2]
-
-
-def _squaring_powers(gmat, path_len: int, prec):
-    """[X, X^2, X^4, ...], X = -G: the factors (I + X^(2^m)) of (I + G)^-1 for a static
-    path_len (ceil(log2 path_len) of them; none for path_len <= 1)."""
-    powers, width = [], 1
-    while width < path_len:
-        powers.append(-gmat if not powers else _dot(powers[-1], powers[-1], prec))
-        width *= 2
-    return powers
 
 
 def _apply_inverse(gmat, rhs, path_len, method, prec):
