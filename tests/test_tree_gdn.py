@@ -415,3 +415,17 @@ def test_auto_configs_are_legal():
     for b in (1, 4, 64):
         for n in (1, 8, 33, 64, 128):
             test_kernel_lowers_to_triton(n, TreeGDNConfig.auto(b, n))
+
+
+def test_auto_operand_dtype_switch(monkeypatch):
+    """BOLE_TREE_GDN_BF16=0 (read at import into BF16_OPERANDS) keeps the measured launch
+    shapes with fp32 operands; the default is bf16 operands."""
+    import bole_jax.pallas.tree_gdn as tg
+    for b, n in ((1, 64), (16, 64), (64, 8)):
+        fast = TreeGDNConfig.auto(b, n, 9)
+        assert fast.bf16_qk and fast.bf16_state and fast.depth_bound == 9
+        monkeypatch.setattr(tg, "BF16_OPERANDS", False)
+        strict = TreeGDNConfig.auto(b, n, 9)
+        monkeypatch.setattr(tg, "BF16_OPERANDS", True)
+        assert not strict.bf16_qk and not strict.bf16_state
+        assert dataclasses.replace(strict, bf16_qk=True, bf16_state=True) == fast
