@@ -112,8 +112,12 @@ class TreeGDNConfig:
         (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
         2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_bound
         (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
-        B = 16 N = 64, 211 -> 190 us at B = 64). The environment variable BOLE_TREE_GDN_BF16=0
-        keeps fp32 operands (same launch shapes)."""
+        B = 16 N = 64, 211 -> 190 us at B = 64). 4 < B <= 16 with 33-64 nodes (session 8,
+        tree_gdn_h200_s8/tpp_ns/): a whole value head as two 64-column tiles in a loop that
+        Triton pipelines (num_stages 2: the second tile's state load issues during the first
+        tile's dots), 50.2 against 53.3 us at B = 16 N = 64; not measured at B = 64, which keeps
+        the single 128-column tile. The environment variable BOLE_TREE_GDN_BF16=0 keeps fp32
+        operands (same launch shapes)."""
         kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound)
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
@@ -123,6 +127,9 @@ class TreeGDNConfig:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 32:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
+        if batch <= 16:
+            return cls(block_v=64, tiles_per_program=2, num_warps=4, num_stages=2,
+                       inverse="matrix", **kw)
         return cls(block_v=128, num_warps=4, inverse="matrix", **kw)
 
 
