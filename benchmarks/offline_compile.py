@@ -47,6 +47,25 @@ print(bin_dir)
 def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
     """The verify's Triton modules as text, as pallas_call(debug=True) prints them (one per
     launch)."""
+    return _lower(b, n, cfg, pending)[0]
+
+
+def _attribute_helpers_to_callers():
+    """Debug locations name the innermost user frame; make it the kernel's line that called a
+    triton_ops helper (dot, load, store), not the helper's own line. jax internals: best
+    effort."""
+    try:
+        from jax._src import source_info_util
+
+        from bole_jax.pallas import triton_ops
+        source_info_util.register_exclusion(triton_ops.__file__)
+    except (ImportError, AttributeError):  # pragma: no cover - a jax without the hook
+        print("note: triton_ops lines stay in the locations (no source_info_util hook)")
+
+
+def _lower(b: int, n: int, cfg, pending: bool):
+    """(Triton module texts, launches): each launch's grid and its operands' and outputs'
+    [shape, dtype], in the kernel's parameter order."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -72,9 +91,19 @@ def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
                                   backend="pallas", interpret=False, config=cfg, pending=pend)
 
     orig = pl.pallas_call
+    launches = []
 
     def debug_call(*a, **kw):
-        return orig(*a, **dict(kw, debug=True))
+        call = orig(*a, **dict(kw, debug=True))
+
+        def record(*args):
+            launches.append(dict(
+                grid=[int(x) for x in kw["grid"]],
+                inputs=[[list(x.shape), str(x.dtype)] for x in args],
+                outputs=[[list(o.shape), str(o.dtype)] for o in kw["out_shape"]]))
+            return call(*args)
+
+        return record
 
     buf = io.StringIO()
     tg.pl.pallas_call = debug_call
@@ -85,7 +114,42 @@ def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
     finally:
         tg.pl.pallas_call = orig
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
-    return [part[part.index("\n") + 1:] for part in parts]
+    return [part[part.index("\n") + 1:] for part in parts], launches
+
+
+def kernel_operands(b: int, n: int, cfg, seed: int = 0):
+    """The plain verify's concrete launch operands (numpy, the kernel's parameter order) for
+    bench_tree_gdn's random trees and inputs at (b, n), and those inputs
+    (q, k, v, g, beta, state, parents): the wrapper runs eagerly (jax.disable_jit) up to the
+    pallas_call, which is replaced by a recorder. Runs on any backend (CPU is enough)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bole_jax.pallas.tree_gdn as tg
+    from benchmarks import bench_tree_gdn as btg
+
+    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
+    parents = jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
+    got = []
+
+    def recorder(*a, **kw):
+        def call(*args):
+            got.append([np.asarray(x) for x in args])
+            return [jnp.zeros(o.shape, o.dtype) for o in kw["out_shape"]]
+        return call
+
+    orig = tg.pl.pallas_call
+    tg.pl.pallas_call = recorder
+    try:
+        with jax.disable_jit():
+            tg.tree_gdn_verify(q, k, v, g, beta, state, parents, None, backend="pallas",
+                               interpret=False, config=cfg)
+    finally:
+        tg.pl.pallas_call = orig
+    if len(got) != 1:
+        raise RuntimeError(f"expected one launch, recorded {len(got)}")
+    return got[0], (q, k, v, g, beta, state, parents)
 
 
 def strip_locations(text: str) -> str:
@@ -104,6 +168,49 @@ def strip_locations(text: str) -> str:
     return out[out.index("module @"):]
 
 
+_PY_LOC = re.compile(r'^"?([^":\s]+\.py)"?:(\d+):(\d+)')
+
+
+def with_source_locations(text: str, root: str | None = None) -> str:
+    """The module with each op's pretty-printed debug location resolved to the Python line it
+    came from, written inline as `loc("file":line:col)` (standard MLIR that Triton parses), so
+    the PTX's line info, and Nsight Compute's source view, point at the kernel's Python source.
+    root: make file paths relative to it (cubin_launch.py resolves them in its own checkout)."""
+    defs = {}
+    for line in text.splitlines():
+        if line.startswith("#loc"):
+            name, _, value = line.partition(" = ")
+            defs[name.strip()] = value.strip()
+
+    def resolve(ref, depth=0):
+        value = defs.get(ref)
+        if value is None or depth > 50:
+            return None
+        m = _PY_LOC.match(value)
+        if m:
+            path = os.path.relpath(m.group(1), root) if root else m.group(1)
+            return f'loc("{path}":{m.group(2)}:{m.group(3)})'
+        inner = re.search(r"(#loc\d*)", value)
+        return resolve(inner.group(1), depth + 1) if inner else None
+
+    def inline(m):
+        loc = resolve(m.group(1))
+        return f" {loc}" if loc else ""
+
+    lines = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("#loc") or line.strip() == "at":
+            continue
+        line = re.sub(r' (?:"[^"]*")?\(?(#loc\d*)\)?(?=\s*$)', inline, line.rstrip("\n")) + "\n"
+        line = re.sub(r' "[^"]*"\(#loc\d*\)', "", line)  # e.g. block arguments: dropped
+        line = re.sub(r" \(?#loc\d*\)?", "", line)
+        lines.append(line.replace(" [unknown]", ""))
+        if line.startswith("}"):
+            break
+    out = "".join(lines)
+    return out[out.index("module @"):]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--triton-python", required=True,
@@ -113,6 +220,11 @@ def main(argv=None):
     ap.add_argument("--config", default="{}", help="TreeGDNConfig fields as JSON")
     ap.add_argument("--pending", action="store_true", help="the lazy-commit (folding) variant")
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
+    ap.add_argument("--lineinfo", action="store_true",
+                    help="line info for Nsight Compute's source view (through "
+                         "benchmarks/cubin_launch.py): each op keeps the kernel line it came "
+                         f"from; the cubin names the file as {SRC_DIR}/tree_gdn.py, where "
+                         "cubin_launch.py copies bole_jax/pallas/tree_gdn.py")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig
     try:
@@ -123,16 +235,29 @@ def main(argv=None):
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
     print(f"B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
-    modules = triton_modules(args.B, args.N, cfg, args.pending)
-    for i, module in enumerate(modules):
+    if args.lineinfo:
+        _attribute_helpers_to_callers()
+    modules, launches = _lower(args.B, args.N, cfg, args.pending)
+    for i, (module, launch) in enumerate(zip(modules, launches)):
         name = "bole_tree_gdn" + (f"_{i}" if len(modules) > 1 else "")
-        _compile_one(args.triton_python, strip_locations(module), os.path.join(out, name),
-                     num_warps, cfg.num_stages)
+        text = with_source_locations(module) if args.lineinfo else strip_locations(module)
+        shared, params = _compile_one(args.triton_python, text, os.path.join(out, name),
+                                      num_warps, cfg.num_stages, args.lineinfo)
+        manifest = dict(name=name, kernel=re.search(r"tt\.func public @(\w+)", text).group(1),
+                        num_warps=num_warps, num_stages=cfg.num_stages, shared=shared,
+                        params=params, B=args.B, N=args.N, pending=args.pending,
+                        config=dataclasses.asdict(cfg), lineinfo=args.lineinfo, **launch)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
     print(f"files: {out}")
 
 
-def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages):
-    """Compile one Triton module to sm_90 and print its resources and SASS opcode mix."""
+SRC_DIR = "/tmp/bole_src"  # where cubin_launch.py puts the source that --lineinfo cubins name
+
+
+def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo=False):
+    """Compile one Triton module to sm_90, print its resources and SASS opcode mix; returns
+    (shared memory bytes, number of kernel parameters)."""
     ttir, ptx, cubin = (f"{stem}.{e}" for e in ("ttir", "ptx", "cubin"))
     with open(ttir, "w") as f:
         f.write(ttir_text)
@@ -141,8 +266,18 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages):
     if res.returncode:
         sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
     shared, bin_dir = res.stdout.split()[-2:]
-    ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                            cubin], capture_output=True, text=True)
+    with open(ptx) as f:
+        ptx_text = f.read()
+    params = len(re.findall(r"^\s*\.param\b", ptx_text.split(")", 1)[0], re.M))
+    if lineinfo:
+        # Triton files every op's line under the module's own file (the .ttir); the lines are
+        # the kernel's (with_source_locations): name the source where cubin_launch.py puts it.
+        with open(ptx, "w") as f:
+            f.write(re.sub(r'(\.file\s+\d+\s+)"[^"]*"',
+                           lambda m: f'{m.group(1)}"{SRC_DIR}/tree_gdn.py"', ptx_text))
+    ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v",
+                            *(["-lineinfo"] if lineinfo else []), ptx, "-o", cubin],
+                           capture_output=True, text=True)
     if ptxas.returncode:
         sys.exit(f"ptxas failed:\n{ptxas.stderr[-3000:]}")
     info = " ".join(line.split("ptxas info    :")[-1].strip() for line in ptxas.stderr.splitlines()
@@ -156,6 +291,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages):
     print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
     print(f"SASS {len(ops)} instructions; top: "
           + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
+    return int(shared), params
 
 
 if __name__ == "__main__":
