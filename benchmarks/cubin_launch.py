@@ -116,6 +116,9 @@ def main(argv=None):
         man = json.load(f)
     if man["pending"]:
         sys.exit("cubin_launch.py runs the plain verify only (compiled with --pending)")
+    if man.get("scratch_bytes", 0):
+        sys.exit(f"the kernel wants {man['scratch_bytes']} B of Triton scratch per program: "
+                 "not supported here")
     cfg = TreeGDNConfig(**man["config"])
     operands, inputs = kernel_operands(man["B"], man["N"], cfg, args.seed)
     got = [[list(a.shape), str(a.dtype)] for a in operands]

@@ -37,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=int(sys.argv[2]), num_stages=int(sys.argv[3])))
 open(sys.argv[4], "w").write(k.asm["ptx"])
+print(getattr(k.metadata, "global_scratch_size", 0) + getattr(k.metadata, "profile_scratch_size", 0))
 print(k.metadata.shared)
 bin_dir = __import__("os").path.join(__import__("os").path.dirname(triton.__file__),
                                      "backends", "nvidia", "bin")
@@ -241,11 +242,13 @@ def main(argv=None):
     for i, (module, launch) in enumerate(zip(modules, launches)):
         name = "bole_tree_gdn" + (f"_{i}" if len(modules) > 1 else "")
         text = with_source_locations(module) if args.lineinfo else strip_locations(module)
-        shared, params = _compile_one(args.triton_python, text, os.path.join(out, name),
-                                      num_warps, cfg.num_stages, args.lineinfo)
+        shared, params, scratch = _compile_one(args.triton_python, text,
+                                               os.path.join(out, name), num_warps,
+                                               cfg.num_stages, args.lineinfo)
         manifest = dict(name=name, kernel=re.search(r"tt\.func public @(\w+)", text).group(1),
                         num_warps=num_warps, num_stages=cfg.num_stages, shared=shared,
-                        params=params, B=args.B, N=args.N, pending=args.pending,
+                        params=params, scratch_bytes=scratch, B=args.B, N=args.N,
+                        pending=args.pending,
                         config=dataclasses.asdict(cfg), lineinfo=args.lineinfo, **launch)
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(manifest, f, indent=1)
@@ -265,7 +268,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
                           str(num_stages), ptx], capture_output=True, text=True)
     if res.returncode:
         sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
-    shared, bin_dir = res.stdout.split()[-2:]
+    scratch, shared, bin_dir = res.stdout.split()[-3:]
     with open(ptx) as f:
         ptx_text = f.read()
     params = len(re.findall(r"^\s*\.param\b", ptx_text.split(")", 1)[0], re.M))
@@ -291,7 +294,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
     print(f"SASS {len(ops)} instructions; top: "
           + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
-    return int(shared), params
+    return int(shared), params, int(scratch)
 
 
 if __name__ == "__main__":
