@@ -54,6 +54,9 @@ class Driver:
         self.ctx = ctypes.c_void_p()
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(self.ctx), dev)
         self.call("cuCtxSetCurrent", self.ctx)
+        self.start, self.stop = ctypes.c_void_p(), ctypes.c_void_p()
+        self.call("cuEventCreate", ctypes.byref(self.start), 0)
+        self.call("cuEventCreate", ctypes.byref(self.stop), 0)
 
     def call(self, name, *args):
         rc = getattr(self.lib, name)(*args)
@@ -86,9 +89,7 @@ class Driver:
 
     def launch(self, fn, grid, threads: int, shared: int, params) -> float:
         """One launch; returns its time in us (CUDA events)."""
-        start, stop = ctypes.c_void_p(), ctypes.c_void_p()
-        self.call("cuEventCreate", ctypes.byref(start), 0)
-        self.call("cuEventCreate", ctypes.byref(stop), 0)
+        start, stop = self.start, self.stop
         slots = [ctypes.c_uint64(p.value if isinstance(p, ctypes.c_uint64) else p)
                  for p in params]
         argv = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])

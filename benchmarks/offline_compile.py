@@ -156,17 +156,7 @@ def kernel_operands(b: int, n: int, cfg, seed: int = 0):
 def strip_locations(text: str) -> str:
     """Drop the pretty-printed debug locations (not parseable MLIR) and anything after the
     module."""
-    lines = []
-    for line in text.splitlines(keepends=True):
-        if line.startswith("#loc") or line.strip() == "at":
-            continue
-        line = re.sub(r' "[^"]*"\(#loc\d*\)', "", line)
-        line = re.sub(r" \(?#loc\d*\)?", "", line)
-        lines.append(line.replace(" [unknown]", ""))
-        if line.startswith("}"):
-            break
-    out = "".join(lines)
-    return out[out.index("module @"):]
+    return _rewrite_locations(text, lambda ref: None)
 
 
 _PY_LOC = re.compile(r'^"?([^":\s]+\.py)"?:(\d+):(\d+)')
@@ -194,6 +184,13 @@ def with_source_locations(text: str, root: str | None = None) -> str:
         inner = re.search(r"(#loc\d*)", value)
         return resolve(inner.group(1), depth + 1) if inner else None
 
+    return _rewrite_locations(text, resolve)
+
+
+def _rewrite_locations(text: str, resolve) -> str:
+    """The module without its location aliases: an op's trailing location reference becomes
+    resolve(ref) inline (None: dropped); every other reference (e.g. on block arguments) is
+    dropped; anything after the module is cut."""
     def inline(m):
         loc = resolve(m.group(1))
         return f" {loc}" if loc else ""
@@ -203,7 +200,7 @@ def with_source_locations(text: str, root: str | None = None) -> str:
         if line.startswith("#loc") or line.strip() == "at":
             continue
         line = re.sub(r' (?:"[^"]*")?\(?(#loc\d*)\)?(?=\s*$)', inline, line.rstrip("\n")) + "\n"
-        line = re.sub(r' "[^"]*"\(#loc\d*\)', "", line)  # e.g. block arguments: dropped
+        line = re.sub(r' "[^"]*"\(#loc\d*\)', "", line)
         line = re.sub(r" \(?#loc\d*\)?", "", line)
         lines.append(line.replace(" [unknown]", ""))
         if line.startswith("}"):
