@@ -363,3 +363,12 @@ def test_ar_logits_teacher_forcing_matches_greedy():
     assert int(np.argmax(lg)) == out[pos]
     assert bench.ar_top2_gap(llm, prompt, out, pos) == pytest.approx(
         float(np.sort(lg)[-1] - np.sort(lg)[-2]))
+
+
+def test_divergence_info_ranks_both_tokens():
+  lg = np.asarray([0.5, 3.0, 2.2, -1.0, 2.9], np.float32)
+  info = bench.divergence_info(lg, ar_token=4, token=1)
+  assert info["token_rank"] == 0 and info["token_deficit"] == 0.0
+  assert info["ar_token_rank"] == 1 and info["ar_token_deficit"] == pytest.approx(0.1)
+  assert info["top2_gap"] == pytest.approx(0.1)
+  assert bench.divergence_info(lg, ar_token=1, token=3)["token_rank"] == 4
