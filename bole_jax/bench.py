@@ -283,7 +283,7 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
   def verify_(params, tree, cache):
     hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=spec.mode,
                                                 backend=spec.backend,
-                                                depth_bound=spec.shape.depth + 1)
+                                                depth_bound=spec.shape.path_nodes)
     return lm_logits(params, cfg, hidden), hidden, cache, auxs
 
   def accept_(tree, logits, state):

@@ -299,7 +299,7 @@ class LLM:
     cache = with_pending(cache, cfg, spec.pending_length if spec else None)
     extra = None
     if spec:
-      p = spec.shape.depth + 1
+      p = spec.shape.path_nodes
       extra = DraftState(
           kv=draft_kv,
           pend_tokens=jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0),

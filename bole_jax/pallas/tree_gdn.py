@@ -208,9 +208,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
         qkg = qk * gam
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
-        inv = None
-        if cfg.inverse == "matrix":
-            inv = _inverse_matrix(gmat, depth, prec)
+        inv = _inverse_matrix(gmat, depth, prec) if cfg.inverse == "matrix" else None
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)

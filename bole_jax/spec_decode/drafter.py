@@ -43,6 +43,12 @@ class TreeShape:
       raise ValueError(f"invalid TreeShape {self}: topk, depth and num_nodes must be >= 1")
 
   @property
+  def path_nodes(self) -> int:
+    """The most nodes on a root path of a tree of this shape (depth + 1, the root included):
+    the longest accepted path, and the verify kernel's static depth bound."""
+    return self.depth + 1
+
+  @property
   def pool_size(self) -> int:
     return self.topk + (self.depth - 1) * self.topk ** 2
 

@@ -70,7 +70,7 @@ class SpecConfig:
   def pending_length(self) -> int | None:
     """Rows of the GDN caches' pending commit in this mode's decode state (`cache.with_pending`):
     depth + 1, the most nodes on an accepted path, for lazy bole; None otherwise."""
-    return self.shape.depth + 1 if self.mode == "bole" and self.lazy_commit else None
+    return self.shape.path_nodes if self.mode == "bole" and self.lazy_commit else None
 
 
 def check_cache_layout(spec: SpecConfig, cache: Cache) -> None:
@@ -122,7 +122,7 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
   tree = select(spec, state, pool)
   hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
                                               backend=spec.backend,
-                                              depth_bound=spec.shape.depth + 1)
+                                              depth_bound=spec.shape.path_nodes)
   acc = accept(tree, lm_logits(params, cfg, hidden), state.sampling, k_acc,
                max_depth=spec.shape.depth, max_children=spec.shape.topk)
   cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
