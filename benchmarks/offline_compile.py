@@ -64,12 +64,23 @@ def _attribute_helpers_to_callers():
         print("note: triton_ops lines stay in the locations (no source_info_util hook)")
 
 
+@contextlib.contextmanager
+def _pallas_call_replaced(wrap):
+    """tree_gdn's `pl.pallas_call` replaced by wrap(the original) inside the block."""
+    import bole_jax.pallas.tree_gdn as tg
+    orig = tg.pl.pallas_call
+    tg.pl.pallas_call = wrap(orig)
+    try:
+        yield
+    finally:
+        tg.pl.pallas_call = orig
+
+
 def _lower(b: int, n: int, cfg, pending: bool):
     """(Triton module texts, launches): each launch's grid and its operands' and outputs'
     [shape, dtype], in the kernel's parameter order."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
 
     import bole_jax.pallas.tree_gdn as tg
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
@@ -91,29 +102,26 @@ def _lower(b: int, n: int, cfg, pending: bool):
         return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
                                   backend="pallas", interpret=False, config=cfg, pending=pend)
 
-    orig = pl.pallas_call
     launches = []
 
-    def debug_call(*a, **kw):
-        call = orig(*a, **dict(kw, debug=True))
+    def debug_call(orig):
+        def pallas_call(*a, **kw):
+            call = orig(*a, **dict(kw, debug=True))
 
-        def record(*args):
-            launches.append(dict(
-                grid=[int(x) for x in kw["grid"]],
-                inputs=[[list(x.shape), str(x.dtype)] for x in args],
-                outputs=[[list(o.shape), str(o.dtype)] for o in kw["out_shape"]]))
-            return call(*args)
+            def record(*args):
+                launches.append(dict(
+                    grid=[int(x) for x in kw["grid"]],
+                    inputs=[[list(x.shape), str(x.dtype)] for x in args],
+                    outputs=[[list(o.shape), str(o.dtype)] for o in kw["out_shape"]]))
+                return call(*args)
 
-        return record
+            return record
+
+        return pallas_call
 
     buf = io.StringIO()
-    tg.pl.pallas_call = debug_call
-    try:
-        with contextlib.redirect_stdout(buf):
-            jax.jit(f).trace(q, q, v, g, g, state, parents, pend).lower(
-                lowering_platforms=("cuda",))
-    finally:
-        tg.pl.pallas_call = orig
+    with _pallas_call_replaced(debug_call), contextlib.redirect_stdout(buf):
+        jax.jit(f).trace(q, q, v, g, g, state, parents, pend).lower(lowering_platforms=("cuda",))
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
     return [part[part.index("\n") + 1:] for part in parts], launches
 
@@ -134,20 +142,17 @@ def kernel_operands(b: int, n: int, cfg, seed: int = 0):
     parents = jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
     got = []
 
-    def recorder(*a, **kw):
-        def call(*args):
-            got.append([np.asarray(x) for x in args])
-            return [jnp.zeros(o.shape, o.dtype) for o in kw["out_shape"]]
-        return call
+    def recorder(orig):
+        def pallas_call(*a, **kw):
+            def call(*args):
+                got.append([np.asarray(x) for x in args])
+                return [jnp.zeros(o.shape, o.dtype) for o in kw["out_shape"]]
+            return call
+        return pallas_call
 
-    orig = tg.pl.pallas_call
-    tg.pl.pallas_call = recorder
-    try:
-        with jax.disable_jit():
-            tg.tree_gdn_verify(q, k, v, g, beta, state, parents, None, backend="pallas",
-                               interpret=False, config=cfg)
-    finally:
-        tg.pl.pallas_call = orig
+    with _pallas_call_replaced(recorder), jax.disable_jit():
+        tg.tree_gdn_verify(q, k, v, g, beta, state, parents, None, backend="pallas",
+                           interpret=False, config=cfg)
     if len(got) != 1:
         raise RuntimeError(f"expected one launch, recorded {len(got)}")
     return got[0], (q, k, v, g, beta, state, parents)
@@ -268,7 +273,8 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     scratch, shared, bin_dir = res.stdout.split()[-3:]
     with open(ptx) as f:
         ptx_text = f.read()
-    params = len(re.findall(r"^\s*\.param\b", ptx_text.split(")", 1)[0], re.M))
+    entry = ptx_text[ptx_text.index(".entry"):]  # the kernel's parameter list: up to its ")"
+    params = len(re.findall(r"^\s*\.param\b", entry.split(")", 1)[0], re.M))
     if lineinfo:
         # Triton files every op's line under the module's own file (the .ttir); the lines are
         # the kernel's (with_source_locations): name the source where cubin_launch.py puts it.
