@@ -262,8 +262,11 @@ class Timer:
                 self.trace_overhead_s += time.perf_counter() - t_trace - wall * self.reps / 1e6
                 res["wall_blocked_us"] = wall
                 if busy:
+                    # mean_us: all kernel time over the calls, which does not depend on
+                    # where the calls were split (a misplaced cut shows as a wide spread).
                     res.update(us=statistics.median(busy), span_us=statistics.median(span),
-                               timer="profile", spread_us=[min(busy), max(busy)])
+                               mean_us=sum(busy) / len(busy), timer="profile",
+                               spread_us=[min(busy), max(busy)])
                     return res
                 if self.mode == "profile":
                     raise RuntimeError("the profiler recorded no GPU kernel events")
@@ -573,8 +576,9 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     errs_txt = " ".join(f"err {k[4:]} {v:.1e}" for k, v in res.items() if k.startswith("err_"))
     nan = dict(us=float("nan"))
-    print(f"    {'lazy':7s} {res['config']:48s} {res.get('verify', nan)['us']:9.1f} us + gather "
-          f"{res.get('commit', nan)['us']:7.1f} us  {errs_txt}"
+    mean = res.get('verify', {}).get('mean_us', float('nan'))
+    print(f"    {'lazy':7s} {res['config']:48s} {res.get('verify', nan)['us']:9.1f} us "
+          f"(mean {mean:.1f}) + gather {res.get('commit', nan)['us']:7.1f} us  {errs_txt}"
           f"{'' if res.get('ok') else '  (NOT OK) ' + res.get('error', '')}", flush=True)
     gc.collect()
     return res
