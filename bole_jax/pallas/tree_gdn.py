@@ -87,6 +87,13 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
+    reload_qk: each value tile loads the raw q, k rows again (L1/L2 hits) for K S and Q S and
+      applies the L2 normalisation as row scales after the dots (diag(r) K S), instead of holding
+      normalised [Np, dk] copies in registers from the start of the program through the inverse
+      and the tile loop. Same maths; the bf16 operands are then the raw inputs (exact when q, k
+      arrive in bf16) rather than the rounded normalised rows.
+    late_qs: Q S is formed after the inverse (o = P Q S + QKG U), so its [Np, block_v]
+      accumulator is not live across T rhs.
     """
 
     block_v: int | None = None
@@ -100,6 +107,8 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
+    reload_qk: bool = False
+    late_qs: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -133,8 +142,9 @@ class TreeGDNConfig:
         return cls(block_v=128, num_warps=4, inverse="matrix", **kw)
 
 
-def _l2norm_rows(x):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+def _l2norm_scale(x):
+    """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None])."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
@@ -172,18 +182,43 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     strict = anc & (idx[:, None] != idx[None, :])
 
     # Keys/queries once per program, shared by its value heads (GQA) and value tile.
-    kn = _l2norm_rows(jnp.where(vrow, _load(k_ref, inb).astype(jnp.float32), 0.0))  # [Np, dk]
-    qn = _l2norm_rows(jnp.where(vrow, _load(q_ref, inb).astype(jnp.float32), 0.0)) * scale
+    # Rows past the real nodes load as 0 (masked), so padding never reaches a dot.
+    rows = vrow if inb is None else vrow & inb
+    kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
+    qraw = _load(q_ref, rows).astype(jnp.float32)
+    rk = _l2norm_scale(kraw)  # [Np]: kn = diag(rk) kraw
+    rq = _l2norm_scale(qraw) * scale
+    kn = kraw * rk[:, None]
     first_tile = tile == 0
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
     def _():
         _store(kn_ref, kn, inb)
 
-    kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
-    kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
-    qk = _dot(qb, kb, prec, trans_b=True)
-    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
+    if cfg.reload_qk:
+        # K K^T = diag(rk) Kraw Kraw^T diag(rk): the raw rows are the dot operands (exact in
+        # bf16 when the inputs are bf16); K S, Q S reload them per tile.
+        kb, qb = kraw.astype(qk_dtype), qraw.astype(qk_dtype)
+        kk = _dot(kb, kb, prec, trans_b=True) * rk[:, None] * rk[None, :]  # [Np, Np]
+        qk = _dot(qb, kb, prec, trans_b=True) * rq[:, None] * rk[None, :]
+
+        def k_dot(s):  # K S = diag(rk) Kraw S, Kraw reloaded
+            return rk[:, None] * _dot(_load(k_ref, rows).astype(s_dtype), s, prec)
+
+        def q_dot(s):
+            return rq[:, None] * _dot(_load(q_ref, rows).astype(s_dtype), s, prec)
+    else:
+        qn = qraw * rq[:, None]
+        kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
+        kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
+        qk = _dot(qb, kb, prec, trans_b=True)
+        ks_op, qs_op = kn.astype(s_dtype), qn.astype(s_dtype)  # held through the tile loop
+
+        def k_dot(s):
+            return _dot(ks_op, s, prec)
+
+        def q_dot(s):
+            return _dot(qs_op, s, prec)
     path_len = plen_ref[...]
     # depth_bound: the inverse's steps unrolled for it (static code; a run-time loop or cond
     # around them measured 10% slower at B = 16 N = 64); a request whose tree breaks the bound
@@ -217,14 +252,16 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
                 s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
-            ks = _dot(kb, s, prec)  # [Np, bv]
-            qs = _dot(qb, s, prec)
+            ks = k_dot(s)  # [Np, bv]
+            qs = None if cfg.late_qs else q_dot(s)
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if inv is None:
                 u = _apply_inverse(gmat, rhs, depth, cfg.inverse, prec)
             else:
                 u = _dot(inv, rhs, prec)
+            if qs is None:
+                qs = q_dot(s)
             o = p * qs + _dot(qkg, u, prec)
             if broken is not None:
                 o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
