@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", rq="reload_qk", lq="late_qs")
+                prec="precision", fold="fold", es="early_state")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -138,7 +138,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state", "reload_qk", "late_qs"):
+        elif name in ("bf16_qk", "bf16_state", "early_state"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -180,10 +180,8 @@ def cfg_str(cfg) -> str:
         s += f",prec={cfg.precision}"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
-    if cfg.reload_qk:
-        s += ",rq=1"
-    if cfg.late_qs:
-        s += ",lq=1"
+    if cfg.early_state:
+        s += ",es=1"
     return s
 
 

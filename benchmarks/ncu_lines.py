@@ -35,8 +35,8 @@ def _import_ncu_report():
         for root in sorted(glob.glob(pattern), reverse=True):
             for path in glob.glob(os.path.join(root, "**", "ncu_report.py"), recursive=True):
                 sys.path.insert(0, os.path.dirname(path))
-                import ncu_report
-                return ncu_report
+                import ncu_report as module
+                return module
     raise SystemExit("ncu_report not found: add Nsight Compute's extras/python to PYTHONPATH")
 
 

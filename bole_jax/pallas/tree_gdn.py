@@ -87,13 +87,11 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
-    reload_qk: each value tile loads the raw q, k rows again (L1/L2 hits) for K S and Q S and
-      applies the L2 normalisation as row scales after the dots (diag(r) K S), instead of holding
-      normalised [Np, dk] copies in registers from the start of the program through the inverse
-      and the tile loop. Same maths; the bf16 operands are then the raw inputs (exact when q, k
-      arrive in bf16) rather than the rounded normalised rows.
-    late_qs: Q S is formed after the inverse (o = P Q S + QKG U), so its [Np, block_v]
-      accumulator is not live across T rhs.
+    early_state: the N x N work (q/k loads and norms, K K^T, gates, the inverse) runs inside the
+      first trip of the value-tile loop (`lax.cond`), so that with num_stages >= 2 the loop's
+      pipelined state-tile loads, which Triton issues before the loop, overlap it instead of
+      waiting until it is done. Needs heads_per_program = 1; with tiles_per_program = 1 the
+      loop has one trip.
     """
 
     block_v: int | None = None
@@ -107,8 +105,7 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
-    reload_qk: bool = False
-    late_qs: bool = False
+    early_state: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -178,58 +175,42 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
     vrow = valid[:, None]
     inb = None if n == n_real else (idx < n_real)[:, None]  # rows inside the arrays
-    anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0  # [Np, Np] ancestor-or-self
-    strict = anc & (idx[:, None] != idx[None, :])
 
-    # Keys/queries once per program, shared by its value heads (GQA) and value tile.
-    # Rows past the real nodes load as 0 (masked), so padding never reaches a dot.
-    rows = vrow if inb is None else vrow & inb
-    kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
-    qraw = _load(q_ref, rows).astype(jnp.float32)
-    rk = _l2norm_scale(kraw)  # [Np]: kn = diag(rk) kraw
-    rq = _l2norm_scale(qraw) * scale
-    kn = kraw * rk[:, None]
-    first_tile = tile == 0
+    def tree_masks():
+        """(ancestor-or-self, strict ancestor) [Np, Np] bool."""
+        anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0
+        return anc, anc & (idx[:, None] != idx[None, :])
 
-    @pl.when(first_tile & ((head_block * hg) % ratio == 0))
-    def _():
-        _store(kn_ref, kn, inb)
-
-    if cfg.reload_qk:
-        # K K^T = diag(rk) Kraw Kraw^T diag(rk): the raw rows are the dot operands (exact in
-        # bf16 when the inputs are bf16); K S, Q S reload them per tile.
-        kb, qb = kraw.astype(qk_dtype), qraw.astype(qk_dtype)
-        kk = _dot(kb, kb, prec, trans_b=True) * rk[:, None] * rk[None, :]  # [Np, Np]
-        qk = _dot(qb, kb, prec, trans_b=True) * rq[:, None] * rk[None, :]
-
-        def k_dot(s):  # K S = diag(rk) Kraw S, Kraw reloaded
-            return rk[:, None] * _dot(_load(k_ref, rows).astype(s_dtype), s, prec)
-
-        def q_dot(s):
-            return rq[:, None] * _dot(_load(q_ref, rows).astype(s_dtype), s, prec)
-    else:
-        qn = qraw * rq[:, None]
-        kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
-        kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
-        qk = _dot(qb, kb, prec, trans_b=True)
-        ks_op, qs_op = kn.astype(s_dtype), qn.astype(s_dtype)  # held through the tile loop
-
-        def k_dot(s):
-            return _dot(ks_op, s, prec)
-
-        def q_dot(s):
-            return _dot(qs_op, s, prec)
     path_len = plen_ref[...]
     # depth_bound: the inverse's steps unrolled for it (static code; a run-time loop or cond
     # around them measured 10% slower at B = 16 N = 64); a request whose tree breaks the bound
     # gets NaN outputs and factors (loud, never silently wrong).
     depth = path_len if cfg.depth_bound is None else cfg.depth_bound
     broken = None if cfg.depth_bound is None else path_len > cfg.depth_bound
-
     gate_mask = None if inb is None else inb[:, 0]
+    first_tile = tile == 0
 
-    def value_head(j, carry):
-        # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
+    def keys():
+        """Keys/queries once per program, shared by its value heads (GQA) and value tiles:
+        (K, Q as the state dots' operands, K K^T, Q K^T). Rows past the real nodes load as 0
+        (masked), so padding never reaches a dot."""
+        rows = vrow if inb is None else vrow & inb
+        kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
+        qraw = _load(q_ref, rows).astype(jnp.float32)
+        kn = kraw * _l2norm_scale(kraw)[:, None]
+        qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
+
+        @pl.when(first_tile & ((head_block * hg) % ratio == 0))
+        def _():
+            _store(kn_ref, kn, inb)
+
+        kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
+        kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
+        qk = _dot(qb, kb, prec, trans_b=True)
+        return kn.astype(s_dtype), qn.astype(s_dtype), kk, qk
+
+    def head(j, kk, qk, anc, strict):
+        """Value head j's N x N work: (beta, P, T or G, QKG)."""
         g = jnp.where(valid, _load(g_ref.at[:, j], gate_mask), 0.0)
         beta = jnp.where(valid, _load(beta_ref.at[:, j], gate_mask), 0.0)
         gamma = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # [Np] root-path log gate
@@ -241,38 +222,69 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         gam = jnp.where(anc, jnp.exp(jnp.minimum(gamma[:, None] - gamma[None, :], 0.0)), 0.0)
         p = jnp.where(valid, jnp.exp(gamma), 0.0)[:, None]  # [Np, 1]
         gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
-        qkg = qk * gam
-        # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program.
-        inv = _inverse_matrix(gmat, depth, prec) if cfg.inverse == "matrix" else None
+        # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program;
+        # otherwise G itself, applied per tile.
+        tmat = _inverse_matrix(gmat, depth, prec) if cfg.inverse == "matrix" else gmat
+        return beta, p, tmat, qk * gam
 
-        def value_tile(t, c):
-            cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-            s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
-            if pend is not None:
-                s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
-                sn_ref[j, :, cols] = s
-            s = s.astype(s_dtype)
-            ks = k_dot(s)  # [Np, bv]
-            qs = None if cfg.late_qs else q_dot(s)
-            v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
-            rhs = beta[:, None] * (v - p * ks)
-            if inv is None:
-                u = _apply_inverse(gmat, rhs, depth, cfg.inverse, prec)
-            else:
-                u = _dot(inv, rhs, prec)
-            if qs is None:
-                qs = q_dot(s)
-            o = p * qs + _dot(qkg, u, prec)
-            if broken is not None:
-                o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
-            _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
-            _store(u_ref.at[:, j, cols], u, inb)
+    def value_tile(j, t, ops):
+        kb, qb, beta, p, tmat, qkg = ops
+        cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
+        s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
+        if pend is not None:
+            s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
+            sn_ref[j, :, cols] = s
+        s = s.astype(s_dtype)
+        ks = _dot(kb, s, prec)  # [Np, bv]
+        qs = _dot(qb, s, prec)
+        v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
+        rhs = beta[:, None] * (v - p * ks)
+        if cfg.inverse == "matrix":
+            u = _dot(tmat, rhs, prec)
+        else:
+            u = _apply_inverse(tmat, rhs, depth, cfg.inverse, prec)
+        o = p * qs + _dot(qkg, u, prec)
+        if broken is not None:
+            o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
+        _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
+        _store(u_ref.at[:, j, cols], u, inb)
+
+    if cfg.early_state:
+        # The N x N work runs inside the first trip of the tile loop, so the loop's pipelined
+        # state loads (num_stages >= 2: Triton issues the first trips' loads before the loop)
+        # are in flight during the q/k loads and the inverse instead of after them.
+        np_, dkp = kn_ref.shape
+
+        def prep(_):
+            kb, qb, kk, qk = keys()
+            return (kb, qb) + head(jnp.int32(0), kk, qk, *tree_masks())
+
+        def trip(t, ops):
+            ops = jax.lax.cond(t == 0, prep, lambda c: c, ops)
+            value_tile(jnp.int32(0), t, ops)
+            return ops
+
+        zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
+        init = (zeros((np_, dkp), s_dtype), zeros((np_, dkp), s_dtype), zeros((np_,)),
+                zeros((np_, 1)), zeros((np_, np_)), zeros((np_, np_)))
+        jax.lax.fori_loop(0, tpp, trip, init)
+        return
+
+    masks = tree_masks()
+    kb, qb, kk, qk = keys()
+
+    def value_head(j, carry):
+        # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
+        ops = (kb, qb) + head(j, kk, qk, *masks)
+
+        def trip(t, c):
+            value_tile(j, t, ops)
             return c
 
         if tpp == 1:
-            value_tile(0, 0)
+            trip(0, 0)
         else:
-            jax.lax.fori_loop(0, tpp, value_tile, 0)
+            jax.lax.fori_loop(0, tpp, trip, 0)
         return carry
 
     if hg == 1:
@@ -394,6 +406,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
     if hg < 1 or ratio % hg:
         raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
+    if cfg.early_state and hg != 1:
+        raise ValueError("early_state needs heads_per_program=1")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
