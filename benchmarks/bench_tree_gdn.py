@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", es="early_state")
+                prec="precision", fold="fold")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -138,7 +138,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state", "early_state"):
+        elif name in ("bf16_qk", "bf16_state"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -180,8 +180,6 @@ def cfg_str(cfg) -> str:
         s += f",prec={cfg.precision}"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
-    if cfg.early_state:
-        s += ",es=1"
     return s
 
 
@@ -624,14 +622,18 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         fac = [tree_gdn_verify(*s, parents_d, num_nodes, tree=tree, backend="pallas",
                                interpret=INTERPRET, config=cfg)[1] for s in sets]
         point["bole_commit"] = []
-        variants = [dict(backend="pallas", block_v=32, num_warps=4, fold="loop"),
-                    dict(backend="pallas", block_v=32, num_warps=2, fold="loop"),
-                    dict(backend="pallas", block_v=64, num_warps=4, fold="loop"),
-                    dict(backend="pallas", block_v=128, num_warps=4, fold="loop"),
-                    dict(backend="pallas", block_v=32, num_warps=4, fold="dot"),
-                    dict(backend="pallas", block_v=64, num_warps=4, fold="dot"),
-                    dict(backend="pallas", block_v=128, num_warps=4, fold="dot"),
-                    dict(backend="pallas", block_v=64, num_warps=8, fold="dot"),
+        # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
+        # sessions 7-8; tiles_per_program loops pipeline a program's state tiles.)
+        pallas = dict(backend="pallas", num_warps=4)
+        variants = [dict(pallas, block_v=32, fold="loop"),
+                    dict(pallas, block_v=32, fold="dot"),
+                    dict(pallas, block_v=64, fold="dot"),
+                    dict(pallas, block_v=32, fold="dot", tiles_per_program=2, num_stages=2),
+                    dict(pallas, block_v=32, fold="dot", tiles_per_program=4, num_stages=2),
+                    dict(pallas, block_v=64, fold="dot", tiles_per_program=2, num_stages=2),
+                    dict(pallas, block_v=16, fold="dot", tiles_per_program=8, num_stages=3),
+                    dict(pallas, block_v=32, fold="dot", tiles_per_program=4, num_stages=2,
+                         num_warps=2),
                     dict(backend="reference", precision="highest")]
         # The decode step hands every layer's commit the accepted path that acceptance
         # produced (`Accepted.path`): formed once here, outside the timed per-layer call.

@@ -138,12 +138,6 @@ KERNEL_CASES = [
      TreeGDNConfig(block_v=16, num_warps=2, bf16_qk=True, bf16_state=True)),
     (40, 1, 2, 16, 32, ("random", "deep"), np.float32,
      TreeGDNConfig(block_v=32, inverse="matrix", bf16_qk=True, bf16_state=True)),
-    # the N x N work inside the first trip of the tile loop (one trip when tpp = 1)
-    (33, 2, 4, 16, 64, ("random", "forest"), np.float32,
-     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", early_state=True,
-                   num_stages=2)),
-    (24, 1, 2, 32, 32, ("random", "bushy"), jnp.bfloat16,
-     TreeGDNConfig(block_v=16, bf16_qk=True, bf16_state=True, early_state=True)),
 ]
 
 

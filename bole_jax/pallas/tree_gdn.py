@@ -87,11 +87,6 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
-    early_state: the N x N work (q/k loads and norms, K K^T, gates, the inverse) runs inside the
-      first trip of the value-tile loop (`lax.cond`), so that with num_stages >= 2 the loop's
-      pipelined state-tile loads, which Triton issues before the loop, overlap it instead of
-      waiting until it is done. Needs heads_per_program = 1; with tiles_per_program = 1 the
-      loop has one trip.
     """
 
     block_v: int | None = None
@@ -105,7 +100,6 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
-    early_state: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -118,12 +112,12 @@ class TreeGDNConfig:
         (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
         2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_bound
         (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
-        B = 16 N = 64, 211 -> 190 us at B = 64). 4 < B <= 16 with 33-64 nodes (session 8,
-        tree_gdn_h200_s8/tpp_ns/): a whole value head as two 64-column tiles in a loop that
-        Triton pipelines (num_stages 2: the second tile's state load issues during the first
-        tile's dots), 50.2 against 53.3 us at B = 16 N = 64; not measured at B = 64, which keeps
-        the single 128-column tile. The environment variable BOLE_TREE_GDN_BF16=0 keeps fp32
-        operands (same launch shapes)."""
+        B = 16 N = 64, 211 -> 190 us at B = 64). B > 4 with 33-64 nodes (sessions 8-9,
+        tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
+        tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
+        issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
+        against 196.5 us (one 128-column tile) at B = 64. The environment variable
+        BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same launch shapes)."""
         kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound)
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
@@ -133,10 +127,8 @@ class TreeGDNConfig:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 32:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
-        if batch <= 16:
-            return cls(block_v=64, tiles_per_program=2, num_warps=4, num_stages=2,
-                       inverse="matrix", **kw)
-        return cls(block_v=128, num_warps=4, inverse="matrix", **kw)
+        return cls(block_v=64, tiles_per_program=2, num_warps=4, num_stages=2,
+                   inverse="matrix", **kw)
 
 
 def _l2norm_scale(x):
@@ -248,27 +240,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
         _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
         _store(u_ref.at[:, j, cols], u, inb)
-
-    if cfg.early_state:
-        # The N x N work runs inside the first trip of the tile loop, so the loop's pipelined
-        # state loads (num_stages >= 2: Triton issues the first trips' loads before the loop)
-        # are in flight during the q/k loads and the inverse instead of after them.
-        np_, dkp = kn_ref.shape
-
-        def prep(_):
-            kb, qb, kk, qk = keys()
-            return (kb, qb) + head(jnp.int32(0), kk, qk, *tree_masks())
-
-        def trip(t, ops):
-            ops = jax.lax.cond(t == 0, prep, lambda c: c, ops)
-            value_tile(jnp.int32(0), t, ops)
-            return ops
-
-        zeros = lambda shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
-        init = (zeros((np_, dkp), s_dtype), zeros((np_, dkp), s_dtype), zeros((np_,)),
-                zeros((np_, 1)), zeros((np_, np_)), zeros((np_, np_)))
-        jax.lax.fori_loop(0, tpp, trip, init)
-        return
 
     masks = tree_masks()
     kb, qb, kk, qk = keys()
@@ -406,8 +377,6 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
     if hg < 1 or ratio % hg:
         raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
-    if cfg.early_state and hg != 1:
-        raise ValueError("early_state needs heads_per_program=1")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
@@ -563,32 +532,48 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 
 
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision):
+                   fold, precision, tiles):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot zeroes them); gamma [N] this head's root-path
-    # log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # log gates; k [N, dk]; u [N, tiles * bv]; s, o [dk, tiles * bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
     # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
     # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`).
+    # tiles > 1: the program loops over that many value tiles of bv columns (Triton pipelines
+    # their state loads with num_stages >= 2); the weights and the path's key rows are formed
+    # once for all of them.
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
     p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
-    init = p_sel * s_ref[...]
+    bv = s_ref.shape[1] // tiles
     if fold == "dot":
         path = path_ref[...]
         w = jnp.exp(jnp.minimum(g_sel - gamma_ref[path], 0.0))
         live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
-        o_ref[...] = _dot_fold(init, w, k_ref[path, :], u_ref[path, :], live, precision)
-        return
+        kp = k_ref[path, :]
 
-    def row(m):
-        node = path_ref[m]
-        return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
+    def tile(t, c):
+        cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tiles > 1 else slice(None)
+        init = p_sel * s_ref[:, cols]
+        if fold == "dot":
+            o_ref[:, cols] = _dot_fold(init, w, kp, u_ref[path, cols], live, precision)
+            return c
 
-    o_ref[...] = _rank1_fold(count, init, row)
+        def row(m):
+            node = path_ref[m]
+            return (jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node],
+                    u_ref[node, cols])
+
+        o_ref[:, cols] = _rank1_fold(count, init, row)
+        return c
+
+    if tiles == 1:
+        tile(0, 0)
+    else:
+        jax.lax.fori_loop(0, tiles, tile, 0)
 
 
 def accepted_rows(parents, accepted, length: int):
@@ -666,10 +651,11 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold"))
+                                             "fold", "tiles_per_program", "num_stages"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None, fold: str = "dot"):
+                        interpret: bool = False, path=None, count=None, fold: str = "dot",
+                        tiles_per_program: int = 1, num_stages: int = 1):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -688,12 +674,18 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
     B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
     at B = 16 N = 8.
+    tiles_per_program: value tiles (block_v columns each) one program loops over, the path's
+    weights and key rows formed once for them; num_stages >= 2 pipelines their state loads.
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(block_v, dvp)
+    tiles = tiles_per_program
+    if tiles < 1 or dvp % (bv * tiles):
+        raise ValueError(f"tiles_per_program={tiles} x block_v={bv} must divide dv={dvp}")
+    bw = bv * tiles
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
@@ -709,16 +701,16 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold,
+        functools.partial(_commit_kernel, fold=fold, tiles=tiles,
                           precision=None if interpret else _PRECISIONS["tf32x3"]),
-        grid=(dvp // bv, hv, b),
+        grid=(dvp // bw, hv, b),
         in_specs=[per_req, per_req,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
                   pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
-                  pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
-        out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+                  pl.BlockSpec((None, n, None, bw), lambda t, h, i: (i, 0, h, t)),
+                  pl.BlockSpec((None, None, dkp, bw), lambda t, h, i: (i, h, 0, t))],
+        out_specs=pl.BlockSpec((None, None, dkp, bw), lambda t, h, i: (i, h, 0, t)),
         out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
         # In place: each program reads its tile of S before writing the same tile. Inside the
         # decode loop the old state is dead after the commit, so XLA can write the new state into
@@ -727,7 +719,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
         # input first, as aliasing requires.
         input_output_aliases={6: 0},
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="bole_commit_state",
     )(count, sel, path, factors.gamma.astype(jnp.float32), kf, uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new
