@@ -128,7 +128,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold")
+                prec="precision", fold="fold", pf="prefetch_state")
     kw = {}
     for item in filter(None, spec.split(",")):
         k, v = item.split("=")
@@ -138,7 +138,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state"):
+        elif name in ("bf16_qk", "bf16_state", "prefetch_state"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -180,6 +180,8 @@ def cfg_str(cfg) -> str:
         s += f",prec={cfg.precision}"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
+    if cfg.prefetch_state:
+        s += ",pf=1"
     return s
 
 
@@ -623,17 +625,12 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                interpret=INTERPRET, config=cfg)[1] for s in sets]
         point["bole_commit"] = []
         # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
-        # sessions 7-8; tiles_per_program loops pipeline a program's state tiles.)
+        # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
+        # slower everywhere: 27.6 vs 25.8 us at B = 16 N = 64, 11.2 vs 3.7 at B = 1.)
         pallas = dict(backend="pallas", num_warps=4)
         variants = [dict(pallas, block_v=32, fold="loop"),
                     dict(pallas, block_v=32, fold="dot"),
                     dict(pallas, block_v=64, fold="dot"),
-                    dict(pallas, block_v=32, fold="dot", tiles_per_program=2, num_stages=2),
-                    dict(pallas, block_v=32, fold="dot", tiles_per_program=4, num_stages=2),
-                    dict(pallas, block_v=64, fold="dot", tiles_per_program=2, num_stages=2),
-                    dict(pallas, block_v=16, fold="dot", tiles_per_program=8, num_stages=3),
-                    dict(pallas, block_v=32, fold="dot", tiles_per_program=4, num_stages=2,
-                         num_warps=2),
                     dict(backend="reference", precision="highest")]
         # The decode step hands every layer's commit the accepted path that acceptance
         # produced (`Accepted.path`): formed once here, outside the timed per-layer call.

@@ -138,6 +138,8 @@ KERNEL_CASES = [
      TreeGDNConfig(block_v=16, num_warps=2, bf16_qk=True, bf16_state=True)),
     (40, 1, 2, 16, 32, ("random", "deep"), np.float32,
      TreeGDNConfig(block_v=32, inverse="matrix", bf16_qk=True, bf16_state=True)),
+    (9, 2, 4, 16, 32, ("random", "forest"), jnp.bfloat16,  # the state tile loaded first
+     TreeGDNConfig(block_v=16, inverse="squaring", prefetch_state=True, depth_bound=9)),
 ]
 
 
@@ -408,6 +410,15 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
         lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn" in text and "output_operand_alias" in text
     assert "tf.aliasing_output = 4" in text  # outputs: o, k, u, gamma, state
+
+
+def test_prefetch_state_needs_one_tile():
+    x, parents, num_nodes = _inputs(RUN_SEED, 1, 4, 1, 2, 16, 32, ("random",))
+    for cfg in (TreeGDNConfig(block_v=16, tiles_per_program=2, prefetch_state=True),
+                TreeGDNConfig(block_v=16, heads_per_program=2, prefetch_state=True)):
+        with pytest.raises(ValueError, match="prefetch_state"):
+            tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
+                            config=cfg)
 
 
 def test_auto_configs_are_legal():

@@ -87,6 +87,10 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`).
+    prefetch_state: with one value tile per program (tiles_per_program = 1, one value head),
+      load the state tile first, before the tree mask and q/k, so its latency overlaps the
+      N x N work (in program order it is issued after the inverse, then waited for at once).
+      Holds the tile in registers through the N x N work.
     """
 
     block_v: int | None = None
@@ -100,6 +104,7 @@ class TreeGDNConfig:
     bf16_state: bool = False
     precision: str | None = None
     fold: str = "loop"
+    prefetch_state: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -163,6 +168,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
     prec_fold = None if interpret else _PRECISIONS["tf32x3"]
 
+    # [dk, bv] committed state tile (fp32), loaded ahead of everything else when asked
+    early_s = s_ref[0, :, :] if cfg.prefetch_state else None
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
     vrow = valid[:, None]
@@ -222,7 +229,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     def value_tile(j, t, ops):
         kb, qb, beta, p, tmat, qkg = ops
         cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-        s = s_ref[j, :, cols]  # [dk, bv] committed state tile, fp32
+        s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
         if pend is not None:
             s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
             sn_ref[j, :, cols] = s
@@ -377,6 +384,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
     if hg < 1 or ratio % hg:
         raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
+    if cfg.prefetch_state and (cfg.tiles_per_program != 1 or hg != 1):
+        raise ValueError("prefetch_state needs tiles_per_program=1 and heads_per_program=1")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
@@ -532,48 +541,32 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 
 
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision, tiles):
+                   fold, precision):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot zeroes them); gamma [N] this head's root-path
-    # log gates; k [N, dk]; u [N, tiles * bv]; s, o [dk, tiles * bv].
+    # log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
     # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
     # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`).
-    # tiles > 1: the program loops over that many value tiles of bv columns (Triton pipelines
-    # their state loads with num_stages >= 2); the weights and the path's key rows are formed
-    # once for all of them.
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
     p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
-    bv = s_ref.shape[1] // tiles
+    init = p_sel * s_ref[...]
     if fold == "dot":
         path = path_ref[...]
         w = jnp.exp(jnp.minimum(g_sel - gamma_ref[path], 0.0))
         live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
-        kp = k_ref[path, :]
+        o_ref[...] = _dot_fold(init, w, k_ref[path, :], u_ref[path, :], live, precision)
+        return
 
-    def tile(t, c):
-        cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tiles > 1 else slice(None)
-        init = p_sel * s_ref[:, cols]
-        if fold == "dot":
-            o_ref[:, cols] = _dot_fold(init, w, kp, u_ref[path, cols], live, precision)
-            return c
+    def row(m):
+        node = path_ref[m]
+        return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
 
-        def row(m):
-            node = path_ref[m]
-            return (jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node],
-                    u_ref[node, cols])
-
-        o_ref[:, cols] = _rank1_fold(count, init, row)
-        return c
-
-    if tiles == 1:
-        tile(0, 0)
-    else:
-        jax.lax.fori_loop(0, tiles, tile, 0)
+    o_ref[...] = _rank1_fold(count, init, row)
 
 
 def accepted_rows(parents, accepted, length: int):
@@ -651,11 +644,10 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold", "tiles_per_program", "num_stages"))
+                                             "fold"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None, fold: str = "dot",
-                        tiles_per_program: int = 1, num_stages: int = 1):
+                        interpret: bool = False, path=None, count=None, fold: str = "dot"):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -674,18 +666,12 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
     B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
     at B = 16 N = 8.
-    tiles_per_program: value tiles (block_v columns each) one program loops over, the path's
-    weights and key rows formed once for them; num_stages >= 2 pipelines their state loads.
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(block_v, dvp)
-    tiles = tiles_per_program
-    if tiles < 1 or dvp % (bv * tiles):
-        raise ValueError(f"tiles_per_program={tiles} x block_v={bv} must divide dv={dvp}")
-    bw = bv * tiles
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
@@ -701,16 +687,16 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold, tiles=tiles,
+        functools.partial(_commit_kernel, fold=fold,
                           precision=None if interpret else _PRECISIONS["tf32x3"]),
-        grid=(dvp // bw, hv, b),
+        grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
                   pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None, bw), lambda t, h, i: (i, 0, h, t)),
-                  pl.BlockSpec((None, None, dkp, bw), lambda t, h, i: (i, h, 0, t))],
-        out_specs=pl.BlockSpec((None, None, dkp, bw), lambda t, h, i: (i, h, 0, t)),
+                  pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
+                  pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
+        out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
         out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
         # In place: each program reads its tile of S before writing the same tile. Inside the
         # decode loop the old state is dead after the commit, so XLA can write the new state into
@@ -719,7 +705,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
         # input first, as aliasing requires.
         input_output_aliases={6: 0},
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
     )(count, sel, path, factors.gamma.astype(jnp.float32), kf, uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -25,8 +25,7 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
                  interpret: bool | None = None, block_v: int = 32, num_warps: int = 4,
-                 path=None, count=None, fold: str = "dot", tiles_per_program: int = 1,
-                 num_stages: int = 1):
+                 path=None, count=None, fold: str = "dot"):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -43,14 +42,12 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
     per state tile by one TF32x3 tensor-core dot (fold "dot", ~fp32) or as fp32 rank-1 updates
     (fold "loop"); precision does not apply. It moves the commit's floor bytes (read S, write
-    S, the path rows). tiles_per_program, num_stages: the Pallas launch (see
-    `commit_state_pallas`)."""
+    S, the path rows)."""
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
                                    num_warps=num_warps, max_path=max_path, interpret=interpret,
-                                   path=path, count=count, fold=fold,
-                                   tiles_per_program=tiles_per_program, num_stages=num_stages)
+                                   path=path, count=count, fold=fold)
     return _commit_state_einsum(state, factors, parents, accepted, path, count,
                                 max_path=max_path, precision=precision)
 
