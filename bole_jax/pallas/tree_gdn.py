@@ -128,8 +128,8 @@ class TreeGDNConfig:
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
         if batch == 1:
-            # <= 8 nodes: the state tile loaded first (session 9, tree_gdn_h200_s9/prefetch_state/: 4.9 ->
-            # 4.5 us at N = 8; no change at N = 64, not measured at N = 16)
+            # <= 8 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8; no
+            # change at N = 64, not measured at N = 16; tree_gdn_h200_s9/prefetch_state/)
             return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 8, **kw)
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
