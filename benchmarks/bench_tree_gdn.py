@@ -631,6 +631,10 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         variants = [dict(pallas, block_v=32, fold="loop"),
                     dict(pallas, block_v=32, fold="dot"),
                     dict(pallas, block_v=64, fold="dot"),
+                    dict(pallas, block_v=16, fold="dot"),
+                    dict(pallas, block_v=16, fold="dot", num_warps=2),
+                    dict(pallas, block_v=32, fold="dot", num_warps=2),
+                    dict(pallas, block_v=32, fold="dot", num_warps=8),
                     dict(backend="reference", precision="highest")]
         # The decode step hands every layer's commit the accepted path that acceptance
         # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
