@@ -49,3 +49,62 @@ def test_source_locations_are_parseable_inline_locs():
     assert len(locs) > 100
     assert {f for f, _ in locs} <= {"bole_jax/pallas/tree_gdn.py", "bole_jax/pallas/triton_ops.py"}
     assert any(f.endswith("tree_gdn.py") for f, _ in locs)
+
+
+def test_ncu_lines_sums_per_source_line():
+    """benchmarks/ncu_lines.py: per-instruction metrics summed per (file, line) through the
+    instruction addresses' source info; metrics without per-instruction instances, and
+    addresses without a source line, are skipped."""
+    from benchmarks import ncu_lines
+
+    class Values:  # an instanced metric: instance i -> value
+        def __init__(self, values, ids=None):
+            self.values, self.ids = values, ids
+
+        def has_correlation_ids(self):
+            return self.ids is not None
+
+        def correlation_ids(self):
+            return Values(self.ids)
+
+        def num_instances(self):
+            return len(self.values)
+
+        def as_uint64(self, i):
+            return self.values[i]
+
+        def as_double(self, i):
+            return float(self.values[i])
+
+    class Info:
+        def __init__(self, line):
+            self.line_no = line
+
+        def file_name(self):
+            return "/tmp/bole_src/tree_gdn.py"
+
+        def line(self):
+            return self.line_no
+
+    pcs = [0x10, 0x20, 0x30, 0x40]
+    lines = {0x10: 7, 0x20: 7, 0x30: 9}  # 0x40: no source line
+    metrics = {"smsp__pcsamp_sample_count": Values([3, 4, 5, 6], pcs),
+               "inst_executed": Values([1, 0, 2, 8], pcs),
+               "gpu__time_duration.sum": Values([55.0])}  # not per instruction
+
+    class Action:
+        def metric_names(self):
+            return list(metrics)
+
+        def metric_by_name(self, name):
+            return metrics[name]
+
+        def source_info(self, pc):
+            return Info(lines[pc]) if pc in lines else None
+
+    totals, names = ncu_lines.line_totals(Action())
+    assert names == ["smsp__pcsamp_sample_count", "inst_executed"]
+    assert totals == {("tree_gdn.py", 7): {"smsp__pcsamp_sample_count": 7.0,
+                                           "inst_executed": 1.0},
+                      ("tree_gdn.py", 9): {"smsp__pcsamp_sample_count": 5.0,
+                                           "inst_executed": 2.0}}
