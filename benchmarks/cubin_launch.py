@@ -14,6 +14,10 @@ to the line of `bole_jax/pallas/tree_gdn.py` it came from:
         python benchmarks/cubin_launch.py --dir DIR --reps 1
     python benchmarks/cubin_launch.py --dir DIR --reps 50 --check   # time it, check o and u
 
+A commit cubin (`offline_compile.py --kernel commit`) runs the same way: the deepest node of
+each tree accepted, its root path handed in; --check compares the new state with the
+reference commit.
+
 The operands are rebuilt here (JAX on the CPU, the wrapper run eagerly up to its pallas_call:
 `offline_compile.kernel_operands`) and uploaded with cuMemcpy; the kernel's extra trailing
 parameters (Triton's scratch pointers) get null. --check compares o and u with the jnp
@@ -35,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.offline_compile import SRC_DIR, kernel_operands  # noqa: E402
+from benchmarks.offline_compile import SRC_DIR, commit_operands, kernel_operands  # noqa: E402
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -112,16 +116,25 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
+    from bole_jax.spec_decode.state_factors import commit_state
 
-    with open(os.path.join(args.dir, "bole_tree_gdn.json")) as f:
+    names = [n for n in ("bole_tree_gdn", "bole_commit_state")
+             if os.path.exists(os.path.join(args.dir, f"{n}.json"))]
+    if len(names) != 1:
+        sys.exit(f"{args.dir}: expected one of bole_tree_gdn.json, bole_commit_state.json")
+    with open(os.path.join(args.dir, f"{names[0]}.json")) as f:
         man = json.load(f)
+    commit = man.get("kind", "verify") == "commit"
     if man["pending"]:
         sys.exit("cubin_launch.py runs the plain verify only (compiled with --pending)")
     if man.get("scratch_bytes", 0):
         sys.exit(f"the kernel wants {man['scratch_bytes']} B of Triton scratch per program: "
                  "not supported here")
-    cfg = TreeGDNConfig(**man["config"])
-    operands, inputs = kernel_operands(man["B"], man["N"], cfg, args.seed)
+    if commit:
+        operands, inputs = commit_operands(man["B"], man["N"], man["config"], args.seed)
+    else:
+        cfg = TreeGDNConfig(**man["config"])
+        operands, inputs = kernel_operands(man["B"], man["N"], cfg, args.seed)
     got = [[list(a.shape), str(a.dtype)] for a in operands]
     if got != man["inputs"]:
         sys.exit(f"operands {got} do not match the compiled kernel's {man['inputs']}: "
@@ -133,7 +146,7 @@ def main(argv=None):
                     os.path.join(SRC_DIR, "tree_gdn.py"))
 
     drv = Driver()
-    fn = drv.function(os.path.join(args.dir, "bole_tree_gdn.cubin"), man["kernel"],
+    fn = drv.function(os.path.join(args.dir, f"{man['name']}.cubin"), man["kernel"],
                       man["shared"])
     ptrs = [drv.upload(a) for a in operands]
     outs = [np.zeros(shape, np.dtype(dtype) if dtype != "bfloat16" else _bf16())
@@ -152,7 +165,17 @@ def main(argv=None):
     print(f"{man['kernel']} B={man['B']} N={man['N']} grid {man['grid']} x {threads} threads, "
           f"{man['shared']} B shared: median {res['us']:.1f} us over {len(times)} launches "
           f"(first {times[0]:.1f})")
-    if args.check:
+    if args.check and commit:
+        # every launch read the same state and wrote a fresh output buffer: one commit
+        state, fac, parents, accepted, path, count = inputs
+        want = np.asarray(commit_state(state, fac, parents, accepted, path=path, count=count,
+                                       backend="reference", precision="highest"), np.float32)
+        dk, dv = want.shape[-2:]
+        new = drv.download(out_ptrs[0], outs[0])[..., :dk, :dv]
+        err = float(np.max(np.abs(new - want)) / max(np.max(np.abs(want)), 1e-30))
+        res["err_state"] = err
+        print(f"  state: max rel err {err:.2e} against the reference commit")
+    elif args.check:
         o_ref, f_ref = tree_gdn_verify(*inputs, backend="reference")
         dv = o_ref.shape[-1]
         o = drv.download(out_ptrs[0], outs[0])[..., :dv].astype(np.float32)

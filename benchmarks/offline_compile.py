@@ -9,6 +9,10 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
         --B 16 --N 64 --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix",
         "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending] [--out DIR]
 
+`--kernel commit` compiles the selected-state commit (`tree_gdn.commit_state_pallas`) instead,
+with the accepted path handed in as the decode step does; --config then takes its launch
+(`{"block_v": 32, "num_warps": 4, "fold": "dot"}`, the defaults).
+
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
 opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
 build gave the B = 1 launch 234 registers where this gives 252), and nothing here is timed.
@@ -102,6 +106,38 @@ def _lower(b: int, n: int, cfg, pending: bool):
         return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
                                   backend="pallas", interpret=False, config=cfg, pending=pend)
 
+    return _lower_fn(f, q, q, v, g, g, state, parents, pend)
+
+
+def _lower_commit(b: int, n: int, commit_cfg: dict):
+    """As `_lower`, for the commit kernel: factors of bench_tree_gdn's dims, the accepted path
+    handed in ([B, MAX_DEPTH] node ids and their count, as a decode step passes them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
+    from bole_jax.pallas.tree_gdn import commit_state_pallas
+    from bole_jax.pallas.tree_utils import TreeFactors
+
+    sd = jax.ShapeDtypeStruct
+    fac = TreeFactors(k=sd((b, n, HK, DK), jnp.float32), u=sd((b, n, HV, DV), jnp.float32),
+                      gamma=sd((b, n, HV), jnp.float32))
+    i32 = jnp.int32
+
+    def f(state, fac, parents, accepted, path, count):
+        return commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
+                                   **commit_cfg)
+
+    return _lower_fn(f, sd((b, HV, DK, DV), jnp.float32), fac, sd((b, n), i32), sd((b,), i32),
+                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32))
+
+
+def _lower_fn(f, *args):
+    """Lower f(*args) for cuda with every pallas_call of tree_gdn printing its Triton module:
+    (module texts, launches: each one's grid and its operands' and outputs' [shape, dtype] in
+    the kernel's parameter order)."""
+    import jax
+
     launches = []
 
     def debug_call(orig):
@@ -109,10 +145,12 @@ def _lower(b: int, n: int, cfg, pending: bool):
             call = orig(*a, **dict(kw, debug=True))
 
             def record(*args):
+                outs = kw["out_shape"]
+                outs = outs if isinstance(outs, (list, tuple)) else [outs]
                 launches.append(dict(
                     grid=[int(x) for x in kw["grid"]],
                     inputs=[[list(x.shape), str(x.dtype)] for x in args],
-                    outputs=[[list(o.shape), str(o.dtype)] for o in kw["out_shape"]]))
+                    outputs=[[list(o.shape), str(o.dtype)] for o in outs]))
                 return call(*args)
 
             return record
@@ -121,7 +159,7 @@ def _lower(b: int, n: int, cfg, pending: bool):
 
     buf = io.StringIO()
     with _pallas_call_replaced(debug_call), contextlib.redirect_stdout(buf):
-        jax.jit(f).trace(q, q, v, g, g, state, parents, pend).lower(lowering_platforms=("cuda",))
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
     return [part[part.index("\n") + 1:] for part in parts], launches
 
@@ -156,6 +194,42 @@ def kernel_operands(b: int, n: int, cfg, seed: int = 0):
     if len(got) != 1:
         raise RuntimeError(f"expected one launch, recorded {len(got)}")
     return got[0], (q, k, v, g, beta, state, parents)
+
+
+def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
+    """The commit kernel's concrete launch operands (numpy, parameter order) at (b, n), as
+    `kernel_operands` does for the verify: bench_tree_gdn's inputs, the closed form's factors,
+    the deepest node of each tree accepted (its root path handed in), and those
+    (state, factors, parents, accepted, path, count)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bole_jax.pallas.tree_gdn as tg
+    from benchmarks import bench_tree_gdn as btg
+    from bole_jax.pallas import tree_gdn_ref
+
+    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
+    parents = jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
+    _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
+    accepted = jnp.asarray(btg.deepest_nodes(np.asarray(parents)))
+    path, count = tg.accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
+    got = []
+
+    def recorder(orig):
+        def pallas_call(*a, **kw):
+            def call(*args):
+                got.append([np.asarray(x) for x in args])
+                return jnp.zeros(kw["out_shape"].shape, kw["out_shape"].dtype)
+            return call
+        return pallas_call
+
+    with _pallas_call_replaced(recorder), jax.disable_jit():
+        tg.commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
+                               **commit_cfg)
+    if len(got) != 1:
+        raise RuntimeError(f"expected one launch, recorded {len(got)}")
+    return got[0], (state, fac, parents, accepted, path, count)
 
 
 def strip_locations(text: str) -> str:
@@ -220,7 +294,10 @@ def main(argv=None):
                     help="a Python with Triton installed (e.g. a venv with triton==3.6)")
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--N", type=int, default=64)
-    ap.add_argument("--config", default="{}", help="TreeGDNConfig fields as JSON")
+    ap.add_argument("--kernel", choices=("verify", "commit"), default="verify")
+    ap.add_argument("--config", default="{}",
+                    help="TreeGDNConfig fields as JSON (--kernel commit: block_v, num_warps, "
+                         "fold)")
     ap.add_argument("--pending", action="store_true", help="the lazy-commit (folding) variant")
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
     ap.add_argument("--lineinfo", action="store_true",
@@ -231,30 +308,52 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig
     try:
-        cfg = TreeGDNConfig(**json.loads(args.config))
+        if args.kernel == "commit":
+            cfg = commit_config(json.loads(args.config))
+            num_warps, num_stages, stem = cfg["num_warps"], 1, "bole_commit_state"
+        else:
+            cfg = TreeGDNConfig(**json.loads(args.config))
+            num_warps = cfg.num_warps or (4 if args.N <= 64 else 8)
+            num_stages, stem = cfg.num_stages, "bole_tree_gdn"
     except (TypeError, ValueError) as e:
         ap.error(f"--config: {e}")
-    num_warps = cfg.num_warps or (4 if args.N <= 64 else 8)
+    if args.kernel == "commit" and args.pending:
+        ap.error("--pending is a verify variant")
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
-    print(f"B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
+    print(f"{args.kernel} B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
     if args.lineinfo:
         _attribute_helpers_to_callers()
-    modules, launches = _lower(args.B, args.N, cfg, args.pending)
+    if args.kernel == "commit":
+        modules, launches = _lower_commit(args.B, args.N, cfg)
+    else:
+        modules, launches = _lower(args.B, args.N, cfg, args.pending)
     for i, (module, launch) in enumerate(zip(modules, launches)):
-        name = "bole_tree_gdn" + (f"_{i}" if len(modules) > 1 else "")
+        name = stem + (f"_{i}" if len(modules) > 1 else "")
         text = with_source_locations(module) if args.lineinfo else strip_locations(module)
         shared, params, scratch = _compile_one(args.triton_python, text,
                                                os.path.join(out, name), num_warps,
-                                               cfg.num_stages, args.lineinfo)
+                                               num_stages, args.lineinfo)
         manifest = dict(name=name, kernel=re.search(r"tt\.func public @(\w+)", text).group(1),
-                        num_warps=num_warps, num_stages=cfg.num_stages, shared=shared,
-                        params=params, scratch_bytes=scratch, B=args.B, N=args.N,
+                        kind=args.kernel, num_warps=num_warps, num_stages=num_stages,
+                        shared=shared, params=params, scratch_bytes=scratch, B=args.B, N=args.N,
                         pending=args.pending,
-                        config=dataclasses.asdict(cfg), lineinfo=args.lineinfo, **launch)
+                        config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
+                        lineinfo=args.lineinfo, **launch)
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     print(f"files: {out}")
+
+
+def commit_config(fields: dict) -> dict:
+    """The commit launch of --config: block_v, num_warps, fold (defaults 32, 4, "dot", as the
+    engine runs it); other keys are an error."""
+    cfg = dict(block_v=32, num_warps=4, fold="dot")
+    unknown = set(fields) - set(cfg)
+    if unknown:
+        raise ValueError(f"commit launches take block_v, num_warps, fold; not {sorted(unknown)}")
+    cfg.update(fields)
+    return cfg
 
 
 SRC_DIR = "/tmp/bole_src"  # where cubin_launch.py puts the source that --lineinfo cubins name

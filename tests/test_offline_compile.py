@@ -6,6 +6,8 @@ import os
 import re
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import offline_compile  # noqa: E402
@@ -35,6 +37,35 @@ def test_launch_operands_match_the_lowered_kernel():
     assert [[list(a.shape), str(a.dtype)] for a in operands] == launch["inputs"]
     assert launch["grid"] == [1, 32, 2] and len(launch["outputs"]) == 4  # o, u, gamma, k
     assert len(inputs) == 7 and operands[3].shape == inputs[0].shape  # q passes unpadded
+
+
+def test_commit_operands_match_the_lowered_commit():
+    """The same contract for `--kernel commit`: the commit's operands rebuilt on the CPU
+    (`commit_operands`, the deepest node accepted, its path handed in) match the lowered
+    kernel's parameters, and the recorded launch's output is the state; the kernel run on them
+    (interpret mode) gives the reference commit's state."""
+    import numpy as np
+
+    from bole_jax.pallas.tree_gdn import commit_state_pallas
+    from bole_jax.spec_decode.state_factors import commit_state
+
+    cfg = offline_compile.commit_config({"block_v": 64})
+    assert cfg == dict(block_v=64, num_warps=4, fold="dot")
+    (module,), (launch,) = offline_compile._lower_commit(2, 16, cfg)
+    assert "tt.func public @bole_commit_state" in module
+    operands, inputs = offline_compile.commit_operands(2, 16, cfg)
+    assert [[list(a.shape), str(a.dtype)] for a in operands] == launch["inputs"]
+    assert launch["grid"] == [2, 32, 2] and launch["outputs"] == [[[2, 32, 128, 128], "float32"]]
+    state, fac, parents, accepted, path, count = inputs
+    assert np.all(np.asarray(count) >= 2)  # the deepest node: a real path, not just the root
+    got = commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
+                              interpret=True, **cfg)
+    want = commit_state(state, fac, parents, accepted, path=path, count=count,
+                        backend="reference", precision="highest")
+    assert float(np.max(np.abs(np.asarray(got) - np.asarray(want)))) <= 1e-5 * float(
+        np.max(np.abs(np.asarray(want))))
+    with pytest.raises(ValueError, match="inverse"):
+        offline_compile.commit_config({"inverse": "matrix"})
 
 
 def test_source_locations_are_parseable_inline_locs():
