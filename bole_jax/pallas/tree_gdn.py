@@ -177,12 +177,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
     vrow = valid[:, None]
     inb = None if n == n_real else (idx < n_real)[:, None]  # rows inside the arrays
-
-    def tree_masks():
-        """(ancestor-or-self, strict ancestor) [Np, Np] bool."""
-        anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0
-        return anc, anc & (idx[:, None] != idx[None, :])
-
     path_len = plen_ref[...]
     # depth_bound: the inverse's steps unrolled for it (static code; a run-time loop or cond
     # around them measured 10% slower at B = 16 N = 64); a request whose tree breaks the bound
@@ -192,27 +186,28 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     gate_mask = None if inb is None else inb[:, 0]
     first_tile = tile == 0
 
-    def keys():
-        """Keys/queries once per program, shared by its value heads (GQA) and value tiles:
-        (K, Q as the state dots' operands, K K^T, Q K^T). Rows past the real nodes load as 0
-        (masked), so padding never reaches a dot."""
-        rows = vrow if inb is None else vrow & inb
-        kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
-        qraw = _load(q_ref, rows).astype(jnp.float32)
-        kn = kraw * _l2norm_scale(kraw)[:, None]
-        qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
+    anc = _load(anc_ref, None if inb is None else inb & inb.T) != 0  # [Np, Np] ancestor-or-self
+    strict = anc & (idx[:, None] != idx[None, :])
 
-        @pl.when(first_tile & ((head_block * hg) % ratio == 0))
-        def _():
-            _store(kn_ref, kn, inb)
+    # Keys/queries once per program, shared by its value heads (GQA) and value tiles. Rows
+    # past the real nodes load as 0 (masked), so padding never reaches a dot.
+    rows = vrow if inb is None else vrow & inb
+    kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
+    qraw = _load(q_ref, rows).astype(jnp.float32)
+    kn = kraw * _l2norm_scale(kraw)[:, None]
+    qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
 
-        kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
-        kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
-        qk = _dot(qb, kb, prec, trans_b=True)
-        return kn.astype(s_dtype), qn.astype(s_dtype), kk, qk
+    @pl.when(first_tile & ((head_block * hg) % ratio == 0))
+    def _():
+        _store(kn_ref, kn, inb)
 
-    def head(j, kk, qk, anc, strict):
-        """Value head j's N x N work: (beta, P, T or G, QKG)."""
+    kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
+    kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
+    qk = _dot(qb, kb, prec, trans_b=True)
+    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
+
+    def value_head(j, carry):
+        # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
         g = jnp.where(valid, _load(g_ref.at[:, j], gate_mask), 0.0)
         beta = jnp.where(valid, _load(beta_ref.at[:, j], gate_mask), 0.0)
         gamma = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # [Np] root-path log gate
@@ -227,45 +222,34 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program;
         # otherwise G itself, applied per tile.
         tmat = _inverse_matrix(gmat, depth, prec) if cfg.inverse == "matrix" else gmat
-        return beta, p, tmat, qk * gam
+        qkg = qk * gam
 
-    def value_tile(j, t, ops):
-        kb, qb, beta, p, tmat, qkg = ops
-        cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-        s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
-        if pend is not None:
-            s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
-            sn_ref[j, :, cols] = s
-        s = s.astype(s_dtype)
-        ks = _dot(kb, s, prec)  # [Np, bv]
-        qs = _dot(qb, s, prec)
-        v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
-        rhs = beta[:, None] * (v - p * ks)
-        if cfg.inverse == "matrix":
-            u = _dot(tmat, rhs, prec)
-        else:
-            u = _apply_inverse(tmat, rhs, depth, cfg.inverse, prec)
-        o = p * qs + _dot(qkg, u, prec)
-        if broken is not None:
-            o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
-        _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
-        _store(u_ref.at[:, j, cols], u, inb)
-
-    masks = tree_masks()
-    kb, qb, kk, qk = keys()
-
-    def value_head(j, carry):
-        # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
-        ops = (kb, qb) + head(j, kk, qk, *masks)
-
-        def trip(t, c):
-            value_tile(j, t, ops)
+        def value_tile(t, c):
+            cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
+            s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
+            if pend is not None:
+                s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
+                sn_ref[j, :, cols] = s
+            s = s.astype(s_dtype)
+            ks = _dot(kb, s, prec)  # [Np, bv]
+            qs = _dot(qb, s, prec)
+            v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
+            rhs = beta[:, None] * (v - p * ks)
+            if cfg.inverse == "matrix":
+                u = _dot(tmat, rhs, prec)
+            else:
+                u = _apply_inverse(tmat, rhs, depth, cfg.inverse, prec)
+            o = p * qs + _dot(qkg, u, prec)
+            if broken is not None:
+                o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
+            _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
+            _store(u_ref.at[:, j, cols], u, inb)
             return c
 
         if tpp == 1:
-            trip(0, 0)
+            value_tile(0, 0)
         else:
-            jax.lax.fori_loop(0, tpp, trip, 0)
+            jax.lax.fori_loop(0, tpp, value_tile, 0)
         return carry
 
     if hg == 1:
