@@ -19,9 +19,9 @@ each tree accepted, its root path handed in; --check compares the new state with
 reference commit.
 
 The operands are rebuilt here (JAX on the CPU, the wrapper run eagerly up to its pallas_call:
-`offline_compile.kernel_operands`) and uploaded with cuMemcpy; the kernel's extra trailing
-parameters (Triton's scratch pointers) get null. --check compares o and u with the jnp
-reference. Plain verify only (no pending fold).
+`offline_compile.kernel_operands` / `commit_operands`) and uploaded with cuMemcpy; the kernel's
+extra trailing parameters (Triton's scratch pointers) get null. --check compares o and u (the
+commit: the new state) with the jnp reference. The verify without a pending fold only.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--dir", required=True, help="offline_compile.py --out DIR (one module)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true", help="compare o, u with the jnp reference")
+    ap.add_argument("--check", action="store_true", help="compare o, u (the commit: the state) with the jnp reference")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify

@@ -30,7 +30,7 @@ def _import_ncu_report():
     except ImportError:
         pass
     roots = ["/opt/nvidia/nsight-compute", "/usr/local/cuda/nsight-compute*",
-             "/usr/local/cuda-*/nsight-compute*", "/opt/nvidia/nsight-compute/*"]
+             "/usr/local/cuda-*/nsight-compute*"]  # searched recursively
     for pattern in roots:
         for root in sorted(glob.glob(pattern), reverse=True):
             for path in glob.glob(os.path.join(root, "**", "ncu_report.py"), recursive=True):

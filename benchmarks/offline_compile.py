@@ -145,12 +145,10 @@ def _lower_fn(f, *args):
             call = orig(*a, **dict(kw, debug=True))
 
             def record(*args):
-                outs = kw["out_shape"]
-                outs = outs if isinstance(outs, (list, tuple)) else [outs]
                 launches.append(dict(
                     grid=[int(x) for x in kw["grid"]],
                     inputs=[[list(x.shape), str(x.dtype)] for x in args],
-                    outputs=[[list(o.shape), str(o.dtype)] for o in outs]))
+                    outputs=[[list(o.shape), str(o.dtype)] for o in _listed(kw["out_shape"])]))
                 return call(*args)
 
             return record
@@ -164,36 +162,59 @@ def _lower_fn(f, *args):
     return [part[part.index("\n") + 1:] for part in parts], launches
 
 
-def kernel_operands(b: int, n: int, cfg, seed: int = 0):
-    """The plain verify's concrete launch operands (numpy, the kernel's parameter order) for
-    bench_tree_gdn's random trees and inputs at (b, n), and those inputs
-    (q, k, v, g, beta, state, parents): the wrapper runs eagerly (jax.disable_jit) up to the
-    pallas_call, which is replaced by a recorder. Runs on any backend (CPU is enough)."""
+def _listed(out_shape) -> list:
+    """A pallas_call's out_shape as a list (the commit has one output, not a list)."""
+    return list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
+
+
+def _bench_inputs(b: int, n: int, seed: int):
+    """bench_tree_gdn's random inputs (q, k, v, g, beta, state) and trees (parents) at (b, n)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    import bole_jax.pallas.tree_gdn as tg
     from benchmarks import bench_tree_gdn as btg
 
-    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
-    parents = jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
+    inputs = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
+    return inputs, jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
+
+
+def _recorded_operands(run) -> list:
+    """The concrete operands (numpy, the kernel's parameter order) of the one pallas_call of
+    tree_gdn that run() makes: run() goes eagerly (jax.disable_jit) up to the pallas_call,
+    which is replaced by a recorder returning zeros. Runs on any backend (CPU is enough)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     got = []
 
     def recorder(orig):
         def pallas_call(*a, **kw):
             def call(*args):
                 got.append([np.asarray(x) for x in args])
-                return [jnp.zeros(o.shape, o.dtype) for o in kw["out_shape"]]
+                outs = [jnp.zeros(o.shape, o.dtype) for o in _listed(kw["out_shape"])]
+                return outs if isinstance(kw["out_shape"], (list, tuple)) else outs[0]
             return call
         return pallas_call
 
     with _pallas_call_replaced(recorder), jax.disable_jit():
-        tg.tree_gdn_verify(q, k, v, g, beta, state, parents, None, backend="pallas",
-                           interpret=False, config=cfg)
+        run()
     if len(got) != 1:
         raise RuntimeError(f"expected one launch, recorded {len(got)}")
-    return got[0], (q, k, v, g, beta, state, parents)
+    return got[0]
+
+
+def kernel_operands(b: int, n: int, cfg, seed: int = 0):
+    """The plain verify's concrete launch operands (numpy, the kernel's parameter order) for
+    bench_tree_gdn's random trees and inputs at (b, n), and those inputs
+    (q, k, v, g, beta, state, parents); see `_recorded_operands`."""
+    import bole_jax.pallas.tree_gdn as tg
+
+    (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
+    operands = _recorded_operands(lambda: tg.tree_gdn_verify(
+        q, k, v, g, beta, state, parents, None, backend="pallas", interpret=False, config=cfg))
+    return operands, (q, k, v, g, beta, state, parents)
 
 
 def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
@@ -201,7 +222,6 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     `kernel_operands` does for the verify: bench_tree_gdn's inputs, the closed form's factors,
     the deepest node of each tree accepted (its root path handed in), and those
     (state, factors, parents, accepted, path, count)."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -209,27 +229,13 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     from benchmarks import bench_tree_gdn as btg
     from bole_jax.pallas import tree_gdn_ref
 
-    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
-    parents = jnp.asarray(btg.make_trees(np.random.default_rng(seed), b, n))
+    (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
     _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
     accepted = jnp.asarray(btg.deepest_nodes(np.asarray(parents)))
     path, count = tg.accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
-    got = []
-
-    def recorder(orig):
-        def pallas_call(*a, **kw):
-            def call(*args):
-                got.append([np.asarray(x) for x in args])
-                return jnp.zeros(kw["out_shape"].shape, kw["out_shape"].dtype)
-            return call
-        return pallas_call
-
-    with _pallas_call_replaced(recorder), jax.disable_jit():
-        tg.commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
-                               **commit_cfg)
-    if len(got) != 1:
-        raise RuntimeError(f"expected one launch, recorded {len(got)}")
-    return got[0], (state, fac, parents, accepted, path, count)
+    operands = _recorded_operands(lambda: tg.commit_state_pallas(
+        state, fac, parents, accepted, path=path, count=count, **commit_cfg))
+    return operands, (state, fac, parents, accepted, path, count)
 
 
 def strip_locations(text: str) -> str:
