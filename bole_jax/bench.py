@@ -497,14 +497,19 @@ def ar_logits(llm, prompt, cont, pos: int) -> np.ndarray:
   return np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
 
 
+def top2_gap(logits: np.ndarray) -> float:
+  """The gap between the two largest logits (0 for a single logit)."""
+  top = np.sort(logits)[-2:]
+  return float(top[-1] - top[0])
+
+
 def divergence_info(logits: np.ndarray, ar_token: int, token: int) -> dict:
   """Where a spec mode's token differs from AR's: the teacher-forced logits' top-2 gap, and
   each token's rank (0 = the argmax) and distance below the top logit. A mode token at rank 0
   means the forward agrees with the mode and AR's own decode step left it."""
   top = float(np.max(logits))
-  second = float(np.sort(logits)[-2]) if logits.size > 1 else top
   rank = lambda t: int(np.sum(logits > logits[t]))  # noqa: E731
-  return dict(top2_gap=top - second, token_rank=rank(token),
+  return dict(top2_gap=top2_gap(logits), token_rank=rank(token),
               token_deficit=top - float(logits[token]), ar_token_rank=rank(ar_token),
               ar_token_deficit=top - float(logits[ar_token]))
 
@@ -513,8 +518,7 @@ def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
   """AR logit gap between the best two tokens at generated position `pos`. A small gap at a
   spec mode's first divergence from AR says a near-tie flipped (the tree kernels sum in another
   order than the decode kernels)."""
-  top, second = np.sort(ar_logits(llm, prompt, cont, pos))[-2:][::-1]
-  return float(top - second)
+  return top2_gap(ar_logits(llm, prompt, cont, pos))
 
 
 def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
