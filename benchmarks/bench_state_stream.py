@@ -13,7 +13,7 @@ donated, as the decode step runs them), at Qwen3-Next dims (HV 32, dk = dv 128, 
   traffic of a verify at small N;
 - `xla_scale`: the same maths as one XLA fusion; `pernode_copy`: PERNODE's commit (gather of
   the accepted node's state out of a per-node scratch of 8 nodes);
-- `commit[...]`: the real commit kernel (dot and loop folds, deepest node accepted).
+- `commit[...]`: the real commit kernel (its folds and load orders, deepest node accepted).
 
 Every Pallas variant is first checked against jnp on the device. Prints a table and writes
 <out>/bench_state_stream.json (command, git commit, GPU, jax version, every number).
@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import accepted_rows, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn import accepted_rows, commit_state_pallas, tree_gdn_verify  # noqa: E402
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
@@ -117,7 +117,7 @@ def time_in_place(fn, states, extra, timer):
     return timer(call, [(i,) for i in range(len(states))])
 
 
-def point(b, n, timer, sets_count, seed):
+def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
     key = jax.random.PRNGKey(seed + b)
     states = [jax.random.normal(jax.random.fold_in(key, i), (b, HV, DK, DV), jnp.float32)
               for i in range(sets_count)]
@@ -138,6 +138,8 @@ def point(b, n, timer, sets_count, seed):
     scale_variants = [("cols", DK, bv, w) for bv in (32, 64, 128) for w in (4, 8)]
     scale_variants += [("cols", DK // 2, 64, 4), ("cols", DK // 2, 32, 4), ("cols", DK // 4, 128, 4)]
     scale_variants += [("rows", r, None, w) for r in (16, 32, 64) for w in (4, 8)]
+    if "stream" not in parts:
+        scale_variants = []
     for kind, a, bv, w in scale_variants:
         if kind == "cols":
             name = f"scale[{a}x{bv}] w{w}"
@@ -150,9 +152,10 @@ def point(b, n, timer, sets_count, seed):
         if err > 1e-6:
             raise SystemExit(f"{name}: max error {err}")
         add(name, time_in_place(fn, states, p, timer), bytes_rw, err=err)
-    add("xla_scale", time_in_place(lambda s, pp: pp[:, :, None, None] * s, states, p, timer),
-        bytes_rw)
-    for bv in (32, 64, 128):
+    if "stream" in parts:
+        add("xla_scale", time_in_place(lambda s, pp: pp[:, :, None, None] * s, states, p,
+                                       timer), bytes_rw)
+    for bv in ((32, 64, 128) if "stream" in parts else ()):
         for w in (4, 8):
             fn = functools.partial(lambda s, bv, w: read_cols(s, bv, w), bv=bv, w=w)
             got = jax.jit(fn)(s0)
@@ -189,17 +192,24 @@ def point(b, n, timer, sets_count, seed):
     accepted = jnp.asarray(btg.deepest_nodes(np.asarray(parents)))
     path, count = accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
     want = commit_state(s0, fac, parents, accepted, backend="reference", precision="highest")
-    for kw in (dict(block_v=32, num_warps=4, fold="dot"), dict(block_v=32, num_warps=4,
-                                                                fold="loop"),
-               dict(block_v=64, num_warps=8, fold="dot")):
-        fn = functools.partial(lambda s, f, kw: commit_state(
-            s, f, parents, accepted, backend="pallas", interpret=INTERPRET, path=path,
-            count=count, **kw), kw=kw)
+    commits = [dict(block_v=32, num_warps=4, fold="dot"),
+               dict(block_v=32, num_warps=4, fold="dot", gather_first=True),
+               dict(block_v=64, num_warps=8, fold="dot", gather_first=True),
+               dict(block_v=32, num_warps=4, fold="loop"),
+               dict(block_v=32, num_warps=4, fold="unroll"),
+               dict(block_v=32, num_warps=8, fold="unroll"),
+               dict(block_v=64, num_warps=8, fold="unroll"),
+               dict(block_v=64, num_warps=4, fold="unroll"),
+               dict(block_v=16, num_warps=4, fold="unroll")]
+    for kw in commits:
+        fn = functools.partial(lambda s, f, kw: commit_state_pallas(
+            s, f, parents, accepted, interpret=INTERPRET, path=path, count=count, **kw), kw=kw)
         got = jax.jit(fn)(s0, fac)
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         if err > 1e-5:
             raise SystemExit(f"commit {kw}: relative error {err}")
-        name = f"commit[{DK}x{kw['block_v']}] w{kw['num_warps']} {kw['fold']}"
+        name = (f"commit[{DK}x{kw['block_v']}] w{kw['num_warps']} {kw['fold']}"
+                + (" gather_first" if kw.get("gather_first") else ""))
         add(name, time_in_place(fn, states, fac, timer), bytes_rw, err=err)
     return rows
 
@@ -211,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--B", default="16,64")
     ap.add_argument("--N", default="64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--parts", default="stream,commit",
+                    help="stream (scale/read/XLA/PERNODE copies), commit (the commit kernels)")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="interpret mode, tiny dims: tests this script without a GPU")
     args = ap.parse_args(argv)
@@ -227,7 +239,8 @@ def main(argv=None):
             # enough input sets that their states exceed the L2 several times over
             count = 2 if args.cpu_dry_run else int(max(2, min(8, -(-3 * btg.L2_BYTES // (
                 b * HV * DK * DV * 4)))))
-            results.append(dict(B=b, N=n, rows=point(b, n, timer, count, 0)))
+            results.append(dict(B=b, N=n, rows=point(b, n, timer, count, 0,
+                                                             args.parts.split(","))))
     out = dict(command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
                git_commit=btg.git_commit(), gpu=str(jax.devices()[0].device_kind),
                jax=jax.__version__, jaxlib=btg._jaxlib_version(), dims=dict(HV=HV, dk=DK, dv=DV),

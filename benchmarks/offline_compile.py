@@ -352,12 +352,13 @@ def main(argv=None):
 
 
 def commit_config(fields: dict) -> dict:
-    """The commit launch of --config: block_v, num_warps, fold (defaults 32, 4, "dot", as the
-    engine runs it); other keys are an error."""
-    cfg = dict(block_v=32, num_warps=4, fold="dot")
+    """The commit launch of --config: block_v, num_warps, fold, gather_first (defaults 32, 4,
+    "dot", False, as the engine runs it); other keys are an error."""
+    cfg = dict(block_v=32, num_warps=4, fold="dot", gather_first=False)
     unknown = set(fields) - set(cfg)
     if unknown:
-        raise ValueError(f"commit launches take block_v, num_warps, fold; not {sorted(unknown)}")
+        raise ValueError("commit launches take block_v, num_warps, fold, gather_first; not "
+                         f"{sorted(unknown)}")
     cfg.update(fields)
     return cfg
 

@@ -59,6 +59,7 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
 BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
 _FOLDS = ("loop", "dot")
+_COMMIT_FOLDS = ("loop", "dot", "unroll")
 _PRECISIONS = PRECISIONS
 
 
@@ -528,16 +529,44 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 
 
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision):
+                   fold, precision, gather_first=False):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
-    # nothing: the loop stops at count, the dot zeroes them); gamma [N] this head's root-path
-    # log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
+    # this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
     # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
     # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
-    # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`).
+    # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
+    # "unroll": fp32 rank-1 updates of all L rows, unrolled, rows past count zeroed.
+    # gather_first: the path, its rows and the state tile are loaded before any use, so the
+    # dependent gathers (path -> gamma, k, u rows) overlap the state tile's DRAM latency.
+    if fold == "unroll":
+        length = path_ref.shape[0]
+        nodes = [path_ref[m] for m in range(length)]
+        sel, count = sel_ref[...], count_ref[...]
+        s = s_ref[...]
+        rows = [(gamma_ref[nd], k_ref[nd], u_ref[nd]) for nd in nodes]
+        g_sel = gamma_ref[sel]
+        acc = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
+        for m, (g_m, k_m, u_m) in enumerate(rows):
+            live = m < count
+            w = jnp.where(live, jnp.exp(jnp.minimum(g_sel - g_m, 0.0)), 0.0)
+            acc = acc + jnp.where(live, w * k_m, 0.0)[:, None] * jnp.where(live, u_m, 0.0)[None, :]
+        o_ref[...] = acc
+        return
+    if fold == "dot" and gather_first:
+        path = path_ref[...]
+        sel, count = sel_ref[...], count_ref[...]
+        s = s_ref[...]
+        g_path, k_path, u_path = gamma_ref[path], k_ref[path, :], u_ref[path, :]
+        g_sel = gamma_ref[sel]
+        init = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
+        w = jnp.exp(jnp.minimum(g_sel - g_path, 0.0))
+        live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
+        o_ref[...] = _dot_fold(init, w, k_path, u_path, live, precision)
+        return
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
     p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
@@ -631,10 +660,11 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold"))
+                                             "fold", "gather_first"))
 def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
                         num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None, fold: str = "dot"):
+                        interpret: bool = False, path=None, count=None, fold: str = "dot",
+                        gather_first: bool = False):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -662,8 +692,8 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
-    if fold not in _FOLDS:
-        raise ValueError(f"fold must be one of {_FOLDS}, got {fold!r}")
+    if fold not in _COMMIT_FOLDS:
+        raise ValueError(f"fold must be one of {_COMMIT_FOLDS}, got {fold!r}")
     if fold == "dot" and path.shape[1] < next_pow2(path.shape[1]):
         # dot blocks: a power of two >= 16 rows; the extra entries lie past count (zeroed)
         path = jnp.pad(path, ((0, 0), (0, next_pow2(path.shape[1]) - path.shape[1])))
@@ -674,7 +704,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold,
+        functools.partial(_commit_kernel, fold=fold, gather_first=gather_first,
                           precision=None if interpret else _PRECISIONS["tf32x3"]),
         grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,
