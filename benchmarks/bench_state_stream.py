@@ -193,8 +193,6 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
     path, count = accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
     want = commit_state(s0, fac, parents, accepted, backend="reference", precision="highest")
     commits = [dict(block_v=32, num_warps=4, fold="dot"),
-               dict(block_v=32, num_warps=4, fold="dot", gather_first=True),
-               dict(block_v=64, num_warps=8, fold="dot", gather_first=True),
                dict(block_v=32, num_warps=4, fold="loop"),
                dict(block_v=32, num_warps=4, fold="unroll"),
                dict(block_v=32, num_warps=8, fold="unroll"),
@@ -208,8 +206,7 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         if err > 1e-5:
             raise SystemExit(f"commit {kw}: relative error {err}")
-        name = (f"commit[{DK}x{kw['block_v']}] w{kw['num_warps']} {kw['fold']}"
-                + (" gather_first" if kw.get("gather_first") else ""))
+        name = f"commit[{DK}x{kw['block_v']}] w{kw['num_warps']} {kw['fold']}"
         add(name, time_in_place(fn, states, fac, timer), bytes_rw, err=err)
     return rows
 

@@ -409,7 +409,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             pad = float(jnp.max(jnp.abs(jnp.where(mask[:, :, None, None], 0.0,
                                                    f.u.astype(jnp.float32)))))
             record(f"{tag} padding rows zero", pad, 0.0)
-            for fold in ("loop", "dot"):
+            for fold in ("loop", "dot", "unroll"):
                 new = commit_state(args[5], f, parents, acc, backend="pallas",
                                    interpret=INTERPRET, fold=fold)
                 record(f"{tag} + pallas commit (fold {fold}) vs sequential",
@@ -419,7 +419,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             pend = pending_commit(f, parents, acc, n)
             o2_ref, _ = tree_gdn_ref.tree_gdn_closed_form(*args[:5], want_state, parents,
                                                           num_nodes, tree=tree)
-            for fold in ("loop", "dot"):
+            for fold in ("loop", "dot", "unroll"):
                 o2, _, s2 = tree_gdn_verify(*args[:5], args[5], parents, num_nodes, tree=tree,
                                             backend="pallas", interpret=INTERPRET,
                                             config=dataclasses.replace(cfg, fold=fold),
@@ -626,15 +626,16 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         point["bole_commit"] = []
         # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
         # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
-        # slower everywhere: 27.6 vs 25.8 us at B = 16 N = 64, 11.2 vs 3.7 at B = 1.)
+        # slower everywhere: 27.6 vs 25.8 us at B = 16 N = 64, 11.2 vs 3.7 at B = 1. Session 10
+        # dropped the 16-column and 2/8-warp dots (never the fastest) and added the unrolled
+        # fold, "auto" being the engine's default launch, `tree_gdn.commit_launch`.)
         pallas = dict(backend="pallas", num_warps=4)
         variants = [dict(pallas, block_v=32, fold="loop"),
                     dict(pallas, block_v=32, fold="dot"),
                     dict(pallas, block_v=64, fold="dot"),
-                    dict(pallas, block_v=16, fold="dot"),
-                    dict(pallas, block_v=16, fold="dot", num_warps=2),
-                    dict(pallas, block_v=32, fold="dot", num_warps=2),
-                    dict(pallas, block_v=32, fold="dot", num_warps=8),
+                    dict(pallas, block_v=None, fold="auto"),
+                    dict(pallas, block_v=32, fold="unroll"),
+                    dict(pallas, block_v=64, fold="unroll"),
                     dict(backend="reference", precision="highest")]
         # The decode step hands every layer's commit the accepted path that acceptance
         # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
@@ -661,7 +662,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # the faster one that passed its checks.
         point["bole_lazy_variants"] = [
             bench_lazy(dataclasses.replace(cfg, fold=fold), sets, fac, parents_d, num_nodes,
-                       tree, accepted, timer) for fold in ("loop", "dot")]
+                       tree, accepted, timer) for fold in ("loop", "dot", "unroll")]
         ok = [r for r in point["bole_lazy_variants"] if r.get("ok")]
         point["bole_lazy"] = (min(ok, key=lambda r: r["sum_us"]) if ok
                               else point["bole_lazy_variants"][0])

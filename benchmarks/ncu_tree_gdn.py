@@ -68,13 +68,13 @@ def main(argv=None):
     cfg = cfgs[0]
     fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
                           backend="pallas", config=cfg)[1]
-    for fold in ("loop", "dot"):
+    for fold in ("loop", "dot", "unroll"):
         def commit(s, f, fold=fold):
             return commit_state(s, f, parents_d, accepted, backend="pallas", block_v=32,
                                 num_warps=4, path=path, count=count, fold=fold)
         add(f"commit bv32 w4 fold={fold}", commit, jnp.copy(state), fac, donate=(0,))
     pend = pending_commit(fac, parents_d, accepted, length, path, count)
-    for fold in ("loop", "dot"):
+    for fold in ("loop", "dot", "unroll"):
         lcfg = dataclasses.replace(cfg, fold=fold)
 
         def lazy(q, k, v, g, beta, s, p, lcfg=lcfg):

@@ -11,7 +11,7 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
 
 `--kernel commit` compiles the selected-state commit (`tree_gdn.commit_state_pallas`) instead,
 with the accepted path handed in as the decode step does; --config then takes its launch
-(`{"block_v": 32, "num_warps": 4, "fold": "dot"}`, the defaults).
+(`{"block_v": null, "num_warps": 4, "fold": "auto"}`, the defaults: `tree_gdn.commit_launch`).
 
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
 opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
@@ -352,13 +352,12 @@ def main(argv=None):
 
 
 def commit_config(fields: dict) -> dict:
-    """The commit launch of --config: block_v, num_warps, fold, gather_first (defaults 32, 4,
-    "dot", False, as the engine runs it); other keys are an error."""
-    cfg = dict(block_v=32, num_warps=4, fold="dot", gather_first=False)
+    """The commit launch of --config: block_v, num_warps, fold (defaults None, 4, "auto", as
+    the engine runs it: `tree_gdn.commit_launch`); other keys are an error."""
+    cfg = dict(block_v=None, num_warps=4, fold="auto")
     unknown = set(fields) - set(cfg)
     if unknown:
-        raise ValueError("commit launches take block_v, num_warps, fold, gather_first; not "
-                         f"{sorted(unknown)}")
+        raise ValueError(f"commit launches take block_v, num_warps, fold; not {sorted(unknown)}")
     cfg.update(fields)
     return cfg
 

@@ -50,7 +50,7 @@ def test_commit_operands_match_the_lowered_commit():
     from bole_jax.spec_decode.state_factors import commit_state
 
     cfg = offline_compile.commit_config({"block_v": 64})
-    assert cfg == dict(block_v=64, num_warps=4, fold="dot")
+    assert cfg == dict(block_v=64, num_warps=4, fold="auto")
     (module,), (launch,) = offline_compile._lower_commit(2, 16, cfg)
     assert "tt.func public @bole_commit_state" in module
     operands, inputs = offline_compile.commit_operands(2, 16, cfg)

@@ -61,15 +61,16 @@ def test_commit_every_node(case, seed):
     (33, 2, 4, 16, 16, ("random",), 8),
     (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
 ])
-@pytest.mark.parametrize("fold", ["loop", "dot"])
+@pytest.mark.parametrize("fold", ["loop", "dot", "unroll"])
 def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path, fold):
     """The Pallas commit (interpret mode) matches the recurrence's state at every node, with the
-    rows added by the rank-1 loop and by the dot."""
+    rows added by the rank-1 loop, by the dot and unrolled."""
     _check_commit_every_node(RUN_SEED, n, hk, hv, dk, dv, kinds, backend="pallas",
                              interpret=True, block_v=16, max_path=max_path, fold=fold)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-dot"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-dot", "pallas-unroll",
+                                     "pallas-auto"])
 def test_commit_with_the_callers_path(backend):
     """A decode step hands the accepted path it already holds (root first, like
     `Accepted.path`, junk past count): the same state as the walk up the parents, for every
@@ -82,8 +83,8 @@ def test_commit_with_the_callers_path(backend):
     _, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     _, factors = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
     kw = dict(backend=backend.split("-")[0], interpret=True, block_v=16)
-    if backend != "reference":  # both kernel folds, explicitly (the default is "dot")
-        kw["fold"] = "dot" if backend == "pallas-dot" else "loop"
+    if backend != "reference":  # every kernel fold, explicitly, and the default ("auto")
+        kw["fold"] = backend.split("-")[1] if "-" in backend else "loop"
     for sel in range(-1, n):
         acc = np.minimum(np.full(b, sel), num_nodes - 1).astype(np.int32)
         walk = np.asarray(accepted_path(parents, acc, n))  # accepted first, -1 past the root
@@ -104,7 +105,9 @@ def test_commit_with_the_callers_path(backend):
 
 
 @pytest.mark.parametrize("n,path_len,fold", [(8, None, "loop"), (9, 9, "loop"), (9, 9, "dot"),
-                                              (7, 3, "dot"), (40, None, "dot")])
+                                              (7, 3, "dot"), (40, None, "dot"),
+                                              (9, 9, "unroll"), (40, None, "auto"),
+                                              (64, 9, "auto")])
 def test_commit_kernel_lowers_to_triton(n, path_len, fold):
     """The GPU kernel lowers, also for node counts and caller paths (an engine's depth + 1) that
     are not powers of two."""
@@ -171,3 +174,14 @@ def test_commit_conv_state_every_node(n, kinds):
     acc = (num_nodes - 1).astype(np.int32)
     np.testing.assert_array_equal(commit_conv_state(cs, x, parents, acc),
                                   np.asarray(win)[np.arange(3), acc])
+
+
+def test_commit_launch_policy():
+    """fold "auto" unrolls a decode step's short paths and takes the dot for long walks;
+    block_v None: 64 columns for the unrolled fold at B >= 16, else 32; explicit values win."""
+    from bole_jax.pallas.tree_gdn import UNROLL_MAX_ROWS, commit_launch
+    assert commit_launch(16, 9) == ("unroll", 64)
+    assert commit_launch(1, 9) == ("unroll", 32)
+    assert commit_launch(16, UNROLL_MAX_ROWS + 1) == ("dot", 32)
+    assert commit_launch(16, 9, "loop") == ("loop", 32)
+    assert commit_launch(4, 9, "auto", 16) == ("unroll", 16)

@@ -274,6 +274,11 @@ PENDING_CASES = [
      TreeGDNConfig(block_v=16, fold="dot")),
     (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 16, (16, 3, 0),
      TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", fold="dot")),
+    # the unrolled fold, too, reads every row (NaN past count)
+    (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
+     TreeGDNConfig(block_v=16, heads_per_program=2, fold="unroll")),
+    (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 9, (9, 3, 0),
+     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", fold="unroll")),
 ]
 
 
@@ -393,6 +398,8 @@ def test_kernel_lowers_to_triton(n, cfg):
     (20, 100, TreeGDNConfig(block_v=32)),
     (64, 128, TreeGDNConfig(block_v=128, num_warps=4, inverse="matrix", bf16_qk=True,
                             bf16_state=True, fold="dot")),
+    (8, 128, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
+                           bf16_state=True, fold="unroll")),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit

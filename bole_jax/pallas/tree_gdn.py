@@ -58,8 +58,8 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
 # dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
 BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
-_FOLDS = ("loop", "dot")
-_COMMIT_FOLDS = ("loop", "dot", "unroll")
+_FOLDS = ("loop", "dot", "unroll")
+_COMMIT_FOLDS = _FOLDS
 _PRECISIONS = PRECISIONS
 
 
@@ -86,8 +86,9 @@ class TreeGDNConfig:
     precision: of the fp32 dots on GPU: None (TF32), "tf32x3" (3 TF32 passes, ~fp32) or
       "highest" (IEEE fp32 FMA). Interpret mode always computes in fp32.
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
-      updates, a loop of `count` trips) or "dot" (one [dk, L] x [L, block_v] tensor-core dot in
-      three TF32 passes, ~fp32; see `_dot_fold`).
+      updates, a loop of `count` trips), "dot" (one [dk, L] x [L, block_v] tensor-core dot in
+      three TF32 passes, ~fp32; see `_dot_fold`) or "unroll" (fp32 rank-1 updates of all L
+      rows, unrolled, rows past count zeroed: every row load in flight at once).
     prefetch_state: with one value tile per program (tiles_per_program = 1, one value head),
       load the state tile first, before the tree mask and q/k, so its latency overlaps the
       N x N work (in program order it is issued after the inverse, then waited for at once).
@@ -288,6 +289,14 @@ def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     `_commit_kernel` adds them: a loop of fp32 rank-1 updates, or fold "dot" (`_dot_fold`)."""
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     init = ps_ref[j] * s
+    if fold == "unroll":  # every row's loads at once, as the commit's fold "unroll"
+        acc = init
+        for m in range(rows):
+            live = m < count
+            w = jnp.where(live, pw_ref[m, j], 0.0)
+            acc = acc + (jnp.where(live, w * pk_ref[m], 0.0)[:, None]
+                         * jnp.where(live, pu_ref[m, j, cols], 0.0)[None, :])
+        return acc
     if fold == "dot":
         lp = pk_ref.shape[0]
         idx = jnp.arange(lp, dtype=jnp.int32)
@@ -407,11 +416,11 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
     if pending is not None:
-        # fold "loop" loads the rows one at a time ([dk] / [bw] vectors), so L need not be a
+        # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need not be a
         # power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows, those past L
         # masked. Either way no padding copy along L, only along dk / dv when those are padded.
         length = pending.k.shape[1]
-        lb = length if cfg.fold == "loop" else next_pow2(length)
+        lb = length if cfg.fold != "dot" else next_pow2(length)
         in_specs += [
             per_req,
             pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
@@ -529,7 +538,7 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 
 
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision, gather_first=False):
+                   fold, precision):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
@@ -539,9 +548,8 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
     # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
-    # "unroll": fp32 rank-1 updates of all L rows, unrolled, rows past count zeroed.
-    # gather_first: the path, its rows and the state tile are loaded before any use, so the
-    # dependent gathers (path -> gamma, k, u rows) overlap the state tile's DRAM latency.
+    # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
+    # no shared-memory staging as the dot needs), rows past count zeroed.
     if fold == "unroll":
         length = path_ref.shape[0]
         nodes = [path_ref[m] for m in range(length)]
@@ -555,17 +563,6 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
             w = jnp.where(live, jnp.exp(jnp.minimum(g_sel - g_m, 0.0)), 0.0)
             acc = acc + jnp.where(live, w * k_m, 0.0)[:, None] * jnp.where(live, u_m, 0.0)[None, :]
         o_ref[...] = acc
-        return
-    if fold == "dot" and gather_first:
-        path = path_ref[...]
-        sel, count = sel_ref[...], count_ref[...]
-        s = s_ref[...]
-        g_path, k_path, u_path = gamma_ref[path], k_ref[path, :], u_ref[path, :]
-        g_sel = gamma_ref[sel]
-        init = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
-        w = jnp.exp(jnp.minimum(g_sel - g_path, 0.0))
-        live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
-        o_ref[...] = _dot_fold(init, w, k_path, u_path, live, precision)
         return
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
@@ -659,12 +656,31 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
             + delta.reshape(b, hv, dk, dv))
 
 
+# Path rows up to which fold "auto" unrolls the rank-1 updates (a decode step's path has depth + 1
+# rows, ~9); longer paths (a walk bounded by N) take the dot.
+UNROLL_MAX_ROWS = 16
+
+
+def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None = None):
+    """(fold, block_v) of a commit of b requests whose accepted paths have `length` rows:
+    "auto" -> "unroll" up to UNROLL_MAX_ROWS rows, else "dot"; block_v None -> 64 for the
+    unrolled fold at b >= 16, else 32. Measured in place on the H200 (session 10,
+    bench_state_stream.py, tree_gdn_h200_s10/commit/): unroll 64 vs dot 32 columns, 4 warps:
+    23.7 vs 25.9 us at B = 16 N = 64, 22.5 vs 25.2 at B = 16 N = 8, 82.5 vs 89.3 at B = 64
+    N = 64, 79.7 vs 86.7 at B = 64 N = 8 (a plain scaled copy of the state: 18.0 / 66 us)."""
+    if fold == "auto":
+        fold = "unroll" if length <= UNROLL_MAX_ROWS else "dot"
+    if block_v is None:
+        block_v = 64 if fold == "unroll" and b >= 16 else 32
+    return fold, block_v
+
+
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold", "gather_first"))
-def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block_v: int = 32,
-                        num_warps: int = 4, max_path: int | None = None,
-                        interpret: bool = False, path=None, count=None, fold: str = "dot",
-                        gather_first: bool = False):
+                                             "fold"))
+def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
+                        block_v: int | None = None, num_warps: int = 4,
+                        max_path: int | None = None, interpret: bool = False, path=None,
+                        count=None, fold: str = "auto"):
     """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -677,23 +693,27 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     accepted path once for all layers.
     max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
     (always exact).
-    fold: "dot" (the default: the path rows gathered as blocks of a power of two >= 16 rows and
-    added by one [dk, L] x [L, bv] tensor-core dot in three TF32 passes, ~fp32, no dependent
-    trips; `_dot_fold`) or "loop" (fp32 rank-1 updates, a loop over the real path length).
+    fold: "unroll" (fp32 rank-1 updates of every path row, unrolled: all row loads in flight
+    at once, no shared memory), "dot" (the path rows gathered as blocks of a power of two >= 16
+    rows and added by one [dk, L] x [L, bv] tensor-core dot in three TF32 passes, ~fp32;
+    `_dot_fold`), "loop" (fp32 rank-1 updates, a loop over the real path length) or "auto"
+    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, else dot).
     Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
     B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
-    at B = 16 N = 8.
+    at B = 16 N = 8. Session 10: `commit_launch`.
+    block_v: value columns per program (None: `commit_launch`).
     """
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
-    bv = min(block_v, dvp)
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
-    if fold not in _COMMIT_FOLDS:
-        raise ValueError(f"fold must be one of {_COMMIT_FOLDS}, got {fold!r}")
+    if fold not in _COMMIT_FOLDS + ("auto",):
+        raise ValueError(f"fold must be 'auto' or one of {_COMMIT_FOLDS}, got {fold!r}")
+    fold, block_v = commit_launch(b, path.shape[1], fold, block_v)
+    bv = min(block_v, dvp)
     if fold == "dot" and path.shape[1] < next_pow2(path.shape[1]):
         # dot blocks: a power of two >= 16 rows; the extra entries lie past count (zeroed)
         path = jnp.pad(path, ((0, 0), (0, next_pow2(path.shape[1]) - path.shape[1])))
@@ -704,7 +724,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *, block
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold, gather_first=gather_first,
+        functools.partial(_commit_kernel, fold=fold,
                           precision=None if interpret else _PRECISIONS["tf32x3"]),
         grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,

@@ -24,8 +24,8 @@ __all__ = ["commit_state", "commit_conv_state", "accepted_path"]
 
 def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
                  precision: str | None = "highest", backend: str = "auto",
-                 interpret: bool | None = None, block_v: int = 32, num_warps: int = 4,
-                 path=None, count=None, fold: str = "dot"):
+                 interpret: bool | None = None, block_v: int | None = None,
+                 num_warps: int = 4, path=None, count=None, fold: str = "auto"):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -40,8 +40,10 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     backend "reference" (the default off GPU): gathers + one batched einsum; precision: of the
     [dk, path] x [path, dv] matmul ("highest" = fp32; None = backend default, TF32 on GPU).
     backend "pallas" (the default on GPU): `tree_gdn.commit_state_pallas`, the path rows added
-    per state tile by one TF32x3 tensor-core dot (fold "dot", ~fp32) or as fp32 rank-1 updates
-    (fold "loop"); precision does not apply. It moves the commit's floor bytes (read S, write
+    per state tile as unrolled fp32 rank-1 updates (fold "unroll", the "auto" choice for a
+    decode step's paths), by one TF32x3 tensor-core dot (fold "dot", ~fp32) or by a loop of
+    rank-1 updates (fold "loop"); precision does not apply; block_v None: the fold's
+    measured launch (`tree_gdn.commit_launch`). It moves the commit's floor bytes (read S, write
     S, the path rows)."""
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":

@@ -173,10 +173,11 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
-# How the Pallas commit adds the accepted path's rows: "dot" (one TF32x3 tensor-core dot, the
-# default since session 7) or "loop" (fp32 rank-1 updates): env BOLE_COMMIT_FOLD, read at import,
-# for A/B checks of the engine on a GPU (docs/NOTES.md).
-COMMIT_FOLD = os.environ.get("BOLE_COMMIT_FOLD", "dot")
+# How the Pallas commit adds the accepted path's rows: "auto" (the default since session 10:
+# unrolled fp32 rank-1 updates for a decode step's short paths), "unroll", "dot" (one TF32x3
+# tensor-core dot, the default of sessions 7-9) or "loop" (fp32 rank-1 updates in a loop):
+# env BOLE_COMMIT_FOLD, read at import, for A/B checks of the engine on a GPU (docs/NOTES.md).
+COMMIT_FOLD = os.environ.get("BOLE_COMMIT_FOLD", "auto")
 
 
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
