@@ -72,6 +72,7 @@ MAX_CHILDREN, MAX_DEPTH = 4, 8
 L2_BYTES = 50 * 2 ** 20  # H200 L2 cache (rotation target: several times this)
 REF_BW = 4.3e12  # 03-targets.md: the card's measured copy bandwidth (PyTorch copy)
 INTERPRET = False  # --cpu-dry-run: interpret mode and tiny dims, to test this script on CPU
+LAZY_CFGS = None  # --lazy-configs: the lazy commit's launches (default: the best verify's, 3 folds)
 
 # 03-targets.md, SGLang 0.5.23 tree verify on an H200:
 # (B, N) -> (tree depth, verify us, commit us, bytes floor us, scratch MiB, factors MiB)
@@ -573,6 +574,10 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         res["ok"] = all(e <= tol for e, tol in errs.values())
         res["verify"] = timer(call, [(i,) for i in range(len(sets))])
         res["commit"] = timer(gather, [(f,) for f in fac])
+        # the same rows by XLA's gathers (the reference backend; before session 10's kernel)
+        gather_xla = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count,
+                                                      backend="reference"))
+        res["commit_xla"] = timer(gather_xla, [(f,) for f in fac])
         res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
     except Exception as e:  # noqa: BLE001
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -580,7 +585,8 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
     nan = dict(us=float("nan"))
     mean = res.get('verify', {}).get('mean_us', float('nan'))
     print(f"    {'lazy':7s} {res['config']:48s} {res.get('verify', nan)['us']:9.1f} us "
-          f"(mean {mean:.1f}) + gather {res.get('commit', nan)['us']:7.1f} us  {errs_txt}"
+          f"(mean {mean:.1f}) + gather {res.get('commit', nan)['us']:7.1f} us "
+          f"(XLA {res.get('commit_xla', nan)['us']:.1f})  {errs_txt}"
           f"{'' if res.get('ok') else '  (NOT OK) ' + res.get('error', '')}", flush=True)
     gc.collect()
     return res
@@ -658,11 +664,14 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                                **kw))
         point["bole_commit_copied"] = dict(timer(fn, [(s[5], f) for s, f in zip(sets, fac)]),
                                            **kw)
-        # Lazy commit with the rows folded by the rank-1 loop and by the dot; "bole_lazy" is
-        # the faster one that passed its checks.
+        # Lazy commit with the rows folded by the rank-1 loop, the dot and unrolled;
+        # "bole_lazy" is the fastest that passed its checks.
+        # (--lazy-configs: those launches instead, each with its own fold.)
+        lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n) if LAZY_CFGS else
+                     [dataclasses.replace(cfg, fold=fold) for fold in ("loop", "dot", "unroll")])
         point["bole_lazy_variants"] = [
-            bench_lazy(dataclasses.replace(cfg, fold=fold), sets, fac, parents_d, num_nodes,
-                       tree, accepted, timer) for fold in ("loop", "dot", "unroll")]
+            bench_lazy(c, sets, fac, parents_d, num_nodes, tree, accepted, timer)
+            for c in lazy_cfgs]
         ok = [r for r in point["bole_lazy_variants"] if r.get("ok")]
         point["bole_lazy"] = (min(ok, key=lambda r: r["sum_us"]) if ok
                               else point["bole_lazy_variants"][0])
@@ -822,6 +831,10 @@ def main(argv=None):
                     help='";"-separated, e.g. "bv=64,w=8,inv=squaring,qk=1;bv=32,w=4" '
                          "(keys: bv tpp hg w ns inv db qk st prec); replaces the sweep list")
     ap.add_argument("--pernode-configs", default=None, help='e.g. "bv=32,w=4;bv=64,w=8"')
+    ap.add_argument("--lazy-configs", default=None,
+                    help='";"-separated launches of the lazy verify, each with its fold, e.g. '
+                         '"bv=64,w=2,inv=matrix,qk=1,st=1,fold=loop;auto" (default: the best '
+                         "verify config with the loop, dot and unrolled folds)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timer", choices=("auto", "profile", "wall"), default="auto")
@@ -860,6 +873,9 @@ def main(argv=None):
     if args.sweep == "none" and not args.pernode_configs:
         pn_specs = pn_specs[:1]
     bole_cfgs = [parse_bole(s) for s in bole_specs]
+    global LAZY_CFGS
+    if args.lazy_configs:
+        LAZY_CFGS = [parse_bole(s) for s in args.lazy_configs.split(";")]
     pn_cfgs = [parse_pernode(s) for s in pn_specs]
 
     dev = jax.devices()[0]

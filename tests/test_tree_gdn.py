@@ -17,8 +17,9 @@ import pytest
 from bole_jax.pallas import tree_gdn_ref as ref
 from bole_jax.pallas.tree_gdn import (TreeGDNConfig, apply_pending, pending_commit,
                                       tree_gdn_verify)
-from bole_jax.pallas.tree_utils import (PendingCommit, check_parents, random_gdn_inputs,
-                                        random_parents, random_trees, tree_structure)
+from bole_jax.pallas.tree_utils import (PendingCommit, TreeFactors, accepted_path,
+                                        check_parents, random_gdn_inputs, random_parents,
+                                        random_trees, tree_structure)
 from bole_jax.spec_decode.state_factors import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -310,6 +311,50 @@ def test_kernel_with_pending_matches_reference(case):
     m = _valid(num_nodes, n)
     for arr in (o, f.u, f.k, f.gamma):
         assert not np.any(np.asarray(arr)[~m]), f"padding not zero: {msg}"
+
+
+@pytest.mark.parametrize("n,hk,hv,dk,dv,length,callers_path", [
+    (9, 2, 4, 16, 32, 9, False),     # GQA 2, L = N (not a power of two)
+    (20, 1, 2, 24, 40, 3, False),    # padded head dims, a cut path
+    (33, 2, 2, 16, 16, 8, True),     # no GQA, the caller's path (junk past count)
+])
+def test_pending_gather_kernel_matches_reference(n, hk, hv, dk, dv, length, callers_path):
+    """pending_commit's Pallas gather (interpret mode) = its XLA gathers, bit for bit: rows,
+    weights (0 past count), p_sel (1 for accepted -1) and count, for the deepest node, the
+    root and -1."""
+    seed = RUN_SEED
+    rng = np.random.default_rng(seed)
+    x, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, ("random", "deep"),
+                                    ragged=True)
+    _, f = closed_form(*_args(x), parents, num_nodes)
+    depth = np.asarray(tree_structure(parents, num_nodes).depth)
+    accepted = np.array([int(np.argmax(depth[0, :num_nodes[0]])), -1, 0], np.int32)
+    kw = {}
+    if callers_path:
+        walk = np.asarray(accepted_path(parents, accepted, length))
+        count = (walk >= 0).sum(1).astype(np.int32)
+        path = rng.integers(-3, n + 3, (3, length)).astype(np.int32)  # junk past count
+        for r in range(3):
+            path[r, :count[r]] = walk[r, :count[r]][::-1]
+        kw = dict(path=jnp.asarray(path), count=jnp.asarray(count))
+    want = pending_commit(f, parents, accepted, length, backend="reference", **kw)
+    got = pending_commit(f, parents, accepted, length, backend="pallas", interpret=True, **kw)
+    for name in ("k", "u", "w", "p_sel", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)),
+                                      err_msg=f"{name} seed {seed}")
+
+
+def test_pending_gather_kernel_lowers_to_triton():
+    """The gather lowers for cuda at Qwen3-Next head dims with a decode step's 9-row path."""
+    b, n, hk, hv, d = 2, 64, 2, 4, 128
+    f = TreeFactors(k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)),
+                    gamma=jnp.zeros((b, n, hv)))
+    fn = jax.jit(lambda f, p, a, c: pending_commit(f, p, a, 9, jnp.zeros((b, 9), jnp.int32), c,
+                                                   backend="pallas", interpret=False))
+    text = fn.trace(f, jnp.zeros((b, n), jnp.int32), jnp.zeros((b,), jnp.int32),
+                    jnp.ones((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "bole_pending_gather" in text
 
 
 def test_lazy_commit_equals_commit_then_verify():

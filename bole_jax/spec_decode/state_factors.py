@@ -61,7 +61,8 @@ def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, path, c
     length = n if max_path is None else min(max_path, n)
     if path is not None:
         length = path.shape[1]
-    pending = pending_commit(factors, parents, accepted, length, path, count)
+    pending = pending_commit(factors, parents, accepted, length, path, count,
+                             backend="reference")
     new = apply_pending(state, pending, precision=precision)
     accepted = jnp.asarray(accepted, jnp.int32)
     return jnp.where((accepted >= 0)[:, None, None, None], new, state.astype(jnp.float32))
