@@ -177,11 +177,13 @@ def test_commit_conv_state_every_node(n, kinds):
 
 
 def test_commit_launch_policy():
-    """fold "auto" unrolls a decode step's short paths and takes the dot for long walks;
-    block_v None: 64 columns for the unrolled fold at B >= 16, else 32; explicit values win."""
+    """fold "auto" unrolls a decode step's short paths from B = 4 on and takes the dot at
+    B < 4 and for long walks; block_v None: 64 columns for the unrolled fold at B >= 16, else
+    32; explicit values win."""
     from bole_jax.pallas.tree_gdn import UNROLL_MAX_ROWS, commit_launch
     assert commit_launch(16, 9) == ("unroll", 64)
-    assert commit_launch(1, 9) == ("unroll", 32)
+    assert commit_launch(4, 9) == ("unroll", 32)
+    assert commit_launch(1, 9) == ("dot", 32)
     assert commit_launch(16, UNROLL_MAX_ROWS + 1) == ("dot", 32)
     assert commit_launch(16, 9, "loop") == ("loop", 32)
     assert commit_launch(4, 9, "auto", 16) == ("unroll", 16)

@@ -731,13 +731,14 @@ UNROLL_MAX_ROWS = 16
 
 def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None = None):
     """(fold, block_v) of a commit of b requests whose accepted paths have `length` rows:
-    "auto" -> "unroll" up to UNROLL_MAX_ROWS rows, else "dot"; block_v None -> 64 for the
-    unrolled fold at b >= 16, else 32. Measured in place on the H200 (session 10,
-    bench_state_stream.py, tree_gdn_h200_s10/commit/): unroll 64 vs dot 32 columns, 4 warps:
-    23.7 vs 25.9 us at B = 16 N = 64, 22.5 vs 25.2 at B = 16 N = 8, 82.5 vs 89.3 at B = 64
-    N = 64, 79.7 vs 86.7 at B = 64 N = 8 (a plain scaled copy of the state: 18.0 / 66 us)."""
+    "auto" -> "unroll" up to UNROLL_MAX_ROWS rows at b >= 4, else "dot"; block_v None -> 64
+    for the unrolled fold at b >= 16, else 32. Measured in place on the H200 (session 10,
+    tree_gdn_h200_s10/commit_folds/ and grid_n8_64/, grid_n16_32/), 4 warps: unroll 64 vs
+    dot 32 columns 23.7 vs 26.0 us at B = 16 N = 64, 22.7 vs 25.5 at B = 16 N = 8, 81.8 vs
+    89.1 at B = 64 N = 64; unroll 32 vs dot 32 6.8 vs 8.0 at B = 4 N = 8; at B = 1 the dot
+    wins, 3.6 vs 3.8 (a plain scaled copy of the state: 18.0 us at B = 16, 66 at B = 64)."""
     if fold == "auto":
-        fold = "unroll" if length <= UNROLL_MAX_ROWS else "dot"
+        fold = "unroll" if length <= UNROLL_MAX_ROWS and b >= 4 else "dot"
     if block_v is None:
         block_v = 64 if fold == "unroll" and b >= 16 else 32
     return fold, block_v
