@@ -34,6 +34,8 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
     (16, 2, 4, 16, 64, ("bushy", "random"), jnp.bfloat16, PernodeConfig(block_v=32)),
     (64, 1, 2, 16, 16, ("random", "deep", "forest"), np.float32, PernodeConfig(block_v=16)),
     (20, 1, 1, 24, 40, ("forest", "random"), np.float32, PernodeConfig(block_v=16)),
+    (12, 1, 2, 16, 32, ("deep", "bushy"), np.float32,
+     PernodeConfig(block_v=8, num_warps=1, num_stages=3)),  # SGLang-like launch
 ]
 
 
@@ -107,8 +109,10 @@ def test_pernode_conv_matches_reference(n, c, block_c):
             assert rel(new[b], want) == 0.0, f"seed {seed} accepted {acc[b]}"
 
 
-@pytest.mark.parametrize("fn", ["tree_pernode_verify", "chain_verify"])
-def test_baselines_lower_to_triton(fn):
+@pytest.mark.parametrize("fn,cfg", [("tree_pernode_verify", None), ("chain_verify", None),
+                                    ("tree_pernode_verify",
+                                     PernodeConfig(block_v=8, num_warps=1, num_stages=3))])
+def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
     v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
@@ -116,6 +120,6 @@ def test_baselines_lower_to_triton(fn):
     state = jnp.zeros((b, hv, d, d), jnp.float32)
     parents = jnp.zeros((b, n), jnp.int32)
     verify = getattr(tree_pernode, fn)
-    f = jax.jit(lambda *a: verify(*a, backend="pallas", interpret=False))
+    f = jax.jit(lambda *a: verify(*a, backend="pallas", interpret=False, config=cfg))
     assert "custom_call" in f.trace(q, q, v, gate, gate, state, parents).lower(
         lowering_platforms=("cuda",)).as_text()

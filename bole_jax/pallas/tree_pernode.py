@@ -37,7 +37,9 @@ __all__ = ["PernodeConfig", "tree_pernode_verify", "chain_verify", "commit_perno
 
 @dataclasses.dataclass(frozen=True)
 class PernodeConfig:
-    """Launch parameters: value tile (power of two >= 16 dividing dv), warps, pipeline stages."""
+    """Launch parameters: value tile (power of two >= 8 dividing dv; no dot in this kernel, so
+    SGLang's narrow tiles are allowed), warps (1 keeps the reductions over dk inside a warp),
+    pipeline stages of the node loop (> 1 lets Triton prefetch the next node's q, k, v)."""
 
     block_v: int = 32
     num_warps: int = 4
@@ -96,8 +98,8 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, 
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     bv = min(cfg.block_v, dvp)
-    if bv < 16 or bv & (bv - 1) or dvp % bv:
-        raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
+    if bv < 8 or bv & (bv - 1) or dvp % bv:
+        raise ValueError(f"block_v={bv} must be a power of two >= 8 dividing dv={dvp}")
     q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
     v = pad_axis(v, 3, dvp)
     state = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
