@@ -283,20 +283,28 @@ def _dot_fold(init, w, k, u, live, precision):
     return init + _dot(kw, jnp.where(live[:, None], u, 0.0), precision, trans_a=True)
 
 
+def _unrolled_fold(count, init, rows):
+    """init + sum_{m < count} w_m k_m u_m^T over rows = [(w_m [], k_m [dk], u_m [bv])], already
+    loaded (so every row's loads issue before any update; no shared memory, unlike the dot):
+    exact fp32 rank-1 updates, unrolled; rows past count are zeroed on both factors, so even
+    NaN there cannot leak."""
+    acc = init
+    for m, (w, k, u) in enumerate(rows):
+        live = m < count
+        acc = acc + jnp.where(live, w * k, 0.0)[:, None] * jnp.where(live, u, 0.0)[None, :]
+    return acc
+
+
 def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
     (columns cols): the gathered rows of a lazy commit (`rows` of them present), added as
-    `_commit_kernel` adds them: a loop of fp32 rank-1 updates, or fold "dot" (`_dot_fold`)."""
+    `_commit_kernel` adds them: a loop of fp32 rank-1 updates, unrolled ones
+    (`_unrolled_fold`), or fold "dot" (`_dot_fold`)."""
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     init = ps_ref[j] * s
-    if fold == "unroll":  # every row's loads at once, as the commit's fold "unroll"
-        acc = init
-        for m in range(rows):
-            live = m < count
-            w = jnp.where(live, pw_ref[m, j], 0.0)
-            acc = acc + (jnp.where(live, w * pk_ref[m], 0.0)[:, None]
-                         * jnp.where(live, pu_ref[m, j, cols], 0.0)[None, :])
-        return acc
+    if fold == "unroll":
+        return _unrolled_fold(count, init, [(pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
+                                            for m in range(rows)])
     if fold == "dot":
         lp = pk_ref.shape[0]
         idx = jnp.arange(lp, dtype=jnp.int32)
@@ -551,18 +559,14 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
     # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
     # no shared-memory staging as the dot needs), rows past count zeroed.
     if fold == "unroll":
-        length = path_ref.shape[0]
-        nodes = [path_ref[m] for m in range(length)]
+        nodes = [path_ref[m] for m in range(path_ref.shape[0])]
         sel, count = sel_ref[...], count_ref[...]
         s = s_ref[...]
         rows = [(gamma_ref[nd], k_ref[nd], u_ref[nd]) for nd in nodes]
         g_sel = gamma_ref[sel]
-        acc = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
-        for m, (g_m, k_m, u_m) in enumerate(rows):
-            live = m < count
-            w = jnp.where(live, jnp.exp(jnp.minimum(g_sel - g_m, 0.0)), 0.0)
-            acc = acc + jnp.where(live, w * k_m, 0.0)[:, None] * jnp.where(live, u_m, 0.0)[None, :]
-        o_ref[...] = acc
+        init = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
+        o_ref[...] = _unrolled_fold(count, init, [
+            (jnp.exp(jnp.minimum(g_sel - g_m, 0.0)), k_m, u_m) for g_m, k_m, u_m in rows])
         return
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
