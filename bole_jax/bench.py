@@ -686,8 +686,11 @@ def run_e2e(a) -> dict:
   pending = len(left)
   workers.shutdown(wait=False, cancel_futures=True)
   if pending:
-    say(f"[bench] {pending} programs not compiled within {0.8 * a.time_budget:.0f} s: "
-        "their points are skipped (raise --time-budget or --compile-workers)")
+    before = phases["setup_s"] + phases["prefill_s"] + phases["lower_s"]
+    say(f"[bench] {pending} programs not compiled {0.8 * a.time_budget:.0f} s into the run "
+        f"(80% of --time-budget, counted from the start; setup, prefill and lowering took "
+        f"{before:.0f} s): their points are skipped (raise --time-budget or "
+        "--compile-workers)")
   phases["compile_s"] = time.perf_counter() - t
 
   # ---- run the points, batch by batch; AR first (the oracle and the agreement reference)

@@ -195,7 +195,9 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--breakdown-reps", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help="short timing windows (smoke runs)")
   ap.add_argument("--time-budget", type=float, default=480.0,
-                  help="seconds; points not started by then are skipped (compilation counts)")
+                  help="seconds from the start (setup, prefill and compilation count); "
+                  "programs not compiled by 80%% of it and points not started by then are "
+                  "skipped")
   ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                   help="threads compiling programs ahead of their points")
   ap.add_argument("--compile-cache", default=XLA_CACHE,
