@@ -45,7 +45,8 @@ from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import accepted_rows, commit_state_pallas, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn import (accepted_rows, commit_state_pallas,  # noqa: E402
+                                      tree_gdn_verify)
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
@@ -136,7 +137,8 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
     s0 = jnp.copy(states[0])  # the timed calls donate (and delete) the set buffers
     want = p[:, :, None, None] * s0
     scale_variants = [("cols", DK, bv, w) for bv in (32, 64, 128) for w in (4, 8)]
-    scale_variants += [("cols", DK // 2, 64, 4), ("cols", DK // 2, 32, 4), ("cols", DK // 4, 128, 4)]
+    scale_variants += [("cols", DK // 2, 64, 4), ("cols", DK // 2, 32, 4),
+                       ("cols", DK // 4, 128, 4)]
     scale_variants += [("rows", r, None, w) for r in (16, 32, 64) for w in (4, 8)]
     if "stream" not in parts:
         scale_variants = []

@@ -58,8 +58,7 @@ __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pall
 # dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
 BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
-_FOLDS = ("loop", "dot", "unroll")
-_COMMIT_FOLDS = _FOLDS
+_FOLDS = ("loop", "dot", "unroll")  # the lazy verify's and the commit's
 _PRECISIONS = PRECISIONS
 
 
@@ -424,9 +423,10 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
     if pending is not None:
-        # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need not be a
-        # power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows, those past L
-        # masked. Either way no padding copy along L, only along dk / dv when those are padded.
+        # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need
+        # not be a power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows,
+        # those past L masked. Either way no padding copy along L, only along dk / dv when those
+        # are padded.
         length = pending.k.shape[1]
         lb = length if cfg.fold != "dot" else next_pow2(length)
         in_specs += [
@@ -770,7 +770,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     at once, no shared memory), "dot" (the path rows gathered as blocks of a power of two >= 16
     rows and added by one [dk, L] x [L, bv] tensor-core dot in three TF32 passes, ~fp32;
     `_dot_fold`), "loop" (fp32 rank-1 updates, a loop over the real path length) or "auto"
-    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, else dot).
+    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, at B >= 4, else dot).
     Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
     B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
     at B = 16 N = 8. Session 10: `commit_launch`.
@@ -783,8 +783,8 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
                              path, count, n)  # power-of-two blocks when walked here
-    if fold not in _COMMIT_FOLDS + ("auto",):
-        raise ValueError(f"fold must be 'auto' or one of {_COMMIT_FOLDS}, got {fold!r}")
+    if fold not in _FOLDS + ("auto",):
+        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
     fold, block_v = commit_launch(b, path.shape[1], fold, block_v)
     bv = min(block_v, dvp)
     if fold == "dot" and path.shape[1] < next_pow2(path.shape[1]):
