@@ -524,12 +524,13 @@ def sweep(label, cfgs, make_fn, errors, sets, timer):
     return entries, best
 
 
-def timer_in_place(commit, sets, per_set, timer) -> dict:
+def timer_in_place(commit, states, per_set, timer) -> dict:
     """Time commit(state, per_set[i]) -> new state the way a decode step runs it: the jit
     donates the state, so the new state is written over the old one (no XLA copy of the
-    state first), and each set's state buffer is replaced by the returned one call by call."""
+    state first), and each set's state buffer is replaced by the returned one call by call.
+    states[i]: set i's state (copied here, so the caller's arrays stay valid)."""
     fn = jax.jit(commit, donate_argnums=0)
-    states = [jnp.copy(sets[i][5]) for i in range(len(per_set))]  # own buffers to donate
+    states = [jnp.copy(states[i]) for i in range(len(per_set))]  # own buffers to donate
 
     def call(i):
         states[i] = fn(states[i], per_set[i])
@@ -656,7 +657,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
             try:
                 t = timer_in_place(lambda s, f, kw=kw: commit_state(
                     s, f, parents_d, accepted, interpret=INTERPRET, path=path_rows,
-                    count=path_count, **kw), sets, fac, timer)
+                    count=path_count, **kw), [st[5] for st in sets], fac, timer)
             except Exception as e:  # noqa: BLE001
                 t = dict(us=float("inf"), error=f"{type(e).__name__}: {str(e)[:300]}")
             t.update(kw)
@@ -700,7 +701,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                                 interpret=INTERPRET, config=cfg)[1]
                for s in sets[:r_c]]
         point["pernode_commit"] = timer_in_place(
-            lambda s, c: tree_pernode.commit_pernode(s, c, accepted), sets, scr, timer)
+            lambda s, c: tree_pernode.commit_pernode(s, c, accepted), [st[5] for st in sets],
+            scr, timer)
         del scr
     gc.collect()
 

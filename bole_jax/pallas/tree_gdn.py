@@ -545,6 +545,18 @@ def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
 # ------------------------------------------------------------------------- selected-state commit
 
 
+def _path_weight(g_sel, gamma):
+    """w_j = exp(gamma_sel - gamma_j): the decay from path node j to the accepted node (<= 1 on
+    a root path; the clamp keeps rounding and rows past the count from overflowing)."""
+    return jnp.exp(jnp.minimum(g_sel - gamma, 0.0))
+
+
+def _path_scale(count, g_sel):
+    """P_sel = exp(gamma_sel), the committed state's decay to the accepted node; 1 when nothing
+    was accepted (count 0)."""
+    return jnp.where(count > 0, jnp.exp(g_sel), 1.0)
+
+
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
                    fold, precision):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
@@ -564,24 +576,23 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
         s = s_ref[...]
         rows = [(gamma_ref[nd], k_ref[nd], u_ref[nd]) for nd in nodes]
         g_sel = gamma_ref[sel]
-        init = jnp.where(count > 0, jnp.exp(g_sel), 1.0) * s
+        init = _path_scale(count, g_sel) * s
         o_ref[...] = _unrolled_fold(count, init, [
-            (jnp.exp(jnp.minimum(g_sel - g_m, 0.0)), k_m, u_m) for g_m, k_m, u_m in rows])
+            (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
         return
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
-    p_sel = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
-    init = p_sel * s_ref[...]
+    init = _path_scale(count, g_sel) * s_ref[...]
     if fold == "dot":
         path = path_ref[...]
-        w = jnp.exp(jnp.minimum(g_sel - gamma_ref[path], 0.0))
+        w = _path_weight(g_sel, gamma_ref[path])
         live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
         o_ref[...] = _dot_fold(init, w, k_ref[path, :], u_ref[path, :], live, precision)
         return
 
     def row(m):
         node = path_ref[m]
-        return jnp.exp(jnp.minimum(g_sel - gamma_ref[node], 0.0)), k_ref[node], u_ref[node]
+        return _path_weight(g_sel, gamma_ref[node]), k_ref[node], u_ref[node]
 
     o_ref[...] = _rank1_fold(count, init, row)
 
@@ -613,8 +624,7 @@ def commit_path_weights(factors: TreeFactors, parents, accepted, length: int, pa
     rows = jnp.arange(path.shape[0])[:, None]
     gamma_path = factors.gamma[rows, path]  # [B, L, HV]
     gamma_sel = factors.gamma[rows[:, 0], jnp.clip(accepted, 0, None)]  # [B, HV]
-    w = jnp.where(valid[:, :, None],
-                  jnp.exp(jnp.minimum(gamma_sel[:, None] - gamma_path, 0.0)), 0.0)
+    w = jnp.where(valid[:, :, None], _path_weight(gamma_sel[:, None], gamma_path), 0.0)
     p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_sel), 1.0)
     return path, w, p_sel, count
 
@@ -663,9 +673,9 @@ def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref
     idx = jnp.arange(path.shape[0], dtype=jnp.int32)
     keep = None if rows == path.shape[0] else idx < rows
     col = None if keep is None else keep[:, None]
-    w = jnp.where(idx < count, jnp.exp(jnp.minimum(g_sel - gamma_ref[path], 0.0)), 0.0)
+    w = jnp.where(idx < count, _path_weight(g_sel, gamma_ref[path]), 0.0)
     _store(pw_ref, w, keep)
-    ps_ref[...] = jnp.where(count > 0, jnp.exp(g_sel), 1.0)
+    ps_ref[...] = _path_scale(count, g_sel)
     _store(pu_ref, u_ref[path, :].astype(jnp.float32), col)
 
     @pl.when(pl.program_id(0) % ratio == 0)
