@@ -162,11 +162,12 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
             add(f"read[{DK}x{bv}] w{w}", timer(jax.jit(fn), [(s,) for s in states]),
                 bytes_rw // 2)
 
-    # PERNODE's commit: the accepted node's state out of a per-node scratch (8 nodes).
-    scr = jnp.stack([s0] * 8, axis=1)
+    # PERNODE's commit: the accepted node's state out of a per-node scratch (8 nodes, the
+    # default transposed "vk" layout).
+    scr = jnp.stack([jnp.swapaxes(s0, -1, -2)] * 8, axis=1)
     acc = jnp.full((b,), 5, jnp.int32)
     add("pernode_copy (8-node scratch)",
-        time_in_place(lambda s, c: tree_pernode.commit_pernode(s, c, acc), states, scr,
+        time_in_place(lambda s, c: tree_pernode.commit_pernode_state(s, c, acc), states, scr,
                       timer), bytes_rw)
     del scr
 

@@ -164,14 +164,16 @@ def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
-    keys = dict(bv="block_v", w="num_warps", ns="num_stages")
-    return PernodeConfig(**{keys[k]: int(v) for k, v in
+    """"bv=32,w=1,ns=2[,lay=kv]" (lay: the scratch layout, "vk" by default)."""
+    keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout")
+    return PernodeConfig(**{keys[k]: (v if k == "lay" else int(v)) for k, v in
                             (item.split("=") for item in filter(None, spec.split(",")))})
 
 
 def cfg_str(cfg) -> str:
     if isinstance(cfg, PernodeConfig):
-        return f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
+        return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
+                + ("" if cfg.layout == "vk" else f",lay={cfg.layout}"))
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"
@@ -453,11 +455,14 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
                                                           backend="pallas", interpret=INTERPRET,
                                                           config=cfg)
             record(f"{tag} o", rel(o, o_seq), TOL["o"])
-            record(f"{tag} node states", rel(np.asarray(scratch)[mask], np.asarray(states)[mask]),
+            want = np.asarray(states)
+            if cfg.layout == "vk":
+                want = np.swapaxes(want, -1, -2)
+            record(f"{tag} node states", rel(np.asarray(scratch)[mask], want[mask]),
                    TOL["state"])
-            new = tree_pernode.commit_pernode(args[5], scratch, acc)
-            record(f"{tag} commit copy", rel(new, np.asarray(scratch)[np.arange(b), acc]),
-                   TOL["copy"])
+            new = tree_pernode.commit_pernode_state(args[5], scratch, acc, cfg.layout)
+            record(f"{tag} commit vs sequential", rel(new, np.asarray(states)[np.arange(b), acc]),
+                   TOL["state"])
         except Exception as e:  # noqa: BLE001
             record(f"{tag} raised {type(e).__name__}: {str(e)[:200]}", float("inf"), 0.0)
     chain = np.broadcast_to(np.arange(n) - 1, (b, n)).astype(np.int32)
@@ -466,8 +471,10 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
         o, snaps = tree_pernode.chain_verify(*args, chain, num_nodes, backend="pallas",
                                              interpret=INTERPRET, config=pernode_cfgs[0])
         record("chain o", rel(o, o_c), TOL["o"])
-        record("chain snapshots", rel(np.asarray(snaps)[mask], np.asarray(st_c)[mask]),
-               TOL["state"])
+        st_c = np.asarray(st_c)
+        if pernode_cfgs[0].layout == "vk":
+            st_c = np.swapaxes(st_c, -1, -2)
+        record("chain snapshots", rel(np.asarray(snaps)[mask], st_c[mask]), TOL["state"])
     except Exception as e:  # noqa: BLE001
         record(f"chain raised {type(e).__name__}: {str(e)[:200]}", float("inf"), 0.0)
     kx = jax.random.PRNGKey(seed + 1)
@@ -701,8 +708,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                                 interpret=INTERPRET, config=cfg)[1]
                for s in sets[:r_c]]
         point["pernode_commit"] = timer_in_place(
-            lambda s, c: tree_pernode.commit_pernode(s, c, accepted), [st[5] for st in sets],
-            scr, timer)
+            lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout),
+            [st[5] for st in sets], scr, timer)
         del scr
     gc.collect()
 

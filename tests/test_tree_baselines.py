@@ -36,10 +36,18 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
     (20, 1, 1, 24, 40, ("forest", "random"), np.float32, PernodeConfig(block_v=16)),
     (12, 1, 2, 16, 32, ("deep", "bushy"), np.float32,
      PernodeConfig(block_v=8, num_warps=1, num_stages=3)),  # SGLang-like launch
+    (16, 1, 2, 32, 16, ("bushy", "forest"), np.float32, PernodeConfig(block_v=8, layout="kv")),
+    (7, 2, 2, 24, 40, ("random",), jnp.bfloat16, PernodeConfig(block_v=8, layout="kv")),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}")
+def _in_layout(states, layout):
+    """Per-node states from the sequential reference ([..., dk, dv]) in the scratch's layout."""
+    return np.swapaxes(np.asarray(states), -1, -2) if layout == "vk" else np.asarray(states)
+
+
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}")
 def test_pernode_matches_sequential(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
     seed = RUN_SEED
@@ -49,15 +57,18 @@ def test_pernode_matches_sequential(case):
                                                  interpret=True, config=cfg)
     m = np.arange(n)[None, :] < num_nodes[:, None]
     msg = f"seed {seed}"
-    assert o.dtype == args[2].dtype and states.shape == s_want.shape, msg
+    s_lay = _in_layout(s_want, cfg.layout)
+    assert o.dtype == args[2].dtype and states.shape == s_lay.shape, msg
     assert rel(o, o_want) <= (1e-5 if dtype == np.float32 else 1e-2), msg
-    assert rel(np.asarray(states)[m], np.asarray(s_want)[m]) <= 1e-5, msg
+    assert rel(np.asarray(states)[m], s_lay[m]) <= 1e-5, msg
     assert not np.any(np.asarray(o, np.float32)[~m]), msg
-    # The commit copies the accepted node's state: every node, and -1 (keep).
+    # The commit copies the accepted node's state (into the pool's [dk, dv] layout): every
+    # node, and -1 (keep).
     state = args[5]
     for sel in range(-1, n):
         acc = np.minimum(np.full(3, sel), num_nodes - 1).astype(np.int32)
-        new = tree_pernode.commit_pernode(state, states, acc)
+        new = tree_pernode.commit_pernode_state(state, states, acc, cfg.layout)
+        assert new.shape == state.shape, msg
         for b in range(3):
             want = state[b] if acc[b] < 0 else s_want[b, acc[b]]
             assert rel(new[b], want) <= 1e-5, f"{msg} accepted {acc[b]}"
@@ -73,7 +84,7 @@ def test_chain_matches_sequential(n, dtype):
                                          interpret=True, config=PernodeConfig(block_v=16))
     m = np.arange(n)[None, :] < num_nodes[:, None]
     assert rel(o, o_want) <= (1e-5 if dtype == np.float32 else 1e-2), f"seed {seed}"
-    assert rel(np.asarray(snaps)[m], np.asarray(s_want)[m]) <= 1e-5, f"seed {seed}"
+    assert rel(np.asarray(snaps)[m], _in_layout(s_want, "vk")[m]) <= 1e-5, f"seed {seed}"
     acc = (num_nodes - 1).astype(np.int32)
     new = tree_pernode.commit_chain(args[5], snaps, acc)
     assert rel(new, np.asarray(s_want)[np.arange(2), acc]) <= 1e-5, f"seed {seed}"
@@ -83,7 +94,19 @@ def test_reference_backend_is_sequential():
     args, parents, num_nodes = _inputs(RUN_SEED, 2, 5, 1, 1, 16, 16, ("random",))
     o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="reference")
     o2, s2 = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
-    assert rel(o, o2) == 0.0 and rel(states, s2) == 0.0
+    assert rel(o, o2) == 0.0 and rel(states, _in_layout(s2, "vk")) == 0.0
+    _, states_kv = tree_pernode.tree_pernode_verify(*args, parents, num_nodes,
+                                                    backend="reference",
+                                                    config=PernodeConfig(layout="kv"))
+    assert rel(states_kv, s2) == 0.0
+
+
+def test_layout_is_checked():
+    with pytest.raises(ValueError, match="layout"):
+        PernodeConfig(layout="dk_dv")
+    with pytest.raises(ValueError, match="layout"):
+        tree_pernode.commit_pernode_state(jnp.zeros((1, 1, 2, 2)), jnp.zeros((1, 3, 1, 2, 2)),
+                                          jnp.zeros((1,), jnp.int32), layout="kk")
 
 
 @pytest.mark.parametrize("n,c,block_c", [(1, 16, 16), (13, 48, 16), (64, 32, 32)])
@@ -111,7 +134,8 @@ def test_pernode_conv_matches_reference(n, c, block_c):
 
 @pytest.mark.parametrize("fn,cfg", [("tree_pernode_verify", None), ("chain_verify", None),
                                     ("tree_pernode_verify",
-                                     PernodeConfig(block_v=8, num_warps=1, num_stages=3))])
+                                     PernodeConfig(block_v=8, num_warps=1, num_stages=3)),
+                                    ("tree_pernode_verify", PernodeConfig(layout="kv"))])
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)

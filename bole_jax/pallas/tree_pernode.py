@@ -32,7 +32,7 @@ from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.tree_utils import L2_EPS, next_pow2, pad_axis, resolve_backend
 
 __all__ = ["PernodeConfig", "tree_pernode_verify", "chain_verify", "commit_pernode",
-           "commit_chain", "tree_pernode_conv", "commit_pernode_conv"]
+           "commit_pernode_state", "commit_chain", "tree_pernode_conv", "commit_pernode_conv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +44,37 @@ class PernodeConfig:
     block_v: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    layout: str = "vk"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"PernodeConfig.layout={self.layout!r}: expected one of {LAYOUTS}")
+
+
+LAYOUTS = ("vk", "kv")
 
 
 def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, scr_ref,
-                    *, n_real, scale, chain, interpret):
+                    *, n_real, scale, chain, vk, interpret):
     # Blocks: par [N]; q, k [N, dk]; v [N, bv]; g, beta [N]; s [dk, bv]; o [N, bv];
-    # scr [N, dk, bv]. Per node: scalar loads and [dk] / [bv] row vectors.
+    # scr [N, bv, dk] ("vk": the tile is held transposed, as stored) or [N, dk, bv] ("kv").
+    # Per node: scalar loads and [dk] / [bv] row vectors.
     nn = jnp.minimum(nn_ref[...], n_real)
+    kax = 1 if vk else 0  # the key axis of the held tile
 
     def unit(x):
         x = x.astype(jnp.float32)
         return x * jax.lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+    def pool(mask=None):
+        t = s_ref[...] if mask is None else pltriton.load(s_ref, mask=mask, other=0.0)
+        return t.T if vk else t
+
+    def along_k(x):  # a [dk] vector broadcast against the held tile
+        return x[None, :] if vk else x[:, None]
+
+    def along_v(x):  # a [bv] vector broadcast against the held tile
+        return x[:, None] if vk else x[None, :]
 
     def node(i, s_prev):
         if chain:
@@ -66,23 +86,23 @@ def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref
             reuse = par == i - 1
             from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
             from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
-            loaded = (pltriton.load(s_ref, mask=from_pool, other=0.0)
+            loaded = (pool(from_pool)
                       + pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
                                       other=0.0))
             s = jnp.where(reuse, s_prev, loaded)
         k, q = unit(k_ref[i]), unit(q_ref[i]) * scale  # [dk]
         s = s * jnp.exp(g_ref[i])
-        kv = jnp.sum(s * k[:, None], axis=0)  # [bv] = S^T k
+        kv = jnp.sum(s * along_k(k), axis=kax)  # [bv] = S^T k
         vnew = beta_ref[i] * (v_ref[i].astype(jnp.float32) - kv)
-        s = s + k[:, None] * vnew[None, :]
-        o_ref[i] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        s = s + along_k(k) * along_v(vnew)
+        o_ref[i] = jnp.sum(s * along_k(q), axis=kax).astype(o_ref.dtype)
         scr_ref[i] = s
         if not chain and not interpret:
             # A later node may reload this state through other threads of the program.
             pltriton.debug_barrier()
         return s
 
-    jax.lax.fori_loop(0, nn, node, s_ref[...])
+    jax.lax.fori_loop(0, nn, node, pool())
 
     def zero(i, c):
         o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
@@ -103,11 +123,18 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, 
     q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
     v = pad_axis(v, 3, dvp)
     state = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
+    vk = cfg.layout == "vk"
+    if vk:
+        scr_spec = pl.BlockSpec((None, n, None, bv, dkp), lambda t, h, i: (i, 0, h, t, 0))
+        scr_shape = (b, n, hv, dvp, dkp)
+    else:
+        scr_spec = pl.BlockSpec((None, n, None, dkp, bv), lambda t, h, i: (i, 0, h, 0, t))
+        scr_shape = (b, n, hv, dkp, dvp)
     qk_spec = pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0))
     val_spec = pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t))
     gate_spec = pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h))
     o, scratch = pl.pallas_call(
-        functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain,
+        functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain, vk=vk,
                           interpret=interpret),
         grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
         in_specs=[
@@ -116,17 +143,17 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, 
             qk_spec, qk_spec, val_spec, gate_spec, gate_spec,
             pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
         ],
-        out_specs=[val_spec,
-                   pl.BlockSpec((None, n, None, dkp, bv), lambda t, h, i: (i, 0, h, 0, t))],
+        out_specs=[val_spec, scr_spec],
         out_shape=[jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
-                   jax.ShapeDtypeStruct((b, n, hv, dkp, dvp), jnp.float32)],
+                   jax.ShapeDtypeStruct(scr_shape, jnp.float32)],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
                                                 num_stages=cfg.num_stages),
         name="chain_verify" if chain else "tree_pernode_verify",
     )(num_nodes, parents, q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state)
     if (dkp, dvp) != (dk, dv):
-        o, scratch = o[..., :dv], scratch[..., :dk, :dv]
+        o = o[..., :dv]
+        scratch = scratch[..., :dv, :dk] if vk else scratch[..., :dk, :dv]
     return o, scratch
 
 
@@ -137,23 +164,28 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpr
     backend, interpret = resolve_backend(backend, interpret)
     if parents is None:
         parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
+    config = config or PernodeConfig()
     if backend == "reference":
         o, states = tree_gdn_ref.tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes,
                                                      scale=scale)
+        if config.layout == "vk":
+            states = jnp.swapaxes(states, -1, -2)
         return o.astype(v.dtype), states
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
     return _pernode_pallas(q, k, v, g, beta, state, jnp.asarray(parents, jnp.int32),
                            jnp.asarray(num_nodes, jnp.int32), scale=scale,
-                           cfg=config or PernodeConfig(), interpret=interpret, chain=chain)
+                           cfg=config, interpret=interpret, chain=chain)
 
 
 def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
                         backend="auto", interpret=None, config: PernodeConfig | None = None):
     """TREE-PERNODE verify. Same inputs as `tree_gdn.tree_gdn_verify`.
 
-    Returns (o [B, N, HV, dv] in v.dtype, node_states [B, N, HV, dk, dv] fp32): the state after
-    every node (the scratch). Padding nodes: zero output, undefined state.
+    Returns (o [B, N, HV, dv] in v.dtype, node_states fp32): the state after every node (the
+    scratch), [B, N, HV, dv, dk] (transposed) in the default layout "vk", [B, N, HV, dk, dv] with
+    `config.layout="kv"`; the reference backend follows the same layout. Padding nodes: zero
+    output, undefined state. Commit with `commit_pernode_state(..., layout=)`.
     """
     return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
                    chain=False)
@@ -162,23 +194,36 @@ def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, sca
 def chain_verify(q, k, v, g, beta, state, parents=None, num_nodes=None, *, scale=None,
                  backend="auto", interpret=None, config: PernodeConfig | None = None):
     """CHAIN verify: nodes form one chain (parents[i] = i - 1; `parents` is not read by the
-    kernel). Returns (o, snapshots [B, N, HV, dk, dv]): the state after each position."""
+    kernel). Returns (o, snapshots): the state after each position, in `config.layout` as for
+    `tree_pernode_verify`."""
     return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
                    chain=True)
 
 
-@jax.jit
-def commit_pernode(old, per_node, accepted):
+@functools.partial(jax.jit, static_argnames=("transpose",))
+def commit_pernode(old, per_node, accepted, transpose=False):
     """Copy the accepted node's slot: old [B, ...], per_node [B, N, ...], accepted [B] int32
-    (-1 keeps `old`). Used for GDN states, chain snapshots and conv windows alike."""
+    (-1 keeps `old`); `transpose` swaps the slot's last two axes on the way. Used for conv
+    windows as is; GDN states go through `commit_pernode_state`."""
     accepted = jnp.asarray(accepted, jnp.int32)
     b, n = per_node.shape[:2]
     picked = per_node[jnp.arange(b), jnp.clip(accepted, 0, n - 1)]
+    if transpose:
+        picked = jnp.swapaxes(picked, -1, -2)
     keep = (accepted < 0).reshape((b,) + (1,) * (old.ndim - 1))
     return jnp.where(keep, old, picked.astype(old.dtype))
 
 
-commit_chain = commit_pernode
+def commit_pernode_state(old, node_states, accepted, layout: str = "vk"):
+    """The GDN state commit of both baselines: the accepted node's state into the pool's
+    [B, HV, dk, dv] slot, transposed back from the scratch's "vk" layout (the default of
+    `tree_pernode_verify` / `chain_verify`); -1 keeps `old`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    return commit_pernode(old, node_states, accepted, transpose=layout == "vk")
+
+
+commit_chain = commit_pernode_state
 commit_pernode_conv = commit_pernode
 
 

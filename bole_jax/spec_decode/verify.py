@@ -51,7 +51,8 @@ class GDNVerifyOut:
 
   conv_in: [B, N, C] pre-conv inputs of the nodes (bole: the conv commit reads the accepted path).
   factors: TreeFactors (bole): k [B, N, Hk, dk], u [B, N, HV, dv], gamma [B, N, HV].
-  node_states: [B, N, HV, dk, dv] fp32 (pernode / chain): the baseline's per-node state scratch.
+  node_states: [B, N, HV, dv, dk] fp32 (pernode / chain): the baseline's per-node state scratch,
+    transposed (tree_pernode's default "vk" layout, as SGLang's).
   conv_windows: [B, N, K-1, C] (pernode / chain): each node's conv window scratch.
   """
 
@@ -234,7 +235,7 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
     if isinstance(c, GDNCache):
       state, pending = c.state, c.pending  # pending: cleared by verify_forward (now in state)
       if mode != "bole":
-        state = tree_pernode.commit_pernode(c.state, aux.node_states, last)
+        state = tree_pernode.commit_pernode_state(c.state, aux.node_states, last)
         conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
       else:
         conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
