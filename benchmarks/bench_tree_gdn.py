@@ -710,6 +710,14 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         point["pernode_commit"] = timer_in_place(
             lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout),
             [st[5] for st in sets], scr, timer)
+        if cfg.layout == "vk":  # the same commit by XLA (gather + transpose + select)
+            point["pernode_commit_xla"] = timer_in_place(
+                lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout,
+                                                               backend="reference"),
+                [st[5] for st in sets], scr, timer)
+        print(f"    pernode commit [{cfg_str(cfg)}]  {point['pernode_commit']['us']:8.1f} us"
+              + (f" (XLA {point['pernode_commit_xla']['us']:.1f})"
+                 if "pernode_commit_xla" in point else ""), flush=True)
         del scr
     gc.collect()
 

@@ -147,3 +147,24 @@ def test_baselines_lower_to_triton(fn, cfg):
     f = jax.jit(lambda *a: verify(*a, backend="pallas", interpret=False, config=cfg))
     assert "custom_call" in f.trace(q, q, v, gate, gate, state, parents).lower(
         lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("b,n,hv,dk,dv,block_rows", [(3, 5, 2, 16, 32, 8), (2, 1, 3, 32, 16, 16),
+                                                     (4, 9, 1, 64, 64, 32)])
+def test_transposed_commit_kernel(b, n, hv, dk, dv, block_rows):
+    """The Pallas "vk" commit (in place, transposed in registers) against XLA's gather +
+    transpose, for accepted nodes anywhere in the scratch and -1 (keep)."""
+    rng = np.random.default_rng(RUN_SEED)
+    old = rng.standard_normal((b, hv, dk, dv)).astype(np.float32)
+    scr = rng.standard_normal((b, n, hv, dv, dk)).astype(np.float32)
+    acc = rng.integers(-1, n, size=b).astype(np.int32)
+    acc[0] = -1
+    want = tree_pernode.commit_pernode(old, scr, acc, transpose=True)
+    got = tree_pernode.commit_pernode_state(old, scr, acc, backend="pallas", interpret=True,
+                                            block_rows=block_rows)
+    for i in range(b):
+        ref = old[i] if acc[i] < 0 else np.swapaxes(scr[i, acc[i]], -1, -2)
+        assert rel(want[i], ref) == 0.0 and rel(got[i], ref) == 0.0, f"seed {RUN_SEED} b {i}"
+    f = jax.jit(lambda o, s, a: tree_pernode.commit_pernode_state(o, s, a, backend="pallas",
+                                                                  interpret=False))
+    assert "custom_call" in f.trace(old, scr, acc).lower(lowering_platforms=("cuda",)).as_text()
