@@ -164,8 +164,9 @@ def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
-    """"bv=32,w=1,ns=2[,lay=kv]" (lay: the scratch layout, "vk" by default)."""
-    keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout")
+    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1]" (lay: the scratch layout, "vk" by default; root:
+    hold the committed tile in registers, automatic by default)."""
+    keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout", root="hold_root")
     return PernodeConfig(**{keys[k]: (v if k == "lay" else int(v)) for k, v in
                             (item.split("=") for item in filter(None, spec.split(",")))})
 
@@ -173,7 +174,8 @@ def parse_pernode(spec: str) -> PernodeConfig:
 def cfg_str(cfg) -> str:
     if isinstance(cfg, PernodeConfig):
         return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
-                + ("" if cfg.layout == "vk" else f",lay={cfg.layout}"))
+                + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")
+                + ("" if cfg.hold_root is None else f",root={cfg.hold_root}"))
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"

@@ -38,6 +38,10 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
      PernodeConfig(block_v=8, num_warps=1, num_stages=3)),  # SGLang-like launch
     (16, 1, 2, 32, 16, ("bushy", "forest"), np.float32, PernodeConfig(block_v=8, layout="kv")),
     (7, 2, 2, 24, 40, ("random",), jnp.bfloat16, PernodeConfig(block_v=8, layout="kv")),
+    # the committed tile reloaded (masked) per node instead of held: both layouts
+    (13, 1, 2, 16, 32, ("star", "random"), np.float32, PernodeConfig(block_v=16, hold_root=0)),
+    (9, 1, 1, 32, 16, ("forest",), np.float32,
+     PernodeConfig(block_v=8, layout="kv", hold_root=0)),
 ]
 
 
@@ -47,7 +51,8 @@ def _in_layout(states, layout):
 
 
 @pytest.mark.parametrize("case", CASES,
-                         ids=lambda c: f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}")
+                         ids=lambda c: (f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}"
+                                        f"-root{c[7].hold_root}"))
 def test_pernode_matches_sequential(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
     seed = RUN_SEED
@@ -102,6 +107,9 @@ def test_reference_backend_is_sequential():
 
 
 def test_layout_is_checked():
+    assert PernodeConfig(block_v=8, num_warps=1).holds_root(128, 128)  # 32 floats per thread
+    assert not PernodeConfig(block_v=32, num_warps=1).holds_root(128, 128)  # 128
+    assert not PernodeConfig(block_v=8, num_warps=1, hold_root=0).holds_root(128, 128)
     with pytest.raises(ValueError, match="layout"):
         PernodeConfig(layout="dk_dv")
     with pytest.raises(ValueError, match="layout"):
@@ -135,7 +143,9 @@ def test_pernode_conv_matches_reference(n, c, block_c):
 @pytest.mark.parametrize("fn,cfg", [("tree_pernode_verify", None), ("chain_verify", None),
                                     ("tree_pernode_verify",
                                      PernodeConfig(block_v=8, num_warps=1, num_stages=3)),
-                                    ("tree_pernode_verify", PernodeConfig(layout="kv"))])
+                                    ("tree_pernode_verify", PernodeConfig(layout="kv")),
+                                    ("tree_pernode_verify",
+                                     PernodeConfig(block_v=8, num_warps=1, hold_root=0))])
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)

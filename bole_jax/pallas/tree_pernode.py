@@ -45,6 +45,15 @@ class PernodeConfig:
     num_warps: int = 4
     num_stages: int = 1
     layout: str = "vk"
+    # Hold the committed tile in registers for the whole node loop (a root child then costs no
+    # load, and in "vk" no transpose per node): 0 never, 1 always, None when it is at most 64
+    # floats per thread.
+    hold_root: int | None = None
+
+    def holds_root(self, dk: int, dv: int) -> bool:
+        if self.hold_root is not None:
+            return bool(self.hold_root)
+        return next_pow2(dk) * min(self.block_v, next_pow2(dv)) <= 64 * 32 * self.num_warps
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -55,7 +64,7 @@ LAYOUTS = ("vk", "kv")
 
 
 def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, scr_ref,
-                    *, n_real, scale, chain, vk, interpret):
+                    *, n_real, scale, chain, vk, hold_root, interpret):
     # Blocks: par [N]; q, k [N, dk]; v [N, bv]; g, beta [N]; s [dk, bv]; o [N, bv];
     # scr [N, bv, dk] ("vk": the tile is held transposed, as stored) or [N, dk, bv] ("kv").
     # Per node: scalar loads and [dk] / [bv] row vectors.
@@ -76,6 +85,8 @@ def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref
     def along_v(x):  # a [bv] vector broadcast against the held tile
         return x[:, None] if vk else x[None, :]
 
+    root = pool()
+
     def node(i, s_prev):
         if chain:
             s = s_prev
@@ -86,9 +97,12 @@ def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref
             reuse = par == i - 1
             from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
             from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
-            loaded = (pool(from_pool)
-                      + pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
-                                      other=0.0))
+            from_scr = pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
+                                     other=0.0)
+            if hold_root:
+                loaded = jnp.where(from_pool, root, from_scr)
+            else:
+                loaded = pool(from_pool) + from_scr
             s = jnp.where(reuse, s_prev, loaded)
         k, q = unit(k_ref[i]), unit(q_ref[i]) * scale  # [dk]
         s = s * jnp.exp(g_ref[i])
@@ -102,7 +116,7 @@ def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref
             pltriton.debug_barrier()
         return s
 
-    jax.lax.fori_loop(0, nn, node, pool())
+    jax.lax.fori_loop(0, nn, node, root)
 
     def zero(i, c):
         o_ref[i] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
@@ -135,7 +149,7 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, 
     gate_spec = pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h))
     o, scratch = pl.pallas_call(
         functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain, vk=vk,
-                          interpret=interpret),
+                          hold_root=cfg.holds_root(dk, dv), interpret=interpret),
         grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
         in_specs=[
             pl.BlockSpec((None,), lambda t, h, i: (i,)),
