@@ -50,6 +50,18 @@ class PernodeConfig:
     # floats per thread.
     hold_root: int | None = None
 
+    @staticmethod
+    def auto(b: int, n: int) -> "PernodeConfig":
+        """The launch `tree_pernode_verify` / `chain_verify` use when given none: the winners of
+        the session-11 grid on the H200 at Qwen3-Next dims (benchmarks/results/
+        tree_gdn_h200_s11/grid_all): one warp, the "vk" scratch, the committed tile held;
+        8-column tiles and three stages at B = 1 (more programs for a latency-bound loop),
+        16 columns and two stages above (within 1% of the 8-column tile at N = 64)."""
+        del n  # the same winner at every N of the grid
+        if b <= 1:
+            return PernodeConfig(block_v=8, num_warps=1, num_stages=3)
+        return PernodeConfig(block_v=16, num_warps=1, num_stages=2)
+
     def holds_root(self, dk: int, dv: int) -> bool:
         if self.hold_root is not None:
             return bool(self.hold_root)
@@ -178,7 +190,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpr
     backend, interpret = resolve_backend(backend, interpret)
     if parents is None:
         parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
-    config = config or PernodeConfig()
+    config = config or PernodeConfig.auto(b, n)
     if backend == "reference":
         o, states = tree_gdn_ref.tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes,
                                                      scale=scale)
@@ -199,7 +211,8 @@ def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, sca
     Returns (o [B, N, HV, dv] in v.dtype, node_states fp32): the state after every node (the
     scratch), [B, N, HV, dv, dk] (transposed) in the default layout "vk", [B, N, HV, dk, dv] with
     `config.layout="kv"`; the reference backend follows the same layout. Padding nodes: zero
-    output, undefined state. Commit with `commit_pernode_state(..., layout=)`.
+    output, undefined state. Commit with `commit_pernode_state(..., layout=)`. `config=None`
+    takes `PernodeConfig.auto(B, N)`.
     """
     return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
                    chain=False)
