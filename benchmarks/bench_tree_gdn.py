@@ -110,14 +110,15 @@ FULL_EXTRA_BOLE = [
     "bv=32,w=4,inv=squaring,db=8",
     "bv=32,w=4,inv=squaring,prec=tf32x3",
 ]
-DEFAULT_PERNODE = ["bv=32,w=4", "bv=64,w=8"]
-# Session 10: our PERNODE is slower than SGLang's kernel at 7 verify points of 03-targets.md
-# (e.g. 204 vs 105 us at B = 1 N = 64), after two launches ever timed. SGLang autotunes 2-8
-# warps and 2-4 pipeline stages; the narrow / one-warp / pipelined launches below are its
-# neighbourhood (a stage count that let a prefetched parent reload race the parent's store
-# would fail the device check and never be "best").
-FULL_EXTRA_PERNODE = ["bv=16,w=2", "bv=64,w=4", "bv=128,w=8", "bv=32,w=2,ns=2",
-                      "bv=32,w=4,ns=3", "bv=16,w=1,ns=3", "bv=8,w=1,ns=3", "bv=32,w=1,ns=2"]
+# Session 11 (tree_gdn_h200_s11/): one warp, the transposed "vk" scratch and the committed tile
+# held won every point (`PernodeConfig.auto`: 8 columns x 3 stages at B = 1, 16 x 2 above). The
+# full sweep keeps their neighbourhood, the old layout and launch, and candidates for the two
+# points where the verify is still slower than SGLang's (B = 4 N = 32, B = 16 N = 8).
+DEFAULT_PERNODE = ["bv=16,w=1,ns=2", "bv=8,w=1,ns=3"]
+FULL_EXTRA_PERNODE = ["bv=16,w=1,ns=3", "bv=8,w=1,ns=2", "bv=16,w=2,ns=2", "bv=32,w=2,ns=2",
+                      "bv=32,w=1,ns=2,root=1", "bv=16,w=1,ns=2,ev=evict_first",
+                      "bv=8,w=1,ns=3,ev=evict_first", "bv=8,w=1,ns=3,root=0",
+                      "bv=32,w=2,ns=2,lay=kv", "bv=32,w=4,lay=kv"]
 
 TOL = dict(o=2e-2, u=5e-3, k=1e-4, gamma=1e-4, state=5e-3, conv=2e-2, copy=0.0)
 # (CPU emulation of TF32 dots at these dims: o 4e-4 (1.7e-3 after bf16 rounding), u 2e-5;
@@ -164,10 +165,12 @@ def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
-    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1]" (lay: the scratch layout, "vk" by default; root:
-    hold the committed tile in registers, automatic by default)."""
-    keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout", root="hold_root")
-    return PernodeConfig(**{keys[k]: (v if k == "lay" else int(v)) for k, v in
+    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first]" (lay: the scratch layout, "vk" by
+    default; root: hold the committed tile in registers, automatic by default; ev: the scratch
+    stores' cache hint)."""
+    keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout", root="hold_root",
+                ev="scratch_eviction")
+    return PernodeConfig(**{keys[k]: (v if k in ("lay", "ev") else int(v)) for k, v in
                             (item.split("=") for item in filter(None, spec.split(",")))})
 
 
@@ -175,7 +178,8 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, PernodeConfig):
         return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
                 + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")
-                + ("" if cfg.hold_root is None else f",root={cfg.hold_root}"))
+                + ("" if cfg.hold_root is None else f",root={cfg.hold_root}")
+                + ("" if cfg.scratch_eviction is None else f",ev={cfg.scratch_eviction}"))
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"

@@ -42,6 +42,8 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
     (13, 1, 2, 16, 32, ("star", "random"), np.float32, PernodeConfig(block_v=16, hold_root=0)),
     (9, 1, 1, 32, 16, ("forest",), np.float32,
      PernodeConfig(block_v=8, layout="kv", hold_root=0)),
+    (11, 1, 2, 16, 16, ("bushy", "deep"), np.float32,
+     PernodeConfig(block_v=8, num_warps=1, num_stages=2, scratch_eviction="evict_first")),
 ]
 
 
@@ -112,6 +114,8 @@ def test_layout_is_checked():
     assert not PernodeConfig(block_v=8, num_warps=1, hold_root=0).holds_root(128, 128)
     with pytest.raises(ValueError, match="layout"):
         PernodeConfig(layout="dk_dv")
+    with pytest.raises(ValueError, match="scratch_eviction"):
+        PernodeConfig(scratch_eviction="evict_sometimes")
     with pytest.raises(ValueError, match="layout"):
         tree_pernode.commit_pernode_state(jnp.zeros((1, 1, 2, 2)), jnp.zeros((1, 3, 1, 2, 2)),
                                           jnp.zeros((1,), jnp.int32), layout="kk")
@@ -145,7 +149,10 @@ def test_pernode_conv_matches_reference(n, c, block_c):
                                      PernodeConfig(block_v=8, num_warps=1, num_stages=3)),
                                     ("tree_pernode_verify", PernodeConfig(layout="kv")),
                                     ("tree_pernode_verify",
-                                     PernodeConfig(block_v=8, num_warps=1, hold_root=0))])
+                                     PernodeConfig(block_v=8, num_warps=1, hold_root=0)),
+                                    ("tree_pernode_verify",
+                                     PernodeConfig(block_v=16, num_warps=1, num_stages=2,
+                                                   scratch_eviction="evict_first"))])
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)

@@ -49,6 +49,9 @@ class PernodeConfig:
     # load, and in "vk" no transpose per node): 0 never, 1 always, None when it is at most 64
     # floats per thread.
     hold_root: int | None = None
+    # Cache hint on the scratch stores ("evict_first": stream them past L2; None: default).
+    # Session 11's grid ran without it; a candidate for the two points still slower than SGLang.
+    scratch_eviction: str | None = None
 
     @staticmethod
     def auto(b: int, n: int) -> "PernodeConfig":
@@ -70,13 +73,16 @@ class PernodeConfig:
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"PernodeConfig.layout={self.layout!r}: expected one of {LAYOUTS}")
+        if self.scratch_eviction not in (None, "evict_first", "evict_last"):
+            raise ValueError(f"PernodeConfig.scratch_eviction={self.scratch_eviction!r}: "
+                             "expected None, 'evict_first' or 'evict_last'")
 
 
 LAYOUTS = ("vk", "kv")
 
 
 def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, scr_ref,
-                    *, n_real, scale, chain, vk, hold_root, interpret):
+                    *, n_real, scale, chain, vk, hold_root, eviction, interpret):
     # Blocks: par [N]; q, k [N, dk]; v [N, bv]; g, beta [N]; s [dk, bv]; o [N, bv];
     # scr [N, bv, dk] ("vk": the tile is held transposed, as stored) or [N, dk, bv] ("kv").
     # Per node: scalar loads and [dk] / [bv] row vectors.
@@ -122,7 +128,10 @@ def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref
         vnew = beta_ref[i] * (v_ref[i].astype(jnp.float32) - kv)
         s = s + along_k(k) * along_v(vnew)
         o_ref[i] = jnp.sum(s * along_k(q), axis=kax).astype(o_ref.dtype)
-        scr_ref[i] = s
+        if eviction is None:
+            scr_ref[i] = s
+        else:
+            pltriton.store(scr_ref.at[i], s, eviction_policy=eviction)
         if not chain and not interpret:
             # A later node may reload this state through other threads of the program.
             pltriton.debug_barrier()
@@ -161,7 +170,8 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, *, scale, cfg, 
     gate_spec = pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h))
     o, scratch = pl.pallas_call(
         functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain, vk=vk,
-                          hold_root=cfg.holds_root(dk, dv), interpret=interpret),
+                          hold_root=cfg.holds_root(dk, dv), eviction=cfg.scratch_eviction,
+                          interpret=interpret),
         grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
         in_specs=[
             pl.BlockSpec((None,), lambda t, h, i: (i,)),
