@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""The EXPERIMENTAL Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) against the Triton one.
+
+One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
+trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: both verifies
+checked on the device against the jnp closed form (fp32, HIGHEST), then timed with the same
+profiler timer (device time per call: the Mosaic call includes its XLA prologue: q/k
+normalisation, gamma, padding). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
+
+    PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out DIR --B 1,16,64 --N 64
+    PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out /tmp/x --cpu-dry-run   # no GPU
+
+Needs jax >= 0.11 (the kernel's API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import bench_tree_gdn as btg  # noqa: E402
+from bole_jax.pallas import tree_gdn, tree_gdn_mgpu, tree_gdn_ref  # noqa: E402
+from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
+from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
+
+TOL = dict(o=2e-2, u=5e-3)
+
+
+def bench_point(b, n, timer, seed, interpret):
+    rng = np.random.default_rng(seed * 1000 + b * 100 + n)
+    parents = jnp.asarray(btg.make_trees(rng, b, n))
+    depth = btg.MAX_DEPTH
+    tree = tree_structure(parents)
+    r = 1 if interpret else max(2, min(16, int(3 * 60e6 // max(btg.set_bytes(b, n), 1)) + 1))
+    sets = btg.make_sets(jax.random.PRNGKey(seed + b * 7 + n), b, n, r)
+    with jax.default_matmul_precision("highest"):
+        o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents)
+    point = dict(B=b, N=n, depth=int(np.max(tree.path_len)), input_sets=r)
+    fns = {
+        "triton": lambda *a: tree_gdn.tree_gdn_verify(
+            *a, parents, backend="pallas", interpret=interpret, tree=tree,
+            config=(TreeGDNConfig(depth_bound=depth) if interpret
+                    else TreeGDNConfig.auto(b, n, depth))),
+        "mgpu": lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
+            *a, parents, depth_bound=depth, tree=tree, interpret=interpret),
+    }
+    for name, fn in fns.items():
+        entry = {}
+        try:
+            f = jax.jit(fn)
+            t0 = time.perf_counter()
+            o, fac = jax.block_until_ready(f(*sets[0]))
+            entry["compile_s"] = time.perf_counter() - t0
+            entry["err_o"] = btg.rel(o, o_ref)
+            entry["err_u"] = btg.rel(fac.u, f_ref.u)
+            entry["ok"] = entry["err_o"] <= TOL["o"] and entry["err_u"] <= TOL["u"]
+            del o, fac
+            entry.update(timer(f, sets))
+        except Exception as e:  # noqa: BLE001
+            entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        point[name] = entry
+        print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', float('nan')):9.1f} us  "
+              f"err o {entry.get('err_o', float('nan')):.1e} u {entry.get('err_u', float('nan')):.1e}"
+              f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
+    fb = btg.floor_bytes(b, n)
+    point["floor_us"] = fb / btg.REF_BW * 1e6
+    return point
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--B", default="1,4,16,64")
+    ap.add_argument("--N", default="64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="test this script without a GPU: interpret mode, 2 key / 4 value heads")
+    args = ap.parse_args(argv)
+    if not tree_gdn_mgpu.AVAILABLE:
+        raise SystemExit(tree_gdn_mgpu.UNAVAILABLE_REASON)
+    interpret = args.cpu_dry_run
+    if interpret:
+        btg.HK, btg.HV, btg.INTERPRET = 2, 4, True
+    os.makedirs(args.out, exist_ok=True)
+    timer = btg.Timer("wall" if interpret else "auto", 2 if interpret else args.reps,
+                      1 if interpret else args.warmup)
+    t0 = time.perf_counter()
+    points = [bench_point(b, n, timer, args.seed, interpret)
+              for b in (int(x) for x in args.B.split(","))
+              for n in (int(x) for x in args.N.split(","))]
+    print(f"\n{'B':>3} {'N':>3} | {'triton us':>9} {'mgpu us':>9} {'mgpu/triton':>11} | "
+          f"{'floor us':>8} {'mgpu/floor':>10}")
+    for p in points:
+        t, m = p["triton"].get("us", float("nan")), p["mgpu"].get("us", float("nan"))
+        print(f"{p['B']:3d} {p['N']:3d} | {t:9.1f} {m:9.1f} {m / t:10.2f}x | "
+              f"{p['floor_us']:8.1f} {m / p['floor_us']:9.1f}x")
+    out = dict(command="python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
+               git_commit=btg.git_commit(), device=str(jax.devices()[0].device_kind),
+               platform=jax.default_backend(), jax_version=jax.__version__,
+               jaxlib_version=btg._jaxlib_version(),
+               dims=dict(Hk=btg.HK, HV=btg.HV, dk=btg.DK, dv=btg.DV, max_depth=btg.MAX_DEPTH),
+               points=points, elapsed_s=time.perf_counter() - t0)
+    path = os.path.join(args.out, "bench_tree_gdn_mgpu.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"wrote {path}")
+    bad = [p for p in points for k in ("triton", "mgpu") if not p[k].get("ok")]
+    if bad:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""EXPERIMENTAL: the tree-GDN verify as a Pallas Mosaic GPU kernel (TMA + wgmma; Hopper).
+
+Not used by the engine. It is the first step of docs/NOTES.md "Next" (a verify with another
+structure than the Triton kernel of `tree_gdn.py`, which sits at 255 registers and two programs
+per SM): one program per (value head, request), one warpgroup, the operands moved by TMA straight
+from the caller's layouts (strided boxes: no transposes), every product a bf16 wgmma:
+
+    K K^T, Q K^T                 [N, N]   (k read transposed from shared memory)
+    K S, Q S                     [N, dv]  (the fp32 state tile converted to bf16 in shared memory)
+    (I + G)^-1 rhs               the finite Neumann series, depth_bound - 1 steps of -G @ X, each
+                                 as three bf16 wgmmas of a hi / lo split (hi hi + hi lo + lo hi:
+                                 ~16 mantissa bits, fp32-like, where one bf16 product loses u)
+    (Q K^T * Gam) U              the same split
+
+Same maths and outputs as `tree_gdn_ref.tree_gdn_closed_form` (docs/kernels.md section 1):
+o [B, N, HV, dv] in v.dtype and TreeFactors(k, u, gamma). Exact for trees whose longest root path
+is at most `depth_bound` nodes (G is nilpotent); deeper requests get NaN outputs, as the Triton
+kernel's static depth bound does.
+
+Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), q/k normalisation and the
+root-path gamma in XLA before the launch, no pipelining across programs (~200 KiB of shared
+memory: one program per SM at a time).
+
+Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
+scratch_types=)`, transposed shared-memory refs). Tests run it in Mosaic GPU interpret mode on the
+CPU under jax 0.11 and skip under 0.10.2, whose interpret mode cannot run it (a transform on
+loads fails there).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from bole_jax.pallas import tree_gdn_ref
+from bole_jax.pallas.tree_utils import L2_EPS, TreeFactors, TreeStructure, tree_structure
+
+__all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
+
+NP = 64  # nodes per program (one wgmma M block); trees of up to NP nodes
+HEAD_DIM = 128
+
+try:  # jax >= 0.11: the API this kernel is written against
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    AVAILABLE = _VERSION >= (0, 11) and hasattr(plgpu, "InterpretGPUParams")
+    UNAVAILABLE_REASON = "" if AVAILABLE else (
+        f"jax {jax.__version__}: the Mosaic GPU verify needs jax >= 0.11 (plgpu.kernel's "
+        "out_type / scratch_types, transposed shared-memory operands, GPU interpret mode)")
+except ImportError as e:  # pragma: no cover - a jax without Mosaic GPU
+    plgpu = None
+    AVAILABLE, UNAVAILABLE_REASON = False, f"no Mosaic GPU in this jax: {e}"
+
+_BF, _F32 = jnp.bfloat16, jnp.float32
+
+
+def _transforms(dtype):
+    """128-byte swizzle with the matching tile, the layout wgmma and TMA both take."""
+    per_row = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, per_row)), plgpu.SwizzleTransform(128))
+
+
+def _split(x):
+    """x = hi + lo with hi, lo bf16 (hi carries 8 mantissa bits, lo the next 8)."""
+    hi = x.astype(_BF)
+    return hi, (x - hi.astype(_F32)).astype(_BF)
+
+
+def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g,
+            q_s, k_s, v_s, sb_s, anc_s, gr_s, gc_s, br_s, vr_s, ah_s, al_s, xh_s, xl_s, bar,
+            *, ratio, depth, o_dtype):
+    n, dk, dv = NP, HEAD_DIM, HEAD_DIM
+    wg = plgpu.Layout.WGMMA
+    h = lax.axis_index("h")
+    b = lax.axis_index("b")
+    hk = h // ratio
+    # Every operand by TMA, straight from the caller's layouts. (A per-node vector is read
+    # as a row and as a column vector: two copies, since one shared-memory buffer can only be
+    # loaded in one layout.)
+    plgpu.copy_gmem_to_smem(q_g.at[b, :, hk, :], q_s, bar)
+    plgpu.copy_gmem_to_smem(k_g.at[b, :, hk, :], k_s, bar)
+    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, :], v_s, bar)
+    plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, bar)
+    plgpu.copy_gmem_to_smem(gam_g.at[b, h], gr_s, bar)
+    plgpu.copy_gmem_to_smem(gam_g.at[b, h], gc_s, bar)
+    plgpu.copy_gmem_to_smem(beta_g.at[b, h], br_s, bar)
+    plgpu.copy_gmem_to_smem(valid_g.at[b], vr_s, bar)
+
+    def state_to_bf16(s32_s, sbar):  # the fp32 tile lives only in this scope (64 KiB)
+        plgpu.copy_gmem_to_smem(s_g.at[b, h], s32_s, sbar)
+        plgpu.barrier_wait(sbar)
+        sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
+
+    pl.run_scoped(state_to_bf16, plgpu.SMEM((dk, dv), _F32, transforms=_transforms(_F32)),
+                  plgpu.Barrier(num_arrivals=1))
+    plgpu.barrier_wait(bar)
+    plgpu.commit_smem()
+
+    def mm(pairs, shape):
+        def run(acc):
+            for a, c in pairs:
+                plgpu.wgmma(acc, a, c)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+        return pl.run_scoped(run, plgpu.ACC(shape, _F32))
+
+    g_row = plgpu.load(gr_s, layout=wg.reduce(1))
+    g_col = plgpu.load(gc_s, layout=wg.reduce(0))
+    b_row = plgpu.load(br_s, layout=wg.reduce(1))
+    valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
+    anc = plgpu.load(anc_s, layout=wg).astype(_F32)
+    rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
+    cols = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
+    diff = lax.broadcast_in_dim(g_row, (n, n), [0]) - lax.broadcast_in_dim(g_col, (n, n), [1])
+    gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc  # exp(gamma_i - gamma_j) on anc*(i)
+    kt = k_s.T
+    kk = mm([(k_s, kt)], (n, n))
+    g_neg = jnp.where(rows > cols, -lax.broadcast_in_dim(b_row, (n, n), [0]) * kk * gam, 0.0)
+
+    ks = mm([(k_s, sb_s)], (n, dv))
+    p_rows = lax.broadcast_in_dim(jnp.exp(g_row), (n, dv), [0])
+    v = plgpu.load(v_s, layout=wg).astype(_F32)
+    v = jnp.where(lax.broadcast_in_dim(valid_row, (n, dv), [0]) > 0, v, 0.0)  # padding rows
+    rhs = lax.broadcast_in_dim(b_row, (n, dv), [0]) * (v - p_rows * ks)
+
+    gh, gl = _split(g_neg)
+    ah_s[...] = gh
+    al_s[...] = gl
+    u = x = rhs
+    for _ in range(depth - 1):  # U = sum_m (-G)^m rhs
+        xh, xl = _split(x)
+        xh_s[...] = xh
+        xl_s[...] = xl
+        plgpu.commit_smem()
+        x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
+        u = u + x
+
+    qk = mm([(q_s, kt)], (n, n))
+    wh, wl = _split(qk * gam)
+    ah_s[...] = wh
+    al_s[...] = wl
+    uh, ul = _split(u)
+    xh_s[...] = uh
+    xl_s[...] = ul
+    plgpu.commit_smem()
+    qs = mm([(q_s, sb_s)], (n, dv))
+    wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
+    o = p_rows * qs + wu
+
+    def store(o_s, u_s):
+        o_s[...] = o.astype(o_dtype)
+        u_s[...] = u
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, :])
+        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, :])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((n, dv), o_dtype, transforms=_transforms(o_dtype)),
+                  plgpu.SMEM((n, dv), _F32, transforms=_transforms(_F32)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "interpret"))
+def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, interpret):
+    bsz, n, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if tree is None:
+        tree = tree_structure(parents, num_nodes)
+    pad = NP - n
+    valid = jnp.pad(tree.valid, ((0, 0), (0, pad)))
+    anc = jnp.pad(tree.anc, ((0, 0), (0, pad), (0, pad)))
+
+    def unit(x):
+        x = x.astype(_F32)
+        return x * lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + L2_EPS)
+
+    m = tree.valid[:, :, None, None]
+    kn = jnp.where(m, unit(k), 0.0)  # factor k (fp32)
+    qb = jnp.pad(jnp.where(m, unit(q) * scale, 0.0).astype(_BF),
+                 ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kb = jnp.pad(kn.astype(_BF), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    vb = jnp.pad(v.astype(_BF), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    gf = jnp.where(tree.valid[:, :, None], g.astype(_F32), 0.0)
+    gamma = tree_gdn_ref.root_path_gamma(gf, tree.anc)  # [B, N, HV]
+    gam_t = jnp.pad(jnp.moveaxis(gamma, 2, 1), ((0, 0), (0, 0), (0, pad)))  # [B, HV, NP]
+    beta_t = jnp.pad(jnp.moveaxis(jnp.where(tree.valid[:, :, None], beta.astype(_F32), 0.0),
+                                  2, 1), ((0, 0), (0, 0), (0, pad)))
+    # A request deeper than the static bound would come out silently wrong: its beta row NaN
+    # makes G, U and O NaN in the kernel (loud, as the Triton kernel's bound), at no extra pass.
+    beta_t = jnp.where((tree.path_len > depth_bound)[:, None, None], jnp.nan, beta_t)
+    o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
+    def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
+        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype)
+
+    kernel = plgpu.kernel(
+        bole_tree_gdn_verify_mgpu,
+        out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
+                  jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32)),
+        scratch_types=[
+            plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
+            plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
+            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # v
+            plgpu.SMEM((dk, dv), _BF, transforms=_transforms(_BF)),  # S in bf16
+            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # ancestor mask
+            plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # gamma as row / column
+            plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
+            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # -G or W, hi
+            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # -G or W, lo
+            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # X or U, hi
+            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # X or U, lo
+            plgpu.Barrier(num_arrivals=8)],
+        grid=(hv, bsz), grid_names=("h", "b"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    o, u = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
+                  state.astype(_F32))
+    if pad:
+        o, u = o[:, :n], u[:, :n]
+    gamma = jnp.where(tree.valid[:, :, None], gamma, 0.0)
+    return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
+
+
+def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
+                         scale=None, tree: TreeStructure | None = None, interpret=None):
+    """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
+    (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
+    parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
+    static int; deeper requests give NaN). interpret=None: interpret mode unless on a GPU."""
+    if not AVAILABLE:
+        raise RuntimeError(UNAVAILABLE_REASON)
+    bsz, n, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if (dk, dv) != (HEAD_DIM, HEAD_DIM):
+        raise ValueError(f"tree_gdn_verify_mgpu supports dk = dv = {HEAD_DIM}, got {dk}, {dv}")
+    if not 1 <= n <= NP:
+        raise ValueError(f"tree_gdn_verify_mgpu supports 1 to {NP} nodes, got {n}")
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    if int(depth_bound) < 1:
+        raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    scale = float(dk ** -0.5 if scale is None else scale)
+    parents = jnp.asarray(parents, jnp.int32)
+    if num_nodes is not None:
+        num_nodes = jnp.asarray(num_nodes, jnp.int32)
+    return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
+                   depth_bound=int(depth_bound), interpret=bool(interpret))

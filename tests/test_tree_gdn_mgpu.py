@@ -1,0 +1,84 @@
+"""EXPERIMENTAL Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) vs the jnp closed form, in
+Mosaic GPU interpret mode on the CPU. Needs jax >= 0.11 (the GPU image's version); skipped under
+0.10.2, whose interpret mode cannot run the kernel (docs/kernels.md section 2b)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
+from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees, tree_structure
+
+pytestmark = pytest.mark.skipif(not tree_gdn_mgpu.AVAILABLE,
+                                reason=tree_gdn_mgpu.UNAVAILABLE_REASON or "unavailable")
+
+RUN_SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("n,hk,hv,kinds,ragged", [
+    (64, 1, 2, ("random",), False),
+    (64, 2, 2, ("deep", "bushy"), True),
+    (16, 1, 3, ("star", "forest"), True),
+    (7, 1, 1, ("random", "deep"), True),
+    (1, 1, 2, ("random",), False),
+])
+def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged):
+    rng = np.random.default_rng(RUN_SEED)
+    parents, num_nodes = random_trees(rng, 2, n, kinds, ragged=ragged)
+    x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    if ragged:  # garbage in padding nodes must not leak
+        pad = np.arange(n)[None, :] >= num_nodes[:, None]
+        args = (args[0], args[1], jnp.where(pad[:, :, None, None], jnp.inf, args[2]),
+                *args[3:])
+    o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
+    depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
+    o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, num_nodes, depth_bound=depth,
+                                              interpret=True)
+    msg = f"seed {RUN_SEED}"
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, msg
+    assert rel(o, o_ref) <= 1e-2, msg  # bf16 output rounding
+    assert rel(f.u, f_ref.u) <= 1e-3, msg  # bf16 operands, hi/lo-split inverse
+    assert rel(f.k, f_ref.k) <= 1e-6 and rel(f.gamma, f_ref.gamma) <= 1e-6, msg
+    if ragged:
+        m = np.arange(n)[None, :] < num_nodes[:, None]
+        assert not np.any(np.asarray(f.u)[~m]) and not np.any(np.asarray(o, np.float32)[~m]), msg
+
+
+def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
+    rng = np.random.default_rng(RUN_SEED)
+    parents = np.stack([np.arange(8) - 1, np.r_[-1, np.zeros(7, int)]]).astype(np.int32)
+    x = random_gdn_inputs(rng, 2, 8, 1, 2, 128, 128, jnp.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=2, interpret=True)
+    assert np.all(np.isnan(np.asarray(f.u[0]))), "a chain of 8 is deeper than the bound 2"
+    o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents)
+    assert rel(f.u[1], f_ref.u[1]) <= 1e-3, "the star (2 levels) fits the bound"
+    with pytest.raises(ValueError, match="dk = dv"):
+        y = random_gdn_inputs(rng, 1, 8, 1, 1, 64, 128, jnp.bfloat16)
+        tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
+                                           y["state"], parents[:1], depth_bound=8)
+    with pytest.raises(ValueError, match="nodes"):
+        y = random_gdn_inputs(rng, 1, 65, 1, 1, 128, 128, jnp.bfloat16)
+        tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
+                                           y["state"], np.arange(65)[None] - 1, depth_bound=8)
+
+
+def test_mgpu_verify_lowers_for_cuda():
+    """Layout inference and the shared-memory budget are checked when lowering (no GPU needed)."""
+    rng = np.random.default_rng(RUN_SEED)
+    parents, _ = random_trees(rng, 2, 64, ("random",))
+    x = random_gdn_inputs(rng, 2, 64, 1, 2, 128, 128, jnp.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8,
+                                                              interpret=False))
+    txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "bole_tree_gdn_verify_mgpu" in txt or "mosaic_gpu" in txt
