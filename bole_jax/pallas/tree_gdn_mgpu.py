@@ -17,9 +17,11 @@ o [B, N, HV, dv] in v.dtype and TreeFactors(k, u, gamma). Exact for trees whose 
 is at most `depth_bound` nodes (G is nilpotent); deeper requests get NaN outputs, as the Triton
 kernel's static depth bound does.
 
-Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), q/k normalisation and the
-root-path gamma in XLA before the launch, no pipelining across programs (~200 KiB of shared
-memory: one program per SM at a time).
+q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; the first value
+head of each key head writes the factor k. Limits of this first version: dk = dv = 128, N <= 64
+(padded to 64), the root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product),
+no pipelining across programs (~185 KiB of shared memory at the peak: one program per SM at a
+time).
 
 Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
 scratch_types=)`, transposed shared-memory refs). Tests run it in Mosaic GPU interpret mode on the
@@ -71,9 +73,9 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g,
-            q_s, k_s, v_s, sb_s, anc_s, gr_s, gc_s, br_s, vr_s, ah_s, al_s, xh_s, xl_s, bar,
-            *, ratio, depth, o_dtype):
+def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
+            q_s, k_s, v_s, sb_s, anc_s, gr_s, gc_s, br_s, vr_s, bar,
+            *, ratio, depth, o_dtype, scale):
     n, dk, dv = NP, HEAD_DIM, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     h = lax.axis_index("h")
@@ -91,15 +93,39 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g,
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], br_s, bar)
     plgpu.copy_gmem_to_smem(valid_g.at[b], vr_s, bar)
 
-    def state_to_bf16(s32_s, sbar):  # the fp32 tile lives only in this scope (64 KiB)
+    def rows_of(vec, cols):
+        return lax.broadcast_in_dim(vec, (n, cols), [0])
+
+    def normalize(ref, factor, valid):
+        """x * rsqrt(sum x^2 + eps) * factor per row, padding rows 0, back into `ref` (bf16)."""
+        x = plgpu.load(ref, layout=wg).astype(_F32)
+        inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS) * factor
+        y = jnp.where(valid, x * rows_of(inv, dk), 0.0)
+        ref[...] = y.astype(_BF)
+        return y
+
+    def prologue(s32_s, kf_s, sbar):
+        # The fp32 state tile (64 KiB) and the factor-k staging (32 KiB) live only here.
         plgpu.copy_gmem_to_smem(s_g.at[b, h], s32_s, sbar)
+        plgpu.barrier_wait(bar)
+        valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
+        normalize(q_s, scale, valid)
+        kn = normalize(k_s, 1.0, valid)
+
+        @pl.when(h % ratio == 0)  # one value head per key head writes the factor k
+        def _():
+            kf_s[...] = kn
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kf_s, kf_g.at[b, :, hk, :])
+
         plgpu.barrier_wait(sbar)
         sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
+        plgpu.commit_smem()
+        plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(state_to_bf16, plgpu.SMEM((dk, dv), _F32, transforms=_transforms(_F32)),
+    pl.run_scoped(prologue, plgpu.SMEM((dk, dv), _F32, transforms=_transforms(_F32)),
+                  plgpu.SMEM((n, dk), _F32, transforms=_transforms(_F32)),
                   plgpu.Barrier(num_arrivals=1))
-    plgpu.barrier_wait(bar)
-    plgpu.commit_smem()
 
     def mm(pairs, shape):
         def run(acc):
@@ -109,59 +135,65 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g,
             return acc[...]
         return pl.run_scoped(run, plgpu.ACC(shape, _F32))
 
-    g_row = plgpu.load(gr_s, layout=wg.reduce(1))
-    g_col = plgpu.load(gc_s, layout=wg.reduce(0))
-    b_row = plgpu.load(br_s, layout=wg.reduce(1))
-    valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
-    anc = plgpu.load(anc_s, layout=wg).astype(_F32)
-    rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
-    cols = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
-    diff = lax.broadcast_in_dim(g_row, (n, n), [0]) - lax.broadcast_in_dim(g_col, (n, n), [1])
-    gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc  # exp(gamma_i - gamma_j) on anc*(i)
-    kt = k_s.T
-    kk = mm([(k_s, kt)], (n, n))
-    g_neg = jnp.where(rows > cols, -lax.broadcast_in_dim(b_row, (n, n), [0]) * kk * gam, 0.0)
+    def main(ah_s, al_s, xh_s, xl_s):
+        g_row = plgpu.load(gr_s, layout=wg.reduce(1))
+        g_col = plgpu.load(gc_s, layout=wg.reduce(0))
+        b_row = plgpu.load(br_s, layout=wg.reduce(1))
+        valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
+        anc = plgpu.load(anc_s, layout=wg).astype(_F32)
+        rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
+        cols = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
+        diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
+        gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc  # exp(gamma_i - gamma_j) on anc*(i)
+        kt = k_s.T
+        kk = mm([(k_s, kt)], (n, n))
+        g_neg = jnp.where(rows > cols, -rows_of(b_row, n) * kk * gam, 0.0)
 
-    ks = mm([(k_s, sb_s)], (n, dv))
-    p_rows = lax.broadcast_in_dim(jnp.exp(g_row), (n, dv), [0])
-    v = plgpu.load(v_s, layout=wg).astype(_F32)
-    v = jnp.where(lax.broadcast_in_dim(valid_row, (n, dv), [0]) > 0, v, 0.0)  # padding rows
-    rhs = lax.broadcast_in_dim(b_row, (n, dv), [0]) * (v - p_rows * ks)
+        ks = mm([(k_s, sb_s)], (n, dv))
+        p_rows = rows_of(jnp.exp(g_row), dv)
+        v = plgpu.load(v_s, layout=wg).astype(_F32)
+        v = jnp.where(rows_of(valid_row, dv) > 0, v, 0.0)  # padding rows (may hold garbage)
+        rhs = rows_of(b_row, dv) * (v - p_rows * ks)
 
-    gh, gl = _split(g_neg)
-    ah_s[...] = gh
-    al_s[...] = gl
-    u = x = rhs
-    for _ in range(depth - 1):  # U = sum_m (-G)^m rhs
-        xh, xl = _split(x)
-        xh_s[...] = xh
-        xl_s[...] = xl
+        gh, gl = _split(g_neg)
+        ah_s[...] = gh
+        al_s[...] = gl
+        u = x = rhs
+        for _ in range(depth - 1):  # U = sum_m (-G)^m rhs
+            xh, xl = _split(x)
+            xh_s[...] = xh
+            xl_s[...] = xl
+            plgpu.commit_smem()
+            x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
+            u = u + x
+
+        qk = mm([(q_s, kt)], (n, n))
+        wh, wl = _split(qk * gam)
+        ah_s[...] = wh
+        al_s[...] = wl
+        uh, ul = _split(u)
+        xh_s[...] = uh
+        xl_s[...] = ul
         plgpu.commit_smem()
-        x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
-        u = u + x
+        qs = mm([(q_s, sb_s)], (n, dv))
+        wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
+        o = p_rows * qs + wu
 
-    qk = mm([(q_s, kt)], (n, n))
-    wh, wl = _split(qk * gam)
-    ah_s[...] = wh
-    al_s[...] = wl
-    uh, ul = _split(u)
-    xh_s[...] = uh
-    xl_s[...] = ul
-    plgpu.commit_smem()
-    qs = mm([(q_s, sb_s)], (n, dv))
-    wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
-    o = p_rows * qs + wu
+        def store(o_s, u_s):
+            o_s[...] = o.astype(o_dtype)
+            u_s[...] = u
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, :])
+            plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, :])
+            plgpu.wait_smem_to_gmem(0)
 
-    def store(o_s, u_s):
-        o_s[...] = o.astype(o_dtype)
-        u_s[...] = u
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, :])
-        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, :])
-        plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(store, plgpu.SMEM((n, dv), o_dtype, transforms=_transforms(o_dtype)),
+                      plgpu.SMEM((n, dv), _F32, transforms=_transforms(_F32)))
 
-    pl.run_scoped(store, plgpu.SMEM((n, dv), o_dtype, transforms=_transforms(o_dtype)),
-                  plgpu.SMEM((n, dv), _F32, transforms=_transforms(_F32)))
+    pl.run_scoped(main, plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, hi
+                  plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, lo
+                  plgpu.SMEM((n, dv), _BF, transforms=_transforms(_BF)),  # X or U, hi
+                  plgpu.SMEM((n, dv), _BF, transforms=_transforms(_BF)))  # X or U, lo
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "interpret"))
@@ -174,16 +206,9 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
     valid = jnp.pad(tree.valid, ((0, 0), (0, pad)))
     anc = jnp.pad(tree.anc, ((0, 0), (0, pad), (0, pad)))
 
-    def unit(x):
-        x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + L2_EPS)
-
-    m = tree.valid[:, :, None, None]
-    kn = jnp.where(m, unit(k), 0.0)  # factor k (fp32)
-    qb = jnp.pad(jnp.where(m, unit(q) * scale, 0.0).astype(_BF),
-                 ((0, 0), (0, pad), (0, 0), (0, 0)))
-    kb = jnp.pad(kn.astype(_BF), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    vb = jnp.pad(v.astype(_BF), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
+    kb = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
+    vb = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
     gf = jnp.where(tree.valid[:, :, None], g.astype(_F32), 0.0)
     gamma = tree_gdn_ref.root_path_gamma(gf, tree.anc)  # [B, N, HV]
     gam_t = jnp.pad(jnp.moveaxis(gamma, 2, 1), ((0, 0), (0, 0), (0, pad)))  # [B, HV, NP]
@@ -193,13 +218,15 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
     # makes G, U and O NaN in the kernel (loud, as the Triton kernel's bound), at no extra pass.
     beta_t = jnp.where((tree.path_len > depth_bound)[:, None, None], jnp.nan, beta_t)
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
+
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
-        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype)
+        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
         out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
-                  jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32)),
+                  jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
+                  jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32)),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
@@ -208,18 +235,13 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
             plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # ancestor mask
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # gamma as row / column
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
-            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # -G or W, hi
-            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # -G or W, lo
-            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # X or U, hi
-            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # X or U, lo
             plgpu.Barrier(num_arrivals=8)],
         grid=(hv, bsz), grid_names=("h", "b"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    o, u = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
-                  state.astype(_F32))
+    o, u, kn = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
+                      state.astype(_F32))
     if pad:
-        o, u = o[:, :n], u[:, :n]
-    gamma = jnp.where(tree.valid[:, :, None], gamma, 0.0)
+        o, u, kn = o[:, :n], u[:, :n], kn[:, :n]
     return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
 
 
