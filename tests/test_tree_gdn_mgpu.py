@@ -23,14 +23,15 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("n,hk,hv,kinds,ragged", [
-    (64, 1, 2, ("random",), False),
-    (64, 2, 2, ("deep", "bushy"), True),
-    (16, 1, 3, ("star", "forest"), True),
-    (7, 1, 1, ("random", "deep"), True),
-    (1, 1, 2, ("random",), False),
+@pytest.mark.parametrize("n,hk,hv,kinds,ragged,block_v", [
+    (64, 1, 2, ("random",), False, 128),
+    (64, 2, 2, ("deep", "bushy"), True, 64),
+    (16, 1, 3, ("star", "forest"), True, 128),
+    (7, 1, 1, ("random", "deep"), True, 64),
+    (1, 1, 2, ("random",), False, 128),
+    (33, 2, 4, ("random",), True, 64),
 ])
-def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged):
+def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v):
     rng = np.random.default_rng(RUN_SEED)
     parents, num_nodes = random_trees(rng, 2, n, kinds, ragged=ragged)
     x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
@@ -42,8 +43,8 @@ def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged):
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
     depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
     o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, num_nodes, depth_bound=depth,
-                                              interpret=True)
-    msg = f"seed {RUN_SEED}"
+                                              block_v=block_v, interpret=True)
+    msg = f"seed {RUN_SEED} block_v {block_v}"
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, msg
     assert rel(o, o_ref) <= 1e-2, msg  # bf16 output rounding
     assert rel(f.u, f_ref.u) <= 1e-3, msg  # bf16 operands, hi/lo-split inverse
@@ -66,19 +67,22 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
         y = random_gdn_inputs(rng, 1, 8, 1, 1, 64, 128, jnp.bfloat16)
         tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
                                            y["state"], parents[:1], depth_bound=8)
+    with pytest.raises(ValueError, match="block_v"):
+        tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, block_v=32)
     with pytest.raises(ValueError, match="nodes"):
         y = random_gdn_inputs(rng, 1, 65, 1, 1, 128, 128, jnp.bfloat16)
         tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
                                            y["state"], np.arange(65)[None] - 1, depth_bound=8)
 
 
-def test_mgpu_verify_lowers_for_cuda():
+@pytest.mark.parametrize("block_v", [128, 64])
+def test_mgpu_verify_lowers_for_cuda(block_v):
     """Layout inference and the shared-memory budget are checked when lowering (no GPU needed)."""
     rng = np.random.default_rng(RUN_SEED)
     parents, _ = random_trees(rng, 2, 64, ("random",))
     x = random_gdn_inputs(rng, 2, 64, 1, 2, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
-    f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8,
+    f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8, block_v=block_v,
                                                               interpret=False))
     txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn_verify_mgpu" in txt or "mosaic_gpu" in txt

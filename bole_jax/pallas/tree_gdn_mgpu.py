@@ -2,11 +2,12 @@
 
 Not used by the engine. It is the first step of docs/NOTES.md "Next" (a verify with another
 structure than the Triton kernel of `tree_gdn.py`, which sits at 255 registers and two programs
-per SM): one program per (value head, request), one warpgroup, the operands moved by TMA straight
-from the caller's layouts (strided boxes: no transposes), every product a bf16 wgmma:
+per SM): one program per (value tile, value head, request), one warpgroup, the operands moved by
+TMA straight from the caller's layouts (strided boxes: no transposes), every product a bf16
+wgmma:
 
     K K^T, Q K^T                 [N, N]   (k read transposed from shared memory)
-    K S, Q S                     [N, dv]  (the fp32 state tile converted to bf16 in shared memory)
+    K S, Q S                     [N, bv]  (the fp32 state tile converted to bf16 in shared memory)
     (I + G)^-1 rhs               the finite Neumann series, depth_bound - 1 steps of -G @ X, each
                                  as three bf16 wgmmas of a hi / lo split (hi hi + hi lo + lo hi:
                                  ~16 mantissa bits, fp32-like, where one bf16 product loses u)
@@ -17,11 +18,12 @@ o [B, N, HV, dv] in v.dtype and TreeFactors(k, u, gamma). Exact for trees whose 
 is at most `depth_bound` nodes (G is nilpotent); deeper requests get NaN outputs, as the Triton
 kernel's static depth bound does.
 
-q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; the first value
-head of each key head writes the factor k. Limits of this first version: dk = dv = 128, N <= 64
-(padded to 64), the root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product),
-no pipelining across programs (~185 KiB of shared memory at the peak: one program per SM at a
-time).
+q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
+key head writes the factor k from registers. `block_v` 128 (one value tile per head: ~153 KiB of
+shared memory at the peak, one program per SM) or 64 (~97 KiB: two programs per SM, K K^T and
+Q K^T computed twice). Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), the
+root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
+across programs.
 
 Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
 scratch_types=)`, transposed shared-memory refs). Tests run it in Mosaic GPU interpret mode on the
@@ -75,26 +77,28 @@ def _split(x):
 
 def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
             q_s, k_s, v_s, sb_s, anc_s, gr_s, gc_s, br_s, vr_s, bar,
-            *, ratio, depth, o_dtype, scale):
-    n, dk, dv = NP, HEAD_DIM, HEAD_DIM
+            *, ratio, depth, o_dtype, scale, bv):
+    n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
+    t = lax.axis_index("t")
     h = lax.axis_index("h")
     b = lax.axis_index("b")
     hk = h // ratio
+    cols = pl.ds(t * bv, bv)  # this program's value columns
     # Every operand by TMA, straight from the caller's layouts. (A per-node vector is read
     # as a row and as a column vector: two copies, since one shared-memory buffer can only be
     # loaded in one layout.)
     plgpu.copy_gmem_to_smem(q_g.at[b, :, hk, :], q_s, bar)
     plgpu.copy_gmem_to_smem(k_g.at[b, :, hk, :], k_s, bar)
-    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, :], v_s, bar)
+    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar)
     plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, bar)
     plgpu.copy_gmem_to_smem(gam_g.at[b, h], gr_s, bar)
     plgpu.copy_gmem_to_smem(gam_g.at[b, h], gc_s, bar)
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], br_s, bar)
     plgpu.copy_gmem_to_smem(valid_g.at[b], vr_s, bar)
 
-    def rows_of(vec, cols):
-        return lax.broadcast_in_dim(vec, (n, cols), [0])
+    def rows_of(vec, width):
+        return lax.broadcast_in_dim(vec, (n, width), [0])
 
     def normalize(ref, factor, valid):
         """x * rsqrt(sum x^2 + eps) * factor per row, padding rows 0, back into `ref` (bf16)."""
@@ -104,27 +108,22 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         ref[...] = y.astype(_BF)
         return y
 
-    def prologue(s32_s, kf_s, sbar):
-        # The fp32 state tile (64 KiB) and the factor-k staging (32 KiB) live only here.
-        plgpu.copy_gmem_to_smem(s_g.at[b, h], s32_s, sbar)
+    def prologue(s32_s, sbar):  # the fp32 state tile lives only in this scope
+        plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
         plgpu.barrier_wait(bar)
         valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
         normalize(q_s, scale, valid)
         kn = normalize(k_s, 1.0, valid)
 
-        @pl.when(h % ratio == 0)  # one value head per key head writes the factor k
+        @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
         def _():
-            kf_s[...] = kn
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(kf_s, kf_g.at[b, :, hk, :])
+            kf_g.at[b, :, hk, :][...] = kn  # the factor k, from registers
 
         plgpu.barrier_wait(sbar)
         sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
         plgpu.commit_smem()
-        plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(prologue, plgpu.SMEM((dk, dv), _F32, transforms=_transforms(_F32)),
-                  plgpu.SMEM((n, dk), _F32, transforms=_transforms(_F32)),
+    pl.run_scoped(prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
                   plgpu.Barrier(num_arrivals=1))
 
     def mm(pairs, shape):
@@ -142,18 +141,18 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
         anc = plgpu.load(anc_s, layout=wg).astype(_F32)
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
-        cols = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
+        cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
         diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
         gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc  # exp(gamma_i - gamma_j) on anc*(i)
         kt = k_s.T
         kk = mm([(k_s, kt)], (n, n))
-        g_neg = jnp.where(rows > cols, -rows_of(b_row, n) * kk * gam, 0.0)
+        g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
 
-        ks = mm([(k_s, sb_s)], (n, dv))
-        p_rows = rows_of(jnp.exp(g_row), dv)
+        ks = mm([(k_s, sb_s)], (n, bv))
+        p_rows = rows_of(jnp.exp(g_row), bv)
         v = plgpu.load(v_s, layout=wg).astype(_F32)
-        v = jnp.where(rows_of(valid_row, dv) > 0, v, 0.0)  # padding rows (may hold garbage)
-        rhs = rows_of(b_row, dv) * (v - p_rows * ks)
+        v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
+        rhs = rows_of(b_row, bv) * (v - p_rows * ks)
 
         gh, gl = _split(g_neg)
         ah_s[...] = gh
@@ -164,7 +163,7 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
             xh_s[...] = xh
             xl_s[...] = xl
             plgpu.commit_smem()
-            x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
+            x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, bv))
             u = u + x
 
         qk = mm([(q_s, kt)], (n, n))
@@ -175,29 +174,30 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         xh_s[...] = uh
         xl_s[...] = ul
         plgpu.commit_smem()
-        qs = mm([(q_s, sb_s)], (n, dv))
-        wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, dv))
-        o = p_rows * qs + wu
+        qs = mm([(q_s, sb_s)], (n, bv))
+        wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, bv))
+        return p_rows * qs + wu, u
 
-        def store(o_s, u_s):
-            o_s[...] = o.astype(o_dtype)
-            u_s[...] = u
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, :])
-            plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, :])
-            plgpu.wait_smem_to_gmem(0)
+    o, u = pl.run_scoped(main, plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # hi
+                         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, lo
+                         plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF)),  # X or U, hi
+                         plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF)))  # X or U, lo
 
-        pl.run_scoped(store, plgpu.SMEM((n, dv), o_dtype, transforms=_transforms(o_dtype)),
-                      plgpu.SMEM((n, dv), _F32, transforms=_transforms(_F32)))
+    def store(o_s, u_s):  # (the inverse's buffers are free again: the same shared memory)
+        o_s[...] = o.astype(o_dtype)
+        u_s[...] = u
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
+        plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, cols])
+        plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(main, plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, hi
-                  plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, lo
-                  plgpu.SMEM((n, dv), _BF, transforms=_transforms(_BF)),  # X or U, hi
-                  plgpu.SMEM((n, dv), _BF, transforms=_transforms(_BF)))  # X or U, lo
+    pl.run_scoped(store, plgpu.SMEM((n, bv), o_dtype, transforms=_transforms(o_dtype)),
+                  plgpu.SMEM((n, bv), _F32, transforms=_transforms(_F32)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "interpret"))
-def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "interpret"))
+def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, block_v,
+            interpret):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -220,7 +220,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
-        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale)
+        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
+                bv=block_v)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
@@ -230,13 +231,13 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
-            plgpu.SMEM((NP, dv), _BF, transforms=_transforms(_BF)),  # v
-            plgpu.SMEM((dk, dv), _BF, transforms=_transforms(_BF)),  # S in bf16
+            plgpu.SMEM((NP, block_v), _BF, transforms=_transforms(_BF)),  # v
+            plgpu.SMEM((dk, block_v), _BF, transforms=_transforms(_BF)),  # S in bf16
             plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # ancestor mask
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # gamma as row / column
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
             plgpu.Barrier(num_arrivals=8)],
-        grid=(hv, bsz), grid_names=("h", "b"),
+        grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, u, kn = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
                       state.astype(_F32))
@@ -246,11 +247,14 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
-                         scale=None, tree: TreeStructure | None = None, interpret=None):
+                         scale=None, tree: TreeStructure | None = None, block_v: int = 128,
+                         interpret=None):
     """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
-    static int; deeper requests give NaN). interpret=None: interpret mode unless on a GPU."""
+    static int; deeper requests give NaN). block_v: value columns per program, 128 (one program
+    per SM: ~153 KiB of shared memory at the peak) or 64 (~97 KiB: two per SM; K K^T and Q K^T
+    are then computed twice). interpret=None: interpret mode unless on a GPU."""
     if not AVAILABLE:
         raise RuntimeError(UNAVAILABLE_REASON)
     bsz, n, hk, dk = q.shape
@@ -261,6 +265,8 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         raise ValueError(f"tree_gdn_verify_mgpu supports 1 to {NP} nodes, got {n}")
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    if block_v not in (64, 128):
+        raise ValueError(f"block_v must be 64 or 128, got {block_v}")
     if int(depth_bound) < 1:
         raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
     if interpret is None:
@@ -270,4 +276,5 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     if num_nodes is not None:
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
-                   depth_bound=int(depth_bound), interpret=bool(interpret))
+                   depth_bound=int(depth_bound), block_v=int(block_v),
+                   interpret=bool(interpret))
