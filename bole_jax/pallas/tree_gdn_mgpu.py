@@ -23,7 +23,7 @@ key head writes the factor k from registers. `block_v` 128 (one value tile per h
 shared memory at the peak, one program per SM) or 64 (~97 KiB: two programs per SM, K K^T and
 Q K^T computed twice). Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), the
 root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
-across programs.
+across programs, o rounded through bf16 whatever v's dtype (fp32 callers get bf16 precision).
 
 Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
 scratch_types=)`, transposed shared-memory refs). Tests run it in Mosaic GPU interpret mode on the
