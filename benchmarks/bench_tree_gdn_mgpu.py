@@ -3,10 +3,10 @@
 
 One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton
-verify (its auto launch) and the Mosaic one with 128- and 64-column value tiles, each checked on
-the device against the jnp closed form (fp32, HIGHEST), then timed with the same profiler timer
-(device time per call; the Mosaic call includes its XLA prologue: gamma, padding). Prints a
-table and writes <out>/bench_tree_gdn_mgpu.json.
+verify (its auto launch) and the Mosaic one (128- and 64-column value tiles, Neumann or squaring
+inverse), each checked on the device against the jnp closed form (fp32, HIGHEST), then timed
+with the same profiler timer (device time per call; the Mosaic call includes its XLA prologue:
+gamma, padding). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
 
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out DIR --B 1,16,64 --N 64
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out /tmp/x --cpu-dry-run   # no GPU
@@ -57,6 +57,11 @@ def bench_point(b, n, timer, seed, interpret):
             *a, parents, depth_bound=depth, tree=tree, interpret=interpret),
         "mgpu64": lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
             *a, parents, depth_bound=depth, tree=tree, block_v=64, interpret=interpret),
+        "mgpu_sq": lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
+            *a, parents, depth_bound=depth, tree=tree, inverse="squaring", interpret=interpret),
+        "mgpu64_sq": lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
+            *a, parents, depth_bound=depth, tree=tree, block_v=64, inverse="squaring",
+            interpret=interpret),
     }
     for name, fn in fns.items():
         entry = {}
@@ -104,14 +109,15 @@ def main(argv=None):
     points = [bench_point(b, n, timer, args.seed, interpret)
               for b in (int(x) for x in args.B.split(","))
               for n in (int(x) for x in args.N.split(","))]
-    print(f"\n{'B':>3} {'N':>3} | {'triton us':>9} {'mgpu us':>9} {'mgpu64 us':>9} "
-          f"{'best/triton':>11} | {'floor us':>8} {'best/floor':>10}")
+    variants = [k for k in points[0] if k.startswith("mgpu")]
+    print(f"\n{'B':>3} {'N':>3} | {'triton':>8} " + " ".join(f"{k:>9}" for k in variants)
+          + f" | {'best/triton':>11} {'floor':>6} {'best/floor':>10}   (us)")
     for p in points:
         t = p["triton"].get("us", float("nan"))
-        m, m64 = p["mgpu"].get("us", float("nan")), p["mgpu64"].get("us", float("nan"))
-        best = min(m, m64)
-        print(f"{p['B']:3d} {p['N']:3d} | {t:9.1f} {m:9.1f} {m64:9.1f} {best / t:10.2f}x | "
-              f"{p['floor_us']:8.1f} {best / p['floor_us']:9.1f}x")
+        us = [p[k].get("us", float("nan")) if p[k].get("ok") else float("nan") for k in variants]
+        best = min((x for x in us if x == x), default=float("nan"))
+        print(f"{p['B']:3d} {p['N']:3d} | {t:8.1f} " + " ".join(f"{x:9.1f}" for x in us)
+              + f" | {best / t:10.2f}x {p['floor_us']:6.1f} {best / p['floor_us']:9.1f}x")
     out = dict(command="python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
                git_commit=btg.git_commit(), device=str(jax.devices()[0].device_kind),
                platform=jax.default_backend(), jax_version=jax.__version__,
@@ -122,7 +128,8 @@ def main(argv=None):
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"wrote {path}")
-    bad = [p for p in points for k in ("triton", "mgpu", "mgpu64") if not p[k].get("ok")]
+    bad = [p for p in points for k in p if isinstance(p[k], dict) and "ok" in p[k]
+           and not p[k]["ok"]]
     if bad:
         raise SystemExit(1)
 

@@ -23,15 +23,18 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("n,hk,hv,kinds,ragged,block_v", [
-    (64, 1, 2, ("random",), False, 128),
-    (64, 2, 2, ("deep", "bushy"), True, 64),
-    (16, 1, 3, ("star", "forest"), True, 128),
-    (7, 1, 1, ("random", "deep"), True, 64),
-    (1, 1, 2, ("random",), False, 128),
-    (33, 2, 4, ("random",), True, 64),
+@pytest.mark.parametrize("n,hk,hv,kinds,ragged,block_v,inverse", [
+    (64, 1, 2, ("random",), False, 128, "neumann"),
+    (64, 2, 2, ("deep", "bushy"), True, 64, "neumann"),
+    (16, 1, 3, ("star", "forest"), True, 128, "neumann"),
+    (7, 1, 1, ("random", "deep"), True, 64, "neumann"),
+    (1, 1, 2, ("random",), False, 128, "neumann"),
+    (33, 2, 4, ("random",), True, 64, "neumann"),
+    (64, 1, 2, ("deep", "random"), True, 128, "squaring"),
+    (20, 1, 2, ("chain", "bushy"), True, 64, "squaring"),
+    (5, 1, 1, ("star",), False, 64, "squaring"),
 ])
-def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v):
+def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inverse):
     rng = np.random.default_rng(RUN_SEED)
     parents, num_nodes = random_trees(rng, 2, n, kinds, ragged=ragged)
     x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
@@ -43,8 +46,8 @@ def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v):
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
     depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
     o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, num_nodes, depth_bound=depth,
-                                              block_v=block_v, interpret=True)
-    msg = f"seed {RUN_SEED} block_v {block_v}"
+                                              block_v=block_v, inverse=inverse, interpret=True)
+    msg = f"seed {RUN_SEED} block_v {block_v} {inverse} depth {depth}"
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, msg
     assert rel(o, o_ref) <= 1e-2, msg  # bf16 output rounding
     assert rel(f.u, f_ref.u) <= 1e-3, msg  # bf16 operands, hi/lo-split inverse
@@ -59,30 +62,35 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
     parents = np.stack([np.arange(8) - 1, np.r_[-1, np.zeros(7, int)]]).astype(np.int32)
     x = random_gdn_inputs(rng, 2, 8, 1, 2, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
-    o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=2, interpret=True)
-    assert np.all(np.isnan(np.asarray(f.u[0]))), "a chain of 8 is deeper than the bound 2"
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents)
-    assert rel(f.u[1], f_ref.u[1]) <= 1e-3, "the star (2 levels) fits the bound"
+    for inverse in ("neumann", "squaring"):
+        o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=2, inverse=inverse,
+                                                  interpret=True)
+        assert np.all(np.isnan(np.asarray(f.u[0]))), "a chain of 8 is deeper than the bound 2"
+        assert rel(f.u[1], f_ref.u[1]) <= 1e-3, "the star (2 levels) fits the bound"
     with pytest.raises(ValueError, match="dk = dv"):
         y = random_gdn_inputs(rng, 1, 8, 1, 1, 64, 128, jnp.bfloat16)
         tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
                                            y["state"], parents[:1], depth_bound=8)
     with pytest.raises(ValueError, match="block_v"):
         tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, block_v=32)
+    with pytest.raises(ValueError, match="inverse"):
+        tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, inverse="solve")
     with pytest.raises(ValueError, match="nodes"):
         y = random_gdn_inputs(rng, 1, 65, 1, 1, 128, 128, jnp.bfloat16)
         tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
                                            y["state"], np.arange(65)[None] - 1, depth_bound=8)
 
 
-@pytest.mark.parametrize("block_v", [128, 64])
-def test_mgpu_verify_lowers_for_cuda(block_v):
+@pytest.mark.parametrize("block_v,inverse", [(128, "neumann"), (64, "neumann"),
+                                             (64, "squaring")])
+def test_mgpu_verify_lowers_for_cuda(block_v, inverse):
     """Layout inference and the shared-memory budget are checked when lowering (no GPU needed)."""
     rng = np.random.default_rng(RUN_SEED)
     parents, _ = random_trees(rng, 2, 64, ("random",))
     x = random_gdn_inputs(rng, 2, 64, 1, 2, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
     f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8, block_v=block_v,
-                                                              interpret=False))
+                                                              inverse=inverse, interpret=False))
     txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn_verify_mgpu" in txt or "mosaic_gpu" in txt

@@ -8,8 +8,9 @@ wgmma:
 
     K K^T, Q K^T                 [N, N]   (k read transposed from shared memory)
     K S, Q S                     [N, bv]  (the fp32 state tile converted to bf16 in shared memory)
-    (I + G)^-1 rhs               the finite Neumann series, depth_bound - 1 steps of -G @ X, each
-                                 as three bf16 wgmmas of a hi / lo split (hi hi + hi lo + lo hi:
+    (I + G)^-1 rhs               the finite Neumann series, depth_bound - 1 steps of -G @ X (or
+                                 by squaring: (I - G)(I + G^2)(I + G^4)...), each product as
+                                 three bf16 wgmmas of a hi / lo split (hi hi + hi lo + lo hi:
                                  ~16 mantissa bits, fp32-like, where one bf16 product loses u)
     (Q K^T * Gam) U              the same split
 
@@ -20,8 +21,8 @@ kernel's static depth bound does.
 
 q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
 key head writes the factor k from registers. `block_v` 128 (one value tile per head: ~153 KiB of
-shared memory at the peak, one program per SM) or 64 (~97 KiB: two programs per SM, K K^T and
-Q K^T computed twice). Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), the
+shared memory at the peak, one program per SM) or 64 (~97 KiB, 105 with the squaring inverse:
+two programs per SM, K K^T and Q K^T computed twice). Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), the
 root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
 across programs, o rounded through bf16 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -76,8 +77,8 @@ def _split(x):
 
 
 def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
-            q_s, k_s, v_s, sb_s, anc_s, gr_s, gc_s, br_s, vr_s, bar,
-            *, ratio, depth, o_dtype, scale, bv):
+            q_s, k_s, v_s, sb_s, gr_s, gc_s, br_s, vr_s, bar,
+            *, ratio, depth, o_dtype, scale, bv, inverse):
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     t = lax.axis_index("t")
@@ -91,7 +92,6 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
     plgpu.copy_gmem_to_smem(q_g.at[b, :, hk, :], q_s, bar)
     plgpu.copy_gmem_to_smem(k_g.at[b, :, hk, :], k_s, bar)
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar)
-    plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, bar)
     plgpu.copy_gmem_to_smem(gam_g.at[b, h], gr_s, bar)
     plgpu.copy_gmem_to_smem(gam_g.at[b, h], gc_s, bar)
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], br_s, bar)
@@ -108,8 +108,9 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         ref[...] = y.astype(_BF)
         return y
 
-    def prologue(s32_s, sbar):  # the fp32 state tile lives only in this scope
+    def prologue(s32_s, anc_s, sbar):  # the fp32 state tile and the mask live only here
         plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
+        plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
         plgpu.barrier_wait(bar)
         valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
         normalize(q_s, scale, valid)
@@ -122,9 +123,15 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         plgpu.barrier_wait(sbar)
         sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
         plgpu.commit_smem()
+        g_row = plgpu.load(gr_s, layout=wg.reduce(1))
+        g_col = plgpu.load(gc_s, layout=wg.reduce(0))
+        diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
+        anc = plgpu.load(anc_s, layout=wg).astype(_F32)
+        return jnp.exp(jnp.minimum(diff, 0.0)) * anc  # Gam: exp(gamma_i - gamma_j) on anc*(i)
 
-    pl.run_scoped(prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
-                  plgpu.Barrier(num_arrivals=1))
+    gam = pl.run_scoped(prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
+                        plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
+                        plgpu.Barrier(num_arrivals=2))
 
     def mm(pairs, shape):
         def run(acc):
@@ -134,16 +141,19 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
             return acc[...]
         return pl.run_scoped(run, plgpu.ACC(shape, _F32))
 
-    def main(ah_s, al_s, xh_s, xl_s):
+    def mm_split(a, c, shape):  # a, c: (hi, lo) buffer pairs; hi hi + hi lo + lo hi
+        return mm([(a[0], c[0]), (a[0], c[1]), (a[1], c[0])], shape)
+
+    def put(pair, value):
+        pair[0][...], pair[1][...] = _split(value)
+
+    def main(ah_s, al_s, xh_s, xl_s, *power):
+        a_pair, x_pair = (ah_s, al_s), (xh_s, xl_s)
         g_row = plgpu.load(gr_s, layout=wg.reduce(1))
-        g_col = plgpu.load(gc_s, layout=wg.reduce(0))
         b_row = plgpu.load(br_s, layout=wg.reduce(1))
         valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
-        anc = plgpu.load(anc_s, layout=wg).astype(_F32)
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
-        diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
-        gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc  # exp(gamma_i - gamma_j) on anc*(i)
         kt = k_s.T
         kk = mm([(k_s, kt)], (n, n))
         g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
@@ -154,34 +164,43 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
         rhs = rows_of(b_row, bv) * (v - p_rows * ks)
 
-        gh, gl = _split(g_neg)
-        ah_s[...] = gh
-        al_s[...] = gl
-        u = x = rhs
-        for _ in range(depth - 1):  # U = sum_m (-G)^m rhs
-            xh, xl = _split(x)
-            xh_s[...] = xh
-            xl_s[...] = xl
-            plgpu.commit_smem()
-            x = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, bv))
-            u = u + x
+        put(a_pair, g_neg)
+        if inverse == "neumann":  # U = sum_{m < depth} (-G)^m rhs: depth - 1 serial products
+            u = x = rhs
+            for _ in range(depth - 1):
+                put(x_pair, x)
+                plgpu.commit_smem()
+                x = mm_split(a_pair, x_pair, (n, bv))
+                u = u + x
+        else:  # squaring: U = (I + M)(I + M^2)(I + M^4)... rhs, M = -G, M^depth = 0
+            pairs = [a_pair, tuple(power)]
+            u, p_val = rhs, g_neg
+            factors = max(0, (depth - 1).bit_length())  # 2^factors >= depth
+            for i in range(factors):
+                put(x_pair, u)
+                plgpu.commit_smem()
+                u = u + mm_split(pairs[i % 2], x_pair, (n, bv))
+                if i + 1 < factors:  # the next power, off the [N, bv] chain. Its A operand
+                    # is a copy in the other pair: lowering refuses one buffer as both
+                    # operands, and interpret mode an A operand from registers.
+                    nxt = pairs[(i + 1) % 2]
+                    put(nxt, p_val)
+                    plgpu.commit_smem()
+                    p_val = mm_split(nxt, pairs[i % 2], (n, n))
+                    put(nxt, p_val)
 
         qk = mm([(q_s, kt)], (n, n))
-        wh, wl = _split(qk * gam)
-        ah_s[...] = wh
-        al_s[...] = wl
-        uh, ul = _split(u)
-        xh_s[...] = uh
-        xl_s[...] = ul
+        put(a_pair, qk * gam)
+        put(x_pair, u)
         plgpu.commit_smem()
         qs = mm([(q_s, sb_s)], (n, bv))
-        wu = mm([(ah_s, xh_s), (ah_s, xl_s), (al_s, xh_s)], (n, bv))
+        wu = mm_split(a_pair, x_pair, (n, bv))
         return p_rows * qs + wu, u
 
-    o, u = pl.run_scoped(main, plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # hi
-                         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),  # -G or W, lo
-                         plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF)),  # X or U, hi
-                         plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF)))  # X or U, lo
+    nn_pair = [plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF))] * 2  # -G / W, hi and lo
+    x_pair = [plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF))] * 2  # X / U, hi and lo
+    o, u = pl.run_scoped(main, *nn_pair, *x_pair,
+                         *(nn_pair if inverse == "squaring" else []))  # the powers of M
 
     def store(o_s, u_s):  # (the inverse's buffers are free again: the same shared memory)
         o_s[...] = o.astype(o_dtype)
@@ -195,9 +214,10 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
                   plgpu.SMEM((n, bv), _F32, transforms=_transforms(_F32)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
+                                             "interpret"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, block_v,
-            interpret):
+            inverse, interpret):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -221,7 +241,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v)
+                bv=block_v, inverse=inverse)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
@@ -233,10 +253,9 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
             plgpu.SMEM((NP, block_v), _BF, transforms=_transforms(_BF)),  # v
             plgpu.SMEM((dk, block_v), _BF, transforms=_transforms(_BF)),  # S in bf16
-            plgpu.SMEM((NP, NP), _BF, transforms=_transforms(_BF)),  # ancestor mask
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # gamma as row / column
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
-            plgpu.Barrier(num_arrivals=8)],
+            plgpu.Barrier(num_arrivals=7)],
         grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, u, kn = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
@@ -248,13 +267,16 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
-                         interpret=None):
+                         inverse: str = "neumann", interpret=None):
     """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
     static int; deeper requests give NaN). block_v: value columns per program, 128 (one program
     per SM: ~153 KiB of shared memory at the peak) or 64 (~97 KiB: two per SM; K K^T and Q K^T
-    are then computed twice). interpret=None: interpret mode unless on a GPU."""
+    are then computed twice). inverse: "neumann" (depth_bound - 1 serial [N, bv] products) or
+    "squaring" ((I - G)(I + G^2)(I + G^4)...: ceil(log2(depth_bound)) of them, the powers of G
+    as [N, N] products beside; 16 KiB more shared memory). interpret=None: interpret mode
+    unless on a GPU."""
     if not AVAILABLE:
         raise RuntimeError(UNAVAILABLE_REASON)
     bsz, n, hk, dk = q.shape
@@ -267,6 +289,8 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
     if block_v not in (64, 128):
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
+    if inverse not in ("neumann", "squaring"):
+        raise ValueError(f"inverse must be 'neumann' or 'squaring', got {inverse!r}")
     if int(depth_bound) < 1:
         raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
     if interpret is None:
@@ -276,5 +300,5 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     if num_nodes is not None:
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
-                   depth_bound=int(depth_bound), block_v=int(block_v),
+                   depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
                    interpret=bool(interpret))
