@@ -164,7 +164,7 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
 
     # PERNODE's commit: the accepted node's state out of a per-node scratch (8 nodes, the
     # default transposed "vk" layout).
-    scr = jnp.stack([jnp.swapaxes(s0, -1, -2)] * 8, axis=1)
+    scr = jnp.stack([tree_pernode.scratch_layout(s0, "vk")] * 8, axis=1)
     acc = jnp.full((b,), 5, jnp.int32)
     add("pernode_copy (8-node scratch)",
         time_in_place(lambda s, c: tree_pernode.commit_pernode_state(s, c, acc), states, scr,

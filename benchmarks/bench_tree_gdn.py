@@ -461,12 +461,13 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
                                                           backend="pallas", interpret=INTERPRET,
                                                           config=cfg)
             record(f"{tag} o", rel(o, o_seq), TOL["o"])
-            want = np.asarray(states)
-            if cfg.layout == "vk":
-                want = np.swapaxes(want, -1, -2)
+            want = np.asarray(tree_pernode.scratch_layout(states, cfg.layout))
             record(f"{tag} node states", rel(np.asarray(scratch)[mask], want[mask]),
                    TOL["state"])
             new = tree_pernode.commit_pernode_state(args[5], scratch, acc, cfg.layout)
+            slot = tree_pernode.scratch_layout(np.asarray(scratch)[np.arange(b), acc],
+                                               cfg.layout)  # back in the pool's layout
+            record(f"{tag} commit copy", rel(new, slot), TOL["copy"])
             record(f"{tag} commit vs sequential", rel(new, np.asarray(states)[np.arange(b), acc]),
                    TOL["state"])
         except Exception as e:  # noqa: BLE001
@@ -477,9 +478,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
         o, snaps = tree_pernode.chain_verify(*args, chain, num_nodes, backend="pallas",
                                              interpret=INTERPRET, config=pernode_cfgs[0])
         record("chain o", rel(o, o_c), TOL["o"])
-        st_c = np.asarray(st_c)
-        if pernode_cfgs[0].layout == "vk":
-            st_c = np.swapaxes(st_c, -1, -2)
+        st_c = np.asarray(tree_pernode.scratch_layout(st_c, pernode_cfgs[0].layout))
         record("chain snapshots", rel(np.asarray(snaps)[mask], st_c[mask]), TOL["state"])
     except Exception as e:  # noqa: BLE001
         record(f"chain raised {type(e).__name__}: {str(e)[:200]}", float("inf"), 0.0)

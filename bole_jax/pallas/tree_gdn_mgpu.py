@@ -175,7 +175,7 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         else:  # squaring: U = (I + M)(I + M^2)(I + M^4)... rhs, M = -G, M^depth = 0
             pairs = [a_pair, tuple(power)]
             u, p_val = rhs, g_neg
-            factors = max(0, (depth - 1).bit_length())  # 2^factors >= depth
+            factors = (depth - 1).bit_length()  # 2^factors >= depth
             for i in range(factors):
                 put(x_pair, u)
                 plgpu.commit_smem()

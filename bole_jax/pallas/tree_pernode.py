@@ -32,7 +32,8 @@ from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.tree_utils import L2_EPS, next_pow2, pad_axis, resolve_backend
 
 __all__ = ["PernodeConfig", "tree_pernode_verify", "chain_verify", "commit_pernode",
-           "commit_pernode_state", "commit_chain", "tree_pernode_conv", "commit_pernode_conv"]
+           "commit_pernode_state", "commit_chain", "scratch_layout", "tree_pernode_conv",
+           "commit_pernode_conv"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,12 @@ class PernodeConfig:
 
 
 LAYOUTS = ("vk", "kv")
+
+
+def scratch_layout(states, layout: str):
+    """Per-node states [..., dk, dv] (the pool's layout, the sequential reference's) in the
+    scratch's `layout`; the swap is its own inverse, so it also takes a "vk" slot back."""
+    return jnp.swapaxes(states, -1, -2) if layout == "vk" else states
 
 
 def _pernode_kernel(nn_ref, par_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, scr_ref,
@@ -204,9 +211,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpr
     if backend == "reference":
         o, states = tree_gdn_ref.tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes,
                                                      scale=scale)
-        if config.layout == "vk":
-            states = jnp.swapaxes(states, -1, -2)
-        return o.astype(v.dtype), states
+        return o.astype(v.dtype), scratch_layout(states, config.layout)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
     return _pernode_pallas(q, k, v, g, beta, state, jnp.asarray(parents, jnp.int32),
