@@ -207,7 +207,9 @@ _DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source cod
                   "TensorFlow Name Scope"}
 
 
-def _gpu_intervals(trace_dir: str) -> list[tuple[int, int]]:
+def _gpu_intervals(trace_dir: str, names: dict | None = None) -> list[tuple[int, int]]:
+    """Kernel (start, end) ns on the GPU streams; `names` (if given) collects each kernel
+    name's total ns."""
     from jax.profiler import ProfileData
 
     out = []
@@ -224,6 +226,8 @@ def _gpu_intervals(trace_dir: str) -> list[tuple[int, int]]:
                 for ev in ln.events:
                     if ev.duration_ns > 0:
                         out.append((int(ev.start_ns), int(ev.start_ns + ev.duration_ns)))
+                        if names is not None:
+                            names[ev.name] = names.get(ev.name, 0) + int(ev.duration_ns)
     return sorted(out)
 
 
@@ -275,7 +279,8 @@ class Timer:
                     jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
                 wall = (time.perf_counter() - t0) / self.reps * 1e6
                 jax.profiler.stop_trace()
-                busy, span = _per_call_busy(_gpu_intervals(d), self.reps)
+                names = {}
+                busy, span = _per_call_busy(_gpu_intervals(d, names), self.reps)
                 self.trace_overhead_s += time.perf_counter() - t_trace - wall * self.reps / 1e6
                 res["wall_blocked_us"] = wall
                 if busy:
@@ -283,7 +288,10 @@ class Timer:
                     # where the calls were split (a misplaced cut shows as a wide spread).
                     res.update(us=statistics.median(busy), span_us=statistics.median(span),
                                mean_us=sum(busy) / len(busy), timer="profile",
-                               spread_us=[min(busy), max(busy)])
+                               spread_us=[min(busy), max(busy)],
+                               # each kernel's mean us per call, longest first
+                               kernels_us={k[:80]: round(v / 1e3 / self.reps, 3) for k, v in
+                                           sorted(names.items(), key=lambda kv: -kv[1])[:8]})
                     return res
                 if self.mode == "profile":
                     raise RuntimeError("the profiler recorded no GPU kernel events")

@@ -81,6 +81,8 @@ def bench_point(b, n, timer, seed, interpret):
         print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', float('nan')):9.1f} us  "
               f"err o {entry.get('err_o', float('nan')):.1e} u {entry.get('err_u', float('nan')):.1e}"
               f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
+        for kname, kus in entry.get("kernels_us", {}).items():
+            print(f"      {kus:8.2f} us  {kname}", flush=True)
     fb = btg.floor_bytes(b, n)
     point["floor_us"] = fb / btg.REF_BW * 1e6
     return point
