@@ -22,8 +22,8 @@ kernel's static depth bound does.
 q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
 key head writes the factor k from registers. `block_v` 128 (one value tile per head: ~153 KiB of
 shared memory at the peak, one program per SM) or 64 (~97 KiB, 105 with the squaring inverse:
-two programs per SM, K K^T and Q K^T computed twice). Limits of this first version: dk = dv = 128, N <= 64 (padded to 64), the
-root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
+two programs per SM, K K^T and Q K^T computed twice). Limits of this first version: dk = dv =
+128, N <= 64 (padded to 64), the root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
 across programs, o rounded through bf16 whatever v's dtype (fp32 callers get bf16 precision).
 
 Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
@@ -62,6 +62,10 @@ except ImportError as e:  # pragma: no cover - a jax without Mosaic GPU
     AVAILABLE, UNAVAILABLE_REASON = False, f"no Mosaic GPU in this jax: {e}"
 
 _BF, _F32 = jnp.bfloat16, jnp.float32
+# The kernel's phases, as named regions: with `profile_dir` set, Mosaic GPU's in-kernel profiler
+# records each region's start and end per program (benchmarks/mgpu_trace.py reads the trace).
+_region = jax.named_scope
+PROFILE_SPACE = 32  # events per program (two per region entered)
 
 
 def _transforms(dtype):
@@ -111,23 +115,29 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
     def prologue(s32_s, anc_s, sbar):  # the fp32 state tile and the mask live only here
         plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
         plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
-        plgpu.barrier_wait(bar)
-        valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
-        normalize(q_s, scale, valid)
-        kn = normalize(k_s, 1.0, valid)
+        with _region("wait_qkv"):
+            plgpu.barrier_wait(bar)
+        with _region("normalize"):
+            valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
+            normalize(q_s, scale, valid)
+            kn = normalize(k_s, 1.0, valid)
 
         @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
         def _():
             kf_g.at[b, :, hk, :][...] = kn  # the factor k, from registers
 
-        plgpu.barrier_wait(sbar)
-        sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
-        plgpu.commit_smem()
-        g_row = plgpu.load(gr_s, layout=wg.reduce(1))
-        g_col = plgpu.load(gc_s, layout=wg.reduce(0))
-        diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
-        anc = plgpu.load(anc_s, layout=wg).astype(_F32)
-        return jnp.exp(jnp.minimum(diff, 0.0)) * anc  # Gam: exp(gamma_i - gamma_j) on anc*(i)
+        with _region("wait_state"):
+            plgpu.barrier_wait(sbar)
+        with _region("state_bf16"):
+            sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
+            plgpu.commit_smem()
+        with _region("gam"):
+            g_row = plgpu.load(gr_s, layout=wg.reduce(1))
+            g_col = plgpu.load(gc_s, layout=wg.reduce(0))
+            diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
+            anc = plgpu.load(anc_s, layout=wg).astype(_F32)
+            # Gam: exp(gamma_i - gamma_j) on anc*(i)
+            return jnp.exp(jnp.minimum(diff, 0.0)) * anc
 
     gam = pl.run_scoped(prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
                         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
@@ -155,53 +165,62 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
         kt = k_s.T
-        kk = mm([(k_s, kt)], (n, n))
-        g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
+        with _region("kk"):
+            kk = mm([(k_s, kt)], (n, n))
+            g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
 
-        ks = mm([(k_s, sb_s)], (n, bv))
-        p_rows = rows_of(jnp.exp(g_row), bv)
-        v = plgpu.load(v_s, layout=wg).astype(_F32)
-        v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
-        rhs = rows_of(b_row, bv) * (v - p_rows * ks)
+        with _region("ks_rhs"):
+            ks = mm([(k_s, sb_s)], (n, bv))
+            p_rows = rows_of(jnp.exp(g_row), bv)
+            v = plgpu.load(v_s, layout=wg).astype(_F32)
+            v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
+            rhs = rows_of(b_row, bv) * (v - p_rows * ks)
 
-        put(a_pair, g_neg)
-        if inverse == "neumann":  # U = sum_{m < depth} (-G)^m rhs: depth - 1 serial products
-            u = x = rhs
-            for _ in range(depth - 1):
-                put(x_pair, x)
-                plgpu.commit_smem()
-                x = mm_split(a_pair, x_pair, (n, bv))
-                u = u + x
-        else:  # squaring: U = (I + M)(I + M^2)(I + M^4)... rhs, M = -G, M^depth = 0
-            pairs = [a_pair, tuple(power)]
-            u, p_val = rhs, g_neg
-            factors = (depth - 1).bit_length()  # 2^factors >= depth
-            for i in range(factors):
-                put(x_pair, u)
-                plgpu.commit_smem()
-                u = u + mm_split(pairs[i % 2], x_pair, (n, bv))
-                if i + 1 < factors:  # the next power, off the [N, bv] chain. Its A operand
-                    # is a copy in the other pair: lowering refuses one buffer as both
-                    # operands, and interpret mode an A operand from registers.
-                    nxt = pairs[(i + 1) % 2]
-                    put(nxt, p_val)
+        @_region("inverse")
+        def solve(rhs):
+            put(a_pair, g_neg)
+            if inverse == "neumann":  # U = sum_{m < depth} (-G)^m rhs: depth - 1 serial products
+                u = x = rhs
+                for _ in range(depth - 1):
+                    put(x_pair, x)
                     plgpu.commit_smem()
-                    p_val = mm_split(nxt, pairs[i % 2], (n, n))
-                    put(nxt, p_val)
+                    x = mm_split(a_pair, x_pair, (n, bv))
+                    u = u + x
+            else:  # squaring: U = (I + M)(I + M^2)(I + M^4)... rhs, M = -G, M^depth = 0
+                pairs = [a_pair, tuple(power)]
+                u, p_val = rhs, g_neg
+                factors = (depth - 1).bit_length()  # 2^factors >= depth
+                for i in range(factors):
+                    put(x_pair, u)
+                    plgpu.commit_smem()
+                    u = u + mm_split(pairs[i % 2], x_pair, (n, bv))
+                    if i + 1 < factors:  # the next power, off the [N, bv] chain. Its A operand
+                        # is a copy in the other pair: lowering refuses one buffer as both
+                        # operands, and interpret mode an A operand from registers.
+                        nxt = pairs[(i + 1) % 2]
+                        put(nxt, p_val)
+                        plgpu.commit_smem()
+                        p_val = mm_split(nxt, pairs[i % 2], (n, n))
+                        put(nxt, p_val)
 
-        qk = mm([(q_s, kt)], (n, n))
-        put(a_pair, qk * gam)
-        put(x_pair, u)
-        plgpu.commit_smem()
-        qs = mm([(q_s, sb_s)], (n, bv))
-        wu = mm_split(a_pair, x_pair, (n, bv))
-        return p_rows * qs + wu, u
+            return u
+
+        u = solve(rhs)
+        with _region("output"):
+            qk = mm([(q_s, kt)], (n, n))
+            put(a_pair, qk * gam)
+            put(x_pair, u)
+            plgpu.commit_smem()
+            qs = mm([(q_s, sb_s)], (n, bv))
+            wu = mm_split(a_pair, x_pair, (n, bv))
+            return p_rows * qs + wu, u
 
     nn_pair = [plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF))] * 2  # -G / W, hi and lo
     x_pair = [plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF))] * 2  # X / U, hi and lo
     o, u = pl.run_scoped(main, *nn_pair, *x_pair,
                          *(nn_pair if inverse == "squaring" else []))  # the powers of M
 
+    @_region("store")
     def store(o_s, u_s):  # (the inverse's buffers are free again: the same shared memory)
         o_s[...] = o.astype(o_dtype)
         u_s[...] = u
@@ -215,9 +234,9 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "interpret"))
+                                             "interpret", "profile_dir"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, block_v,
-            inverse, interpret):
+            inverse, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -257,6 +276,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
             plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
             plgpu.Barrier(num_arrivals=7)],
         grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
+        compiler_params=(plgpu.CompilerParams(profile_space=PROFILE_SPACE,
+                                              profile_dir=profile_dir) if profile_dir else None),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     o, u, kn = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
                       state.astype(_F32))
@@ -267,7 +288,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
-                         inverse: str = "neumann", interpret=None):
+                         inverse: str = "neumann", interpret=None,
+                         profile_dir: str | None = None):
     """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
@@ -276,7 +298,9 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     are then computed twice). inverse: "neumann" (depth_bound - 1 serial [N, bv] products) or
     "squaring" ((I - G)(I + G^2)(I + G^4)...: ceil(log2(depth_bound)) of them, the powers of G
     as [N, N] products beside; 16 KiB more shared memory). interpret=None: interpret mode
-    unless on a GPU."""
+    unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
+    in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
+    (GPU only; benchmarks/mgpu_trace.py summarises it)."""
     if not AVAILABLE:
         raise RuntimeError(UNAVAILABLE_REASON)
     bsz, n, hk, dk = q.shape
@@ -301,4 +325,4 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   interpret=bool(interpret))
+                   interpret=bool(interpret), profile_dir=None if interpret else profile_dir)
