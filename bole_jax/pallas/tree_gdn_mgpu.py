@@ -65,7 +65,7 @@ _BF, _F32 = jnp.bfloat16, jnp.float32
 # The kernel's phases, as named regions: with `profile_dir` set, Mosaic GPU's in-kernel profiler
 # records each region's start and end per program (benchmarks/mgpu_trace.py reads the trace).
 _region = jax.named_scope
-PROFILE_SPACE = 32  # events per program (two per region entered)
+PROFILE_SPACE = 96  # regions entered per program
 
 
 def _transforms(dtype):
@@ -143,6 +143,7 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
                         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
                         plgpu.Barrier(num_arrivals=2))
 
+    @_region("mm")
     def mm(pairs, shape):
         def run(acc):
             for a, c in pairs:
@@ -154,6 +155,7 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
     def mm_split(a, c, shape):  # a, c: (hi, lo) buffer pairs; hi hi + hi lo + lo hi
         return mm([(a[0], c[0]), (a[0], c[1]), (a[1], c[0])], shape)
 
+    @_region("put")
     def put(pair, value):
         pair[0][...], pair[1][...] = _split(value)
 
