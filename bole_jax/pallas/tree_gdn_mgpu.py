@@ -144,16 +144,27 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
                         plgpu.Barrier(num_arrivals=2))
 
     @_region("mm")
-    def mm(pairs, shape):
-        def run(acc):
-            for a, c in pairs:
-                plgpu.wgmma(acc, a, c)
+    def mms(*jobs):
+        """Independent products, each (pairs, shape): every wgmma issued, then one wait."""
+        def run(*accs):
+            for (pairs, _), acc in zip(jobs, accs):
+                for a, c in pairs:
+                    plgpu.wgmma(acc, a, c)
             plgpu.wgmma_wait(0)
-            return acc[...]
-        return pl.run_scoped(run, plgpu.ACC(shape, _F32))
+            # The barrier ties the accumulators' registers to after the wait. Without it LLVM
+            # hoisted a use of them (a negation) above the wait, and ptxas then serialised
+            # every wgmma of the kernel (its warning C7514; session 12's first GPU profile).
+            return lax.optimization_barrier(tuple(acc[...] for acc in accs))
+        return pl.run_scoped(run, *(plgpu.ACC(shape, _F32) for _, shape in jobs))
 
-    def mm_split(a, c, shape):  # a, c: (hi, lo) buffer pairs; hi hi + hi lo + lo hi
-        return mm([(a[0], c[0]), (a[0], c[1]), (a[1], c[0])], shape)
+    def mm(pairs, shape):
+        return mms((pairs, shape))[0]
+
+    def split_pairs(a, c):  # a, c: (hi, lo) buffer pairs; hi hi + hi lo + lo hi
+        return [(a[0], c[0]), (a[0], c[1]), (a[1], c[0])]
+
+    def mm_split(a, c, shape):
+        return mm(split_pairs(a, c), shape)
 
     @_region("put")
     def put(pair, value):
@@ -167,12 +178,9 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
         kt = k_s.T
-        with _region("kk"):
-            kk = mm([(k_s, kt)], (n, n))
+        with _region("kk_ks"):
+            kk, ks = mms(([(k_s, kt)], (n, n)), ([(k_s, sb_s)], (n, bv)))
             g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
-
-        with _region("ks_rhs"):
-            ks = mm([(k_s, sb_s)], (n, bv))
             p_rows = rows_of(jnp.exp(g_row), bv)
             v = plgpu.load(v_s, layout=wg).astype(_F32)
             v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
@@ -194,26 +202,29 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
                 factors = (depth - 1).bit_length()  # 2^factors >= depth
                 for i in range(factors):
                     put(x_pair, u)
-                    plgpu.commit_smem()
-                    u = u + mm_split(pairs[i % 2], x_pair, (n, bv))
-                    if i + 1 < factors:  # the next power, off the [N, bv] chain. Its A operand
-                        # is a copy in the other pair: lowering refuses one buffer as both
-                        # operands, and interpret mode an A operand from registers.
+                    jobs = [(split_pairs(pairs[i % 2], x_pair), (n, bv))]
+                    if i + 1 < factors:  # the next power, issued beside the [N, bv] product.
+                        # Its A operand is a copy in the other pair: lowering refuses one
+                        # buffer as both operands, and interpret mode an A operand from
+                        # registers.
                         nxt = pairs[(i + 1) % 2]
                         put(nxt, p_val)
-                        plgpu.commit_smem()
-                        p_val = mm_split(nxt, pairs[i % 2], (n, n))
+                        jobs.append((split_pairs(nxt, pairs[i % 2]), (n, n)))
+                    plgpu.commit_smem()
+                    res = mms(*jobs)
+                    u = u + res[0]
+                    if i + 1 < factors:
+                        p_val = res[1]
                         put(nxt, p_val)
 
             return u
 
         u = solve(rhs)
         with _region("output"):
-            qk = mm([(q_s, kt)], (n, n))
+            qk, qs = mms(([(q_s, kt)], (n, n)), ([(q_s, sb_s)], (n, bv)))
             put(a_pair, qk * gam)
             put(x_pair, u)
             plgpu.commit_smem()
-            qs = mm([(q_s, sb_s)], (n, bv))
             wu = mm_split(a_pair, x_pair, (n, bv))
             return p_rows * qs + wu, u
 
