@@ -132,6 +132,26 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
                      sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32))
 
 
+def _lower_pernode(b: int, n: int, cfg):
+    """As `_lower`, for the TREE-PERNODE baseline's verify (`tree_pernode.tree_pernode_verify`)
+    with the PernodeConfig `cfg`."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench_tree_gdn import DK, DV, HK, HV
+    from bole_jax.pallas import tree_pernode
+
+    sd = jax.ShapeDtypeStruct
+    q, v = sd((b, n, HK, DK), jnp.bfloat16), sd((b, n, HV, DV), jnp.bfloat16)
+    g, state = sd((b, n, HV), jnp.float32), sd((b, HV, DK, DV), jnp.float32)
+
+    def f(q, k, v, g, beta, s, parents):
+        return tree_pernode.tree_pernode_verify(q, k, v, g, beta, s, parents, backend="pallas",
+                                                interpret=False, config=cfg)
+
+    return _lower_fn(f, q, q, v, g, g, state, sd((b, n), jnp.int32))
+
+
 def _lower_fn(f, *args):
     """Lower f(*args) for cuda with every pallas_call of tree_gdn printing its Triton module:
     (module texts, launches: each one's grid and its operands' and outputs' [shape, dtype] in
@@ -300,10 +320,10 @@ def main(argv=None):
                     help="a Python with Triton installed (e.g. a venv with triton==3.6)")
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--N", type=int, default=64)
-    ap.add_argument("--kernel", choices=("verify", "commit"), default="verify")
+    ap.add_argument("--kernel", choices=("verify", "commit", "pernode"), default="verify")
     ap.add_argument("--config", default="{}",
                     help="TreeGDNConfig fields as JSON (--kernel commit: block_v, num_warps, "
-                         "fold)")
+                         "fold; --kernel pernode: PernodeConfig fields)")
     ap.add_argument("--pending", action="store_true", help="the lazy-commit (folding) variant")
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
     ap.add_argument("--lineinfo", action="store_true",
@@ -313,8 +333,12 @@ def main(argv=None):
                          "cubin_launch.py copies bole_jax/pallas/tree_gdn.py")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig
+    from bole_jax.pallas.tree_pernode import PernodeConfig
     try:
-        if args.kernel == "commit":
+        if args.kernel == "pernode":
+            cfg = PernodeConfig(**json.loads(args.config))
+            num_warps, num_stages, stem = cfg.num_warps, cfg.num_stages, "tree_pernode_verify"
+        elif args.kernel == "commit":
             cfg = commit_config(json.loads(args.config))
             num_warps, num_stages, stem = cfg["num_warps"], 1, "bole_commit_state"
         else:
@@ -323,7 +347,7 @@ def main(argv=None):
             num_stages, stem = cfg.num_stages, "bole_tree_gdn"
     except (TypeError, ValueError) as e:
         ap.error(f"--config: {e}")
-    if args.kernel == "commit" and args.pending:
+    if args.kernel != "verify" and args.pending:
         ap.error("--pending is a verify variant")
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
@@ -332,6 +356,8 @@ def main(argv=None):
         _attribute_helpers_to_callers()
     if args.kernel == "commit":
         modules, launches = _lower_commit(args.B, args.N, cfg)
+    elif args.kernel == "pernode":
+        modules, launches = _lower_pernode(args.B, args.N, cfg)
     else:
         modules, launches = _lower(args.B, args.N, cfg, args.pending)
     for i, (module, launch) in enumerate(zip(modules, launches)):
@@ -344,7 +370,7 @@ def main(argv=None):
                         kind=args.kernel, num_warps=num_warps, num_stages=num_stages,
                         shared=shared, params=params, scratch_bytes=scratch, B=args.B, N=args.N,
                         pending=args.pending,
-                        config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
+                        config=(cfg if args.kernel == "commit" else dataclasses.asdict(cfg)),
                         lineinfo=args.lineinfo, **launch)
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(manifest, f, indent=1)

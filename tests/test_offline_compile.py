@@ -26,6 +26,24 @@ def test_triton_module_text_without_locations():
     assert text.count("tt.dot") >= 8  # K K^T, Q K^T, 2 x inverse steps, K S, Q S, T rhs, output
 
 
+def test_pernode_module_lowers_with_its_launch():
+    """`--kernel pernode`: the baseline's verify lowered for cuda, one module, its launch
+    record the scratch [B, N, HV, dv, dk] ("vk") among the outputs; the held committed tile
+    changes the module (the offline compile reads its register cost)."""
+    from bole_jax.pallas.tree_pernode import PernodeConfig
+
+    texts = {}
+    for hold in (True, False):
+        cfg = PernodeConfig(block_v=16, num_warps=1, num_stages=2, hold_root=hold)
+        (raw,), (launch,) = offline_compile._lower_pernode(2, 8, cfg)
+        text = offline_compile.strip_locations(raw)
+        assert text.startswith("module @tree_pernode_verify") and "#loc" not in text
+        assert launch["grid"] == [128 // 16, 32, 2]
+        assert [[2, 8, 32, 128, 128], "float32"] in launch["outputs"]
+        texts[hold] = text
+    assert texts[True] != texts[False]
+
+
 def test_launch_operands_match_the_lowered_kernel():
     """cubin_launch.py's contract: the operands rebuilt eagerly on the CPU
     (`kernel_operands`) have the shapes and dtypes, in order, of the lowered kernel's

@@ -1,0 +1,53 @@
+"""benchmarks/mgpu_trace.py: the per-region summary of a Mosaic GPU in-kernel profile (the
+profile itself needs a GPU; its Chrome-trace format is what the summary reads)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import mgpu_trace  # noqa: E402
+
+
+def _program(rng, sm, tid, t0):
+    """One program's events: an outer region with two nested ones, then a tail region; returns
+    (events, {region: duration})."""
+    d = {k: float(rng.uniform(0.5, 3.0)) for k in ("mm", "put", "store")}
+    gap = float(rng.uniform(0.0, 0.5))
+    outer = d["mm"] + gap + d["put"]
+    times = [("inverse", "B", t0), ("mm", "B", t0), ("mm", "E", t0 + d["mm"]),
+             ("put", "B", t0 + d["mm"] + gap), ("put", "E", t0 + outer),
+             ("inverse", "E", t0 + outer), ("store", "B", t0 + outer),
+             ("store", "E", t0 + outer + d["store"])]
+    evs = [dict(name=n, ph=ph, ts=t, pid=sm, tid=tid) for n, ph, t in times]
+    return evs, dict(d, inverse=outer), outer + d["store"]
+
+
+def test_summary_of_nested_regions_over_programs():
+    rng = np.random.default_rng()
+    events, durs, totals, starts = [], [], [], []
+    for p in range(5):  # SMs 1, 2, 1, 2, 1: three programs on SM 1
+        t0 = float(rng.uniform(0, 10))
+        evs, d, total = _program(rng, 1 + p % 2, p + 1, t0)
+        events += evs
+        durs.append(d)
+        totals.append(total)
+        starts.append(t0)
+    s = mgpu_trace.summarize({"traceEvents": events})
+    assert s["programs"] == 5 and s["sms"] == 2 and s["max_programs_per_sm"] == 3
+    assert s["program_us"]["mean"] == pytest.approx(np.mean(totals))
+    assert s["program_us"]["max"] == pytest.approx(max(totals))
+    ends = [a + b for a, b in zip(starts, totals)]
+    assert s["span_us"] == pytest.approx(max(ends) - min(starts))
+    for name in ("inverse", "mm", "put", "store"):
+        got = s["regions"][name]
+        vals = [d[name] for d in durs]
+        assert got["count"] == 5
+        assert got["mean"] == pytest.approx(np.mean(vals))
+        assert got["median"] == pytest.approx(np.median(vals))
+        assert got["share"] == pytest.approx(np.mean(vals) / np.mean(totals))
+    # the two top-level regions tile each program: their shares add to one
+    assert s["regions"]["inverse"]["share"] + s["regions"]["store"]["share"] == pytest.approx(1.0)
