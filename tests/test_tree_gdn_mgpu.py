@@ -33,6 +33,7 @@ def rel(a, b):
     (64, 1, 2, ("deep", "random"), True, 128, "squaring"),
     (20, 1, 2, ("chain", "bushy"), True, 64, "squaring"),
     (5, 1, 1, ("star",), False, 64, "squaring"),
+    (33, 4, 12, ("random", "bushy"), True, 64, "squaring"),  # gates in two 8-head boxes
 ])
 def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inverse):
     rng = np.random.default_rng(RUN_SEED)
@@ -42,7 +43,8 @@ def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inve
     if ragged:  # garbage in padding nodes must not leak
         pad = np.arange(n)[None, :] >= num_nodes[:, None]
         args = (args[0], args[1], jnp.where(pad[:, :, None, None], jnp.inf, args[2]),
-                *args[3:])
+                jnp.where(pad[:, :, None], -jnp.inf, args[3]),
+                jnp.where(pad[:, :, None], jnp.inf, args[4]), args[5])
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
     depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
     o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, num_nodes, depth_bound=depth,

@@ -20,11 +20,14 @@ is at most `depth_bound` nodes (G is nilpotent); deeper requests get NaN outputs
 kernel's static depth bound does.
 
 q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
-key head writes the factor k from registers. `block_v` 128 (one value tile per head: ~153 KiB of
-shared memory at the peak, one program per SM) or 64 (~97 KiB, 105 with the squaring inverse:
-two programs per SM, K K^T and Q K^T computed twice). Limits of this first version: dk = dv =
-128, N <= 64 (padded to 64), the root-path gamma in XLA before the launch (a [B, N, N] x [B, N, HV] product), no pipelining
-across programs, o rounded through bf16 whatever v's dtype (fp32 callers get bf16 precision).
+key head writes the factor k from registers. `block_v` 128 (one value tile per head: 161 KiB of
+shared memory by Pallas's estimate, one program per SM) or 64 (105 KiB with either inverse:
+two programs per SM, K K^T and Q K^T computed twice). The gates come in as the caller holds
+them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
+root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
+XLA work around it is padding (N < 64, or HV not a multiple of 8). Limits of this version:
+dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
+whatever v's dtype (fp32 callers get bf16 precision).
 
 Versions: written for jax >= 0.11 (the GPU image's 0.11.2: `plgpu.kernel(out_type=,
 scratch_types=)`, transposed shared-memory refs). Tests run it in Mosaic GPU interpret mode on the
@@ -41,12 +44,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bole_jax.pallas import tree_gdn_ref
 from bole_jax.pallas.tree_utils import L2_EPS, TreeFactors, TreeStructure, tree_structure
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 
 NP = 64  # nodes per program (one wgmma M block); trees of up to NP nodes
+GATE_BOX = 8  # value heads per TMA box of the gates (32 bytes of fp32)
 HEAD_DIM = 128
 
 try:  # jax >= 0.11: the API this kernel is written against
@@ -68,10 +71,12 @@ _region = jax.named_scope
 PROFILE_SPACE = 96  # regions entered per program
 
 
-def _transforms(dtype):
-    """128-byte swizzle with the matching tile, the layout wgmma and TMA both take."""
-    per_row = 128 // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, per_row)), plgpu.SwizzleTransform(128))
+def _transforms(dtype, per_row=None):
+    """The swizzle of a row of `per_row` elements (128 bytes by default) with the matching
+    tile, the layout wgmma and TMA both take."""
+    per_row = per_row or 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, per_row)),
+            plgpu.SwizzleTransform(per_row * jnp.dtype(dtype).itemsize))
 
 
 def _split(x):
@@ -80,8 +85,8 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
-            q_s, k_s, v_s, sb_s, gr_s, gc_s, br_s, vr_s, bar,
+def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam_out_g,
+            q_s, k_s, v_s, sb_s, vr_s, bar,
             *, ratio, depth, o_dtype, scale, bv, inverse):
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
@@ -96,10 +101,7 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
     plgpu.copy_gmem_to_smem(q_g.at[b, :, hk, :], q_s, bar)
     plgpu.copy_gmem_to_smem(k_g.at[b, :, hk, :], k_s, bar)
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar)
-    plgpu.copy_gmem_to_smem(gam_g.at[b, h], gr_s, bar)
-    plgpu.copy_gmem_to_smem(gam_g.at[b, h], gc_s, bar)
-    plgpu.copy_gmem_to_smem(beta_g.at[b, h], br_s, bar)
-    plgpu.copy_gmem_to_smem(valid_g.at[b], vr_s, bar)
+    plgpu.copy_gmem_to_smem(vflag_g.at[b], vr_s, bar)
 
     def rows_of(vec, width):
         return lax.broadcast_in_dim(vec, (n, width), [0])
@@ -112,7 +114,13 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
         ref[...] = y.astype(_BF)
         return y
 
-    def prologue(s32_s, anc_s, sbar):  # the fp32 state tile and the mask live only here
+    def prologue(s32_s, anc_s, g8_s, b8_s, gv_s, gc_s, sbar):
+        # (the fp32 state tile, the mask and the gates live only here)
+        # The gates: the 8-head box holding this head (TMA needs a contiguous inner extent; 32
+        # bytes here), its column picked in registers.
+        heads8 = pl.ds((h // GATE_BOX) * GATE_BOX, GATE_BOX)
+        plgpu.copy_gmem_to_smem(g_g.at[b, :, heads8], g8_s, bar)
+        plgpu.copy_gmem_to_smem(beta_g.at[b, :, heads8], b8_s, bar)
         plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
         plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
         with _region("wait_qkv"):
@@ -132,16 +140,42 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
             sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
             plgpu.commit_smem()
         with _region("gam"):
-            g_row = plgpu.load(gr_s, layout=wg.reduce(1))
-            g_col = plgpu.load(gc_s, layout=wg.reduce(0))
-            diff = rows_of(g_row, n) - lax.broadcast_in_dim(g_col, (n, n), [1])
-            anc = plgpu.load(anc_s, layout=wg).astype(_F32)
-            # Gam: exp(gamma_i - gamma_j) on anc*(i)
-            return jnp.exp(jnp.minimum(diff, 0.0)) * anc
+            # vflag: 1 a node, 0 padding, NaN every row of a request deeper than the bound
+            vflag = plgpu.load(vr_s, layout=wg.reduce(1))
+            live = vflag != 0
+            box_cols = plgpu.broadcasted_iota(jnp.int32, (n, GATE_BOX), 1, layout=wg)
 
-    gam = pl.run_scoped(prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
-                        plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
-                        plgpu.Barrier(num_arrivals=2))
+            def column(ref):  # this head's gate per node, row-indexed
+                x = plgpu.load(ref, layout=wg)
+                return jnp.sum(jnp.where(box_cols == h % GATE_BOX, x, 0.0), axis=1)
+
+            g_node = jnp.where(live, column(g8_s), 0.0)  # (padding may hold inf)
+            # A request deeper than the static bound would come out silently wrong: its beta
+            # rows NaN make G, U and O NaN (loud, as the Triton kernel's bound).
+            b_row = jnp.where(live, column(b8_s) * vflag, 0.0)
+            # gamma_i = sum_j anc[i, j] g_j: the root-path cumulative gate. g and gamma are
+            # re-read from shared memory as column vectors.
+            gv_s[...] = g_node
+            anc = plgpu.load(anc_s, layout=wg).astype(_F32)
+            g_col = plgpu.load(gv_s, layout=wg.reduce(0))
+            g_row = jnp.sum(anc * lax.broadcast_in_dim(g_col, (n, n), [1]), axis=1)
+            gc_s[...] = g_row
+
+            @pl.when(t == 0)  # the factor gamma, one program per value head
+            def _():
+                gam_out_g.at[b, :, h][...] = g_row
+
+            gamma_col = plgpu.load(gc_s, layout=wg.reduce(0))
+            diff = rows_of(g_row, n) - lax.broadcast_in_dim(gamma_col, (n, n), [1])
+            # Gam: exp(gamma_i - gamma_j) on anc*(i)
+            return jnp.exp(jnp.minimum(diff, 0.0)) * anc, g_row, b_row
+
+    gam, g_row, b_row = pl.run_scoped(
+        prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
+        plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
+        *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
+        plgpu.SMEM((n,), _F32), plgpu.SMEM((n,), _F32),  # g, gamma as column vectors
+        plgpu.Barrier(num_arrivals=2))
 
     @_region("mm")
     def mms(*jobs):
@@ -172,8 +206,6 @@ def _kernel(q_g, k_g, v_g, gam_g, beta_g, valid_g, anc_g, s_g, o_g, u_g, kf_g,
 
     def main(ah_s, al_s, xh_s, xl_s, *power):
         a_pair, x_pair = (ah_s, al_s), (xh_s, xl_s)
-        g_row = plgpu.load(gr_s, layout=wg.reduce(1))
-        b_row = plgpu.load(br_s, layout=wg.reduce(1))
         valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
@@ -261,14 +293,12 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
     qb = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
     kb = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
     vb = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(_BF)
-    gf = jnp.where(tree.valid[:, :, None], g.astype(_F32), 0.0)
-    gamma = tree_gdn_ref.root_path_gamma(gf, tree.anc)  # [B, N, HV]
-    gam_t = jnp.pad(jnp.moveaxis(gamma, 2, 1), ((0, 0), (0, 0), (0, pad)))  # [B, HV, NP]
-    beta_t = jnp.pad(jnp.moveaxis(jnp.where(tree.valid[:, :, None], beta.astype(_F32), 0.0),
-                                  2, 1), ((0, 0), (0, 0), (0, pad)))
-    # A request deeper than the static bound would come out silently wrong: its beta row NaN
-    # makes G, U and O NaN in the kernel (loud, as the Triton kernel's bound), at no extra pass.
-    beta_t = jnp.where((tree.path_len > depth_bound)[:, None, None], jnp.nan, beta_t)
+    # The gates as the caller holds them ([B, N, HV]; padded only for N < 64 or HV not a
+    # multiple of the 8-head box); masking, gamma and the depth guard are in the kernel.
+    hvp = -(-hv // GATE_BOX) * GATE_BOX
+    gp = jnp.pad(g.astype(_F32), ((0, 0), (0, pad), (0, hvp - hv)))
+    bp = jnp.pad(beta.astype(_F32), ((0, 0), (0, pad), (0, hvp - hv)))
+    vflag = jnp.where((tree.path_len > depth_bound)[:, None], jnp.nan, valid.astype(_F32))
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
@@ -279,23 +309,24 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
         bole_tree_gdn_verify_mgpu,
         out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
                   jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32)),
+                  jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32),
+                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32)),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
             plgpu.SMEM((NP, block_v), _BF, transforms=_transforms(_BF)),  # v
             plgpu.SMEM((dk, block_v), _BF, transforms=_transforms(_BF)),  # S in bf16
-            plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # gamma as row / column
-            plgpu.SMEM((NP,), _F32), plgpu.SMEM((NP,), _F32),  # beta, valid
-            plgpu.Barrier(num_arrivals=7)],
+            plgpu.SMEM((NP,), _F32),  # vflag
+            plgpu.Barrier(num_arrivals=6)],
         grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
         compiler_params=(plgpu.CompilerParams(profile_space=PROFILE_SPACE,
                                               profile_dir=profile_dir) if profile_dir else None),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    o, u, kn = kernel(qb, kb, vb, gam_t, beta_t, valid.astype(_F32), anc.astype(_BF),
-                      state.astype(_F32))
+    o, u, kn, gamma = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32))
     if pad:
-        o, u, kn = o[:, :n], u[:, :n], kn[:, :n]
+        o, u, kn, gamma = o[:, :n], u[:, :n], kn[:, :n], gamma[:, :n]
+    if hvp != hv:
+        gamma = gamma[:, :, :hv]
     return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
 
 
@@ -307,10 +338,10 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
     static int; deeper requests give NaN). block_v: value columns per program, 128 (one program
-    per SM: ~153 KiB of shared memory at the peak) or 64 (~97 KiB: two per SM; K K^T and Q K^T
+    per SM: 161 KiB of shared memory) or 64 (105 KiB: two per SM; K K^T and Q K^T
     are then computed twice). inverse: "neumann" (depth_bound - 1 serial [N, bv] products) or
     "squaring" ((I - G)(I + G^2)(I + G^4)...: ceil(log2(depth_bound)) of them, the powers of G
-    as [N, N] products beside; 16 KiB more shared memory). interpret=None: interpret mode
+    as [N, N] products beside, in buffers the prologue's have freed). interpret=None: interpret mode
     unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
     in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
     (GPU only; benchmarks/mgpu_trace.py summarises it)."""
