@@ -69,6 +69,8 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
         o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=2, inverse=inverse,
                                                   interpret=True)
         assert np.all(np.isnan(np.asarray(f.u[0]))), "a chain of 8 is deeper than the bound 2"
+        assert np.all(np.isnan(np.asarray(o[0], np.float32)))
+        assert rel(f.k, f_ref.k) <= 1e-6 and rel(f.gamma, f_ref.gamma) <= 1e-6  # still exact
         assert rel(f.u[1], f_ref.u[1]) <= 1e-3, "the star (2 levels) fits the bound"
     with pytest.raises(ValueError, match="dk = dv"):
         y = random_gdn_inputs(rng, 1, 8, 1, 1, 64, 128, jnp.bfloat16)

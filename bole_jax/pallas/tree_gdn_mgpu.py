@@ -126,7 +126,8 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         with _region("wait_qkv"):
             plgpu.barrier_wait(bar)
         with _region("normalize"):
-            valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) > 0
+            # (vflag NaN, a request deeper than the bound, counts as valid: NaN comes from beta)
+            valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) != 0
             normalize(q_s, scale, valid)
             kn = normalize(k_s, 1.0, valid)
 
@@ -215,7 +216,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
             p_rows = rows_of(jnp.exp(g_row), bv)
             v = plgpu.load(v_s, layout=wg).astype(_F32)
-            v = jnp.where(rows_of(valid_row, bv) > 0, v, 0.0)  # padding rows (may hold garbage)
+            v = jnp.where(rows_of(valid_row, bv) != 0, v, 0.0)  # padding rows: may hold garbage
             rhs = rows_of(b_row, bv) * (v - p_rows * ks)
 
         @_region("inverse")
