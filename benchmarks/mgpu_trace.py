@@ -36,12 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
+from benchmarks.bench_tree_gdn_mgpu import VARIANTS  # noqa: E402
 from bole_jax.pallas import tree_gdn_mgpu  # noqa: E402
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 
-VARIANTS = {"mgpu64_sq": dict(block_v=64, inverse="squaring"),
-            "mgpu_sq": dict(block_v=128, inverse="squaring"),
-            "mgpu64": dict(block_v=64, inverse="neumann")}
 
 
 def summarize(trace: dict) -> dict:
