@@ -86,15 +86,54 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
                                            y["state"], np.arange(65)[None] - 1, depth_bound=8)
 
 
-@pytest.mark.parametrize("block_v,inverse", [(128, "neumann"), (64, "neumann"),
-                                             (64, "squaring")])
-def test_mgpu_verify_lowers_for_cuda(block_v, inverse):
-    """Layout inference and the shared-memory budget are checked when lowering (no GPU needed)."""
+def _smem_estimates():
+    """Pallas's shared-memory estimate of each Mosaic kernel lowered inside the block (bytes),
+    read by wrapping its private estimator; None where this jax has no such hook."""
+    try:
+        from jax._src.pallas.mosaic_gpu import lowering
+        orig = lowering._estimate_resources
+    except (ImportError, AttributeError):
+        return None, None
+    depth, found = [0], []
+
+    def wrapped(ctx, jaxpr):
+        depth[0] += 1
+        try:
+            res = orig(ctx, jaxpr)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            found.append(int(res.smem_scratch_bytes))
+        return res
+
+    def restore():
+        lowering._estimate_resources = orig
+
+    lowering._estimate_resources = wrapped
+    return found, restore
+
+
+# (hk, hv): one key head with 2 value heads (the gates padded to an 8-head box), and the
+# Qwen3-Next ratio at 16 / 32 (4 boxes, no padding).
+@pytest.mark.parametrize("block_v,inverse,hk,hv", [(128, "neumann", 1, 2), (64, "neumann", 1, 2),
+                                                   (64, "squaring", 1, 2),
+                                                   (64, "squaring", 16, 32),
+                                                   (128, "squaring", 16, 32)])
+def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv):
+    """Layout inference and the shared-memory budget are checked when lowering (no GPU needed).
+    The 64-column launch must keep two programs per SM (<= 113 KiB each of the H200's 228)."""
     rng = np.random.default_rng(RUN_SEED)
     parents, _ = random_trees(rng, 2, 64, ("random",))
-    x = random_gdn_inputs(rng, 2, 64, 1, 2, 128, 128, jnp.bfloat16)
+    x = random_gdn_inputs(rng, 2, 64, hk, hv, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
     f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8, block_v=block_v,
                                                               inverse=inverse, interpret=False))
-    txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
+    found, restore = _smem_estimates()
+    try:
+        txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        if restore:
+            restore()
     assert "bole_tree_gdn_verify_mgpu" in txt or "mosaic_gpu" in txt
+    if found:  # (one kernel per lowering)
+        assert len(found) == 1 and found[0] <= (113 if block_v == 64 else 227) * 1024, found
