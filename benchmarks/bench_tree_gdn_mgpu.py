@@ -5,8 +5,9 @@ One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton
 verify (its auto launch) and the Mosaic one (128- and 64-column value tiles, Neumann or squaring
 inverse), each checked on the device against the jnp closed form (fp32, HIGHEST), then timed
-with the same profiler timer (device time per call; the Mosaic call includes its XLA prologue:
-gamma, padding). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
+with the same profiler timer (device time per call, each kernel's share printed below it; the
+Mosaic call includes the XLA work around the kernel: padding for N < 64 since bf3ff68, the
+gates' gamma and transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
 
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out DIR --B 1,16,64 --N 64
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out /tmp/x --cpu-dry-run   # no GPU

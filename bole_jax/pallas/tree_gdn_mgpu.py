@@ -1,6 +1,8 @@
 """EXPERIMENTAL: the tree-GDN verify as a Pallas Mosaic GPU kernel (TMA + wgmma; Hopper).
 
-Not used by the engine. It is the first step of docs/NOTES.md "Next" (a verify with another
+Not used by the engine. Measured on the H200 in session 12: correct, and slower than the Triton
+verify (kernel alone 10.9 vs 10.5 us at B = 1 N = 64, 55.5 vs 47.3 at B = 16; docs/kernels.md
+section 2b). It is the first step of docs/NOTES.md "Next" (a verify with another
 structure than the Triton kernel of `tree_gdn.py`, which sits at 255 registers and two programs
 per SM): one program per (value tile, value head, request), one warpgroup, the operands moved by
 TMA straight from the caller's layouts (strided boxes: no transposes), every product a bf16
