@@ -842,6 +842,15 @@ def _jaxlib_version():
         return None
 
 
+def run_info(script: str) -> dict:
+    """The provenance of a benchmark JSON: the command (script relative to the repository, its
+    arguments), the commit, the device and the jax / jaxlib versions."""
+    dev = jax.devices()[0]
+    return dict(command="python " + " ".join([os.path.relpath(script, REPO)] + sys.argv[1:]),
+                git_commit=git_commit(), device=str(dev.device_kind), platform=dev.platform,
+                jax_version=jax.__version__, jaxlib_version=_jaxlib_version())
+
+
 def git_commit():
     """BOLE_GIT_COMMIT when set (the GPU machine's copy of the tree has no usable git history:
     in session 6 this read a stale HEAD there), else git."""

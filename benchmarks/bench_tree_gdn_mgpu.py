@@ -49,13 +49,19 @@ def _mgpu(*args, parents, **kw):
     return tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, **kw)
 
 
-def bench_point(b, n, timer, seed, interpret):
+def point_inputs(b, n, seed, count):
+    """A point's random trees (parents, their tree_structure) and `count` input sets, the same
+    for a given (b, n, seed) here and in mgpu_trace.py."""
     rng = np.random.default_rng(seed * 1000 + b * 100 + n)
     parents = jnp.asarray(btg.make_trees(rng, b, n))
+    return parents, tree_structure(parents), btg.make_sets(
+        jax.random.PRNGKey(seed + b * 7 + n), b, n, count)
+
+
+def bench_point(b, n, timer, seed, interpret):
     depth = btg.MAX_DEPTH
-    tree = tree_structure(parents)
     r = 1 if interpret else max(2, min(16, int(3 * 60e6 // max(btg.set_bytes(b, n), 1)) + 1))
-    sets = btg.make_sets(jax.random.PRNGKey(seed + b * 7 + n), b, n, r)
+    parents, tree, sets = point_inputs(b, n, seed, r)
     with jax.default_matmul_precision("highest"):
         o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents)
     point = dict(B=b, N=n, depth=int(np.max(tree.path_len)), input_sets=r)
@@ -115,7 +121,7 @@ def main(argv=None):
     points = [bench_point(b, n, timer, args.seed, interpret)
               for b in (int(x) for x in args.B.split(","))
               for n in (int(x) for x in args.N.split(","))]
-    variants = [k for k in points[0] if k.startswith("mgpu")]
+    variants = list(VARIANTS)
     print(f"\n{'B':>3} {'N':>3} | {'triton':>8} " + " ".join(f"{k:>9}" for k in variants)
           + f" | {'best/triton':>11} {'floor':>6} {'best/floor':>10}   (us)")
     for p in points:
@@ -124,10 +130,7 @@ def main(argv=None):
         best = min((x for x in us if x == x), default=float("nan"))
         print(f"{p['B']:3d} {p['N']:3d} | {t:8.1f} " + " ".join(f"{x:9.1f}" for x in us)
               + f" | {best / t:10.2f}x {p['floor_us']:6.1f} {best / p['floor_us']:9.1f}x")
-    out = dict(command="python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
-               git_commit=btg.git_commit(), device=str(jax.devices()[0].device_kind),
-               platform=jax.default_backend(), jax_version=jax.__version__,
-               jaxlib_version=btg._jaxlib_version(),
+    out = dict(**btg.run_info(__file__),
                dims=dict(Hk=btg.HK, HV=btg.HV, dk=btg.DK, dv=btg.DV, max_depth=btg.MAX_DEPTH),
                points=points, elapsed_s=time.perf_counter() - t0)
     path = os.path.join(args.out, "bench_tree_gdn_mgpu.json")

@@ -32,13 +32,11 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
-from benchmarks.bench_tree_gdn_mgpu import VARIANTS  # noqa: E402
+from benchmarks.bench_tree_gdn_mgpu import VARIANTS, point_inputs  # noqa: E402
 from bole_jax.pallas import tree_gdn_mgpu  # noqa: E402
-from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 
 
 
@@ -81,6 +79,10 @@ def main(argv=None):
     ap.add_argument("--variants", default="mgpu64_sq", help=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     if not tree_gdn_mgpu.AVAILABLE:
         raise SystemExit(tree_gdn_mgpu.UNAVAILABLE_REASON)
     if jax.default_backend() != "gpu":
@@ -89,11 +91,8 @@ def main(argv=None):
     results = []
     for b in (int(x) for x in args.B.split(",")):
         for n in (int(x) for x in args.N.split(",")):
-            rng = np.random.default_rng(args.seed * 1000 + b * 100 + n)
-            parents = jnp.asarray(btg.make_trees(rng, b, n))
-            tree = tree_structure(parents)
-            x = btg.make_sets(jax.random.PRNGKey(args.seed + b * 7 + n), b, n, 1)[0]
-            for name in args.variants.split(","):
+            parents, tree, (x,) = point_inputs(b, n, args.seed, 1)
+            for name in variants:
                 kw = dict(VARIANTS[name], depth_bound=btg.MAX_DEPTH, tree=tree)
                 jax.block_until_ready(tree_gdn_mgpu.tree_gdn_verify_mgpu(*x, parents, **kw))
                 d = tempfile.mkdtemp(prefix="mgpu_trace_")
@@ -122,9 +121,7 @@ def main(argv=None):
                 for r, v in sorted(s["regions"].items(), key=lambda kv: -kv[1]["mean"]):
                     print(f"  {r:12s} {v['mean']:8.3f} {v['median']:8.3f} {v['p90']:8.3f} "
                           f"{100 * v['share']:5.1f}%")
-    out = dict(command="python " + " ".join([os.path.relpath(__file__, REPO)] + sys.argv[1:]),
-               git_commit=btg.git_commit(), device=str(jax.devices()[0].device_kind),
-               jax_version=jax.__version__, jaxlib_version=btg._jaxlib_version(),
+    out = dict(**btg.run_info(__file__),
                note="durations in us from the in-kernel profiler (globaltimer); the profiled "
                     "kernel runs slower than the plain one (one store per event)",
                results=results)

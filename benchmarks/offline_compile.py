@@ -349,6 +349,9 @@ def main(argv=None):
         ap.error(f"--config: {e}")
     if args.kernel != "verify" and args.pending:
         ap.error("--pending is a verify variant")
+    if args.kernel == "pernode" and args.lineinfo:
+        ap.error(f"--lineinfo names {SRC_DIR}/tree_gdn.py as the source; the PERNODE kernel is "
+                 "in tree_pernode.py")
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
     print(f"{args.kernel} B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
@@ -370,7 +373,7 @@ def main(argv=None):
                         kind=args.kernel, num_warps=num_warps, num_stages=num_stages,
                         shared=shared, params=params, scratch_bytes=scratch, B=args.B, N=args.N,
                         pending=args.pending,
-                        config=(cfg if args.kernel == "commit" else dataclasses.asdict(cfg)),
+                        config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
                         lineinfo=args.lineinfo, **launch)
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(manifest, f, indent=1)

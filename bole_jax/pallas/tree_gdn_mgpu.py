@@ -97,9 +97,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
     b = lax.axis_index("b")
     hk = h // ratio
     cols = pl.ds(t * bv, bv)  # this program's value columns
-    # Every operand by TMA, straight from the caller's layouts. (A per-node vector is read
-    # as a row and as a column vector: two copies, since one shared-memory buffer can only be
-    # loaded in one layout.)
+    # Every operand by TMA, straight from the caller's layouts.
     plgpu.copy_gmem_to_smem(q_g.at[b, :, hk, :], q_s, bar)
     plgpu.copy_gmem_to_smem(k_g.at[b, :, hk, :], k_s, bar)
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar)
@@ -127,9 +125,12 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
         with _region("wait_qkv"):
             plgpu.barrier_wait(bar)
+        # vflag: 1 a node, 0 padding, NaN every row of a request deeper than the bound (such a
+        # request counts as live: its NaN comes from beta)
+        vflag = plgpu.load(vr_s, layout=wg.reduce(1))
+        live = vflag != 0
         with _region("normalize"):
-            # (vflag NaN, a request deeper than the bound, counts as valid: NaN comes from beta)
-            valid = rows_of(plgpu.load(vr_s, layout=wg.reduce(1)), dk) != 0
+            valid = rows_of(vflag, dk) != 0
             normalize(q_s, scale, valid)
             kn = normalize(k_s, 1.0, valid)
 
@@ -143,9 +144,6 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
             plgpu.commit_smem()
         with _region("gam"):
-            # vflag: 1 a node, 0 padding, NaN every row of a request deeper than the bound
-            vflag = plgpu.load(vr_s, layout=wg.reduce(1))
-            live = vflag != 0
             box_cols = plgpu.broadcasted_iota(jnp.int32, (n, GATE_BOX), 1, layout=wg)
 
             def column(ref):  # this head's gate per node, row-indexed
@@ -171,9 +169,9 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             gamma_col = plgpu.load(gc_s, layout=wg.reduce(0))
             diff = rows_of(g_row, n) - lax.broadcast_in_dim(gamma_col, (n, n), [1])
             # Gam: exp(gamma_i - gamma_j) on anc*(i)
-            return jnp.exp(jnp.minimum(diff, 0.0)) * anc, g_row, b_row
+            return jnp.exp(jnp.minimum(diff, 0.0)) * anc, g_row, b_row, vflag
 
-    gam, g_row, b_row = pl.run_scoped(
+    gam, g_row, b_row, vflag = pl.run_scoped(
         prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
         *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
@@ -209,7 +207,6 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
 
     def main(ah_s, al_s, xh_s, xl_s, *power):
         a_pair, x_pair = (ah_s, al_s), (xh_s, xl_s)
-        valid_row = plgpu.load(vr_s, layout=wg.reduce(1))
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
         kt = k_s.T
@@ -218,7 +215,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
             p_rows = rows_of(jnp.exp(g_row), bv)
             v = plgpu.load(v_s, layout=wg).astype(_F32)
-            v = jnp.where(rows_of(valid_row, bv) != 0, v, 0.0)  # padding rows: may hold garbage
+            v = jnp.where(rows_of(vflag, bv) != 0, v, 0.0)  # padding rows: may hold garbage
             rhs = rows_of(b_row, bv) * (v - p_rows * ks)
 
         @_region("inverse")
