@@ -3,8 +3,8 @@
 
 One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton
-verify (its auto launch) and the Mosaic one (128- and 64-column value tiles, Neumann or squaring
-inverse), each checked on the device against the jnp closed form (fp32, HIGHEST), then timed
+verify (its auto launch) and the Mosaic one (`--variants`: 128- and 64-column value tiles,
+Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product), each checked on the device against the jnp closed form (fp32, HIGHEST), then timed
 with the same profiler timer (device time per call, each kernel's share printed below it; the
 Mosaic call includes the XLA work around the kernel: padding for N < 64 since bf3ff68, the
 gates' gamma and transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
@@ -39,10 +39,26 @@ from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 
 TOL = dict(o=2e-2, u=5e-3)
 # The Mosaic launches timed (mgpu_trace.py profiles the same ones by these names).
+# name -> launch; "_pK": K bf16 wgmmas per fp32 product (tree_gdn_verify_mgpu's `products`;
+# 3 without the suffix)
 VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             "mgpu64": dict(block_v=64, inverse="neumann"),
             "mgpu_sq": dict(block_v=128, inverse="squaring"),
-            "mgpu64_sq": dict(block_v=64, inverse="squaring")}
+            "mgpu64_sq": dict(block_v=64, inverse="squaring"),
+            "mgpu64_sq_p2": dict(block_v=64, inverse="squaring", products=2),
+            "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
+            "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
+            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1)}
+DEFAULT_VARIANTS = "mgpu64_sq,mgpu64_sq_p2,mgpu64_sq_p1,mgpu_sq_p2,mgpu64_p1"
+
+
+def parse_variants(ap, text):
+    """--variants "a,b": the names, checked against VARIANTS (ap.error on an unknown one)."""
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        ap.error(f"--variants: unknown {unknown or text!r}; known: {', '.join(VARIANTS)}")
+    return names
 
 
 def _mgpu(*args, parents, **kw):
@@ -58,7 +74,7 @@ def point_inputs(b, n, seed, count):
         jax.random.PRNGKey(seed + b * 7 + n), b, n, count)
 
 
-def bench_point(b, n, timer, seed, interpret):
+def bench_point(b, n, timer, seed, interpret, variants):
     depth = btg.MAX_DEPTH
     r = 1 if interpret else max(2, min(16, int(3 * 60e6 // max(btg.set_bytes(b, n), 1)) + 1))
     parents, tree, sets = point_inputs(b, n, seed, r)
@@ -71,7 +87,8 @@ def bench_point(b, n, timer, seed, interpret):
             config=(TreeGDNConfig(depth_bound=depth) if interpret
                     else TreeGDNConfig.auto(b, n, depth))),
         **{name: functools.partial(_mgpu, parents=parents, depth_bound=depth, tree=tree,
-                                   interpret=interpret, **kw) for name, kw in VARIANTS.items()},
+                                   interpret=interpret, **VARIANTS[name])
+           for name in variants},
     }
     for name, fn in fns.items():
         entry = {}
@@ -106,9 +123,13 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help=f"Mosaic launches to time (default {DEFAULT_VARIANTS}); known: "
+                    + ",".join(VARIANTS))
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="test this script without a GPU: interpret mode, 2 key / 4 value heads")
     args = ap.parse_args(argv)
+    variants = parse_variants(ap, args.variants)
     if not tree_gdn_mgpu.AVAILABLE:
         raise SystemExit(tree_gdn_mgpu.UNAVAILABLE_REASON)
     interpret = args.cpu_dry_run
@@ -118,17 +139,19 @@ def main(argv=None):
     timer = btg.Timer("wall" if interpret else "auto", 2 if interpret else args.reps,
                       1 if interpret else args.warmup)
     t0 = time.perf_counter()
-    points = [bench_point(b, n, timer, args.seed, interpret)
+    points = [bench_point(b, n, timer, args.seed, interpret, variants)
               for b in (int(x) for x in args.B.split(","))
               for n in (int(x) for x in args.N.split(","))]
-    variants = list(VARIANTS)
-    print(f"\n{'B':>3} {'N':>3} | {'triton':>8} " + " ".join(f"{k:>9}" for k in variants)
+    widths = [max(9, len(k)) for k in variants]
+    print(f"\n{'B':>3} {'N':>3} | {'triton':>8} "
+          + " ".join(f"{k:>{w}}" for k, w in zip(variants, widths))
           + f" | {'best/triton':>11} {'floor':>6} {'best/floor':>10}   (us)")
     for p in points:
         t = p["triton"].get("us", float("nan"))
         us = [p[k].get("us", float("nan")) if p[k].get("ok") else float("nan") for k in variants]
         best = min((x for x in us if x == x), default=float("nan"))
-        print(f"{p['B']:3d} {p['N']:3d} | {t:8.1f} " + " ".join(f"{x:9.1f}" for x in us)
+        print(f"{p['B']:3d} {p['N']:3d} | {t:8.1f} "
+              + " ".join(f"{x:{w}.1f}" for x, w in zip(us, widths))
               + f" | {best / t:10.2f}x {p['floor_us']:6.1f} {best / p['floor_us']:9.1f}x")
     out = dict(**btg.run_info(__file__),
                dims=dict(Hk=btg.HK, HV=btg.HV, dk=btg.DK, dv=btg.DV, max_depth=btg.MAX_DEPTH),

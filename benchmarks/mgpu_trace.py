@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
-from benchmarks.bench_tree_gdn_mgpu import VARIANTS, point_inputs  # noqa: E402
+from benchmarks.bench_tree_gdn_mgpu import VARIANTS, parse_variants, point_inputs  # noqa: E402
 from bole_jax.pallas import tree_gdn_mgpu  # noqa: E402
 
 
@@ -79,10 +79,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="mgpu64_sq", help=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    variants = parse_variants(ap, args.variants)
     if not tree_gdn_mgpu.AVAILABLE:
         raise SystemExit(tree_gdn_mgpu.UNAVAILABLE_REASON)
     if jax.default_backend() != "gpu":

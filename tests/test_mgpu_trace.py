@@ -51,3 +51,16 @@ def test_summary_of_nested_regions_over_programs():
         assert got["share"] == pytest.approx(np.mean(vals) / np.mean(totals))
     # the two top-level regions tile each program: their shares add to one
     assert s["regions"]["inverse"]["share"] + s["regions"]["store"]["share"] == pytest.approx(1.0)
+
+
+def test_variants_are_checked_by_name():
+    import argparse
+
+    from benchmarks import bench_tree_gdn_mgpu as bench
+
+    ap = argparse.ArgumentParser()
+    assert bench.parse_variants(ap, "mgpu64_sq,mgpu64_sq_p2") == ["mgpu64_sq", "mgpu64_sq_p2"]
+    assert all(bench.VARIANTS[v] for v in bench.parse_variants(ap, bench.DEFAULT_VARIANTS))
+    for bad in ("mgpu64_sq,nope", ""):
+        with pytest.raises(SystemExit):
+            bench.parse_variants(ap, bad)

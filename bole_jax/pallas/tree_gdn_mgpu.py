@@ -89,7 +89,7 @@ def _split(x):
 
 def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam_out_g,
             q_s, k_s, v_s, sb_s, vr_s, bar,
-            *, ratio, depth, o_dtype, scale, bv, inverse):
+            *, ratio, depth, o_dtype, scale, bv, inverse, products):
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     t = lax.axis_index("t")
@@ -195,15 +195,22 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
     def mm(pairs, shape):
         return mms((pairs, shape))[0]
 
-    def split_pairs(a, c):  # a, c: (hi, lo) buffer pairs; hi hi + hi lo + lo hi
-        return [(a[0], c[0]), (a[0], c[1]), (a[1], c[0])]
+    def split_pairs(a, c):
+        """a @ c for (hi, lo) buffer pairs, as `products` bf16 wgmmas: hi hi + hi lo + lo hi
+        (3), hi hi + hi lo (2: the left operand rounded to bf16) or hi hi (1)."""
+        return [(a[0], c[0]), (a[0], c[1]), (a[1], c[0])][:products]
 
     def mm_split(a, c, shape):
         return mm(split_pairs(a, c), shape)
 
     @_region("put")
-    def put(pair, value):
-        pair[0][...], pair[1][...] = _split(value)
+    def put(pair, value, right=True):
+        """value into a (hi, lo) pair; its lo part only where a product reads it: products 3,
+        or products 2 when the pair is ever a right operand."""
+        if products == 3 or (products == 2 and right):
+            pair[0][...], pair[1][...] = _split(value)
+        else:
+            pair[0][...] = value.astype(_BF)
 
     def main(ah_s, al_s, xh_s, xl_s, *power):
         a_pair, x_pair = (ah_s, al_s), (xh_s, xl_s)
@@ -220,7 +227,9 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
 
         @_region("inverse")
         def solve(rhs):
-            put(a_pair, g_neg)
+            # -G is a left operand only with the Neumann series; with squaring the right one
+            # of its own square too
+            put(a_pair, g_neg, right=inverse == "squaring")
             if inverse == "neumann":  # U = sum_{m < depth} (-G)^m rhs: depth - 1 serial products
                 u = x = rhs
                 for _ in range(depth - 1):
@@ -240,7 +249,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
                         # buffer as both operands, and interpret mode an A operand from
                         # registers.
                         nxt = pairs[(i + 1) % 2]
-                        put(nxt, p_val)
+                        put(nxt, p_val, right=False)
                         jobs.append((split_pairs(nxt, pairs[i % 2]), (n, n)))
                     plgpu.commit_smem()
                     res = mms(*jobs)
@@ -254,7 +263,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         u = solve(rhs)
         with _region("output"):
             qk, qs = mms(([(q_s, kt)], (n, n)), ([(q_s, sb_s)], (n, bv)))
-            put(a_pair, qk * gam)
+            put(a_pair, qk * gam, right=False)
             put(x_pair, u)
             plgpu.commit_smem()
             wu = mm_split(a_pair, x_pair, (n, bv))
@@ -279,9 +288,9 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "interpret", "profile_dir"))
+                                             "products", "interpret", "profile_dir"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, block_v,
-            inverse, interpret, profile_dir):
+            inverse, products, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -303,7 +312,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v, inverse=inverse)
+                bv=block_v, inverse=inverse, products=products)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
@@ -332,7 +341,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
-                         inverse: str = "neumann", interpret=None,
+                         inverse: str = "neumann", products: int = 3, interpret=None,
                          profile_dir: str | None = None):
     """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
@@ -341,7 +350,10 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     per SM: 161 KiB of shared memory) or 64 (105 KiB: two per SM; K K^T and Q K^T
     are then computed twice). inverse: "neumann" (depth_bound - 1 serial [N, bv] products) or
     "squaring" ((I - G)(I + G^2)(I + G^4)...: ceil(log2(depth_bound)) of them, the powers of G
-    as [N, N] products beside, in buffers the prologue's have freed). interpret=None: interpret mode
+    as [N, N] products beside, in buffers the prologue's have freed). products: bf16 wgmmas per
+    product of fp32 values (the inverse's and W U): 3 (hi / lo splits of both operands, ~16
+    mantissa bits), 2 (the left operand, -G or W, rounded to bf16: it already carries the bf16
+    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). interpret=None: interpret mode
     unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
     in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
     (GPU only; benchmarks/mgpu_trace.py summarises it)."""
@@ -359,6 +371,8 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         raise ValueError(f"block_v must be 64 or 128, got {block_v}")
     if inverse not in ("neumann", "squaring"):
         raise ValueError(f"inverse must be 'neumann' or 'squaring', got {inverse!r}")
+    if products not in (1, 2, 3):
+        raise ValueError(f"products must be 1, 2 or 3, got {products!r}")
     if int(depth_bound) < 1:
         raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
     if interpret is None:
@@ -369,4 +383,4 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   interpret=bool(interpret), profile_dir=None if interpret else profile_dir)
+                   products=int(products), interpret=bool(interpret), profile_dir=None if interpret else profile_dir)
