@@ -59,9 +59,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode  # noqa: E402
+from bole_jax.pallas import tree_conv, tree_gdn_mgpu, tree_gdn_ref, tree_pernode  # noqa: E402
 from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
-                                      pending_commit, tree_gdn_verify)
+                                      mosaic_launch, pending_commit, tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import random_parents, tree_depth, tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
@@ -88,7 +88,8 @@ SGLANG = {
 }
 
 DEFAULT_BOLE = [  # the sweep, default config first (see docs/kernels.md for the reasoning)
-    "auto",  # TreeGDNConfig.auto: the winners of the last full sweep, per (B, N)
+    "auto",  # TreeGDNConfig.auto: the winners of the last full sweep, per (B, N), plus the
+    #          Mosaic GPU verify where the engine's auto launch takes it (`mosaic_launch`)
     "bv=32,w=4,inv=squaring",  # fp32 operands: the accuracy reference point
     "bv=32,w=2,inv=squaring,qk=1,st=1",  # many small programs: B = 1 latency
     "bv=64,w=2,inv=matrix,qk=1,st=1",  # half a value head, T formed once: B >= 16, N <= 32
@@ -128,11 +129,27 @@ TOL = dict(o=2e-2, u=5e-3, k=1e-4, gamma=1e-4, state=5e-3, conv=2e-2, copy=0.0)
 # ----------------------------------------------------------------------------- configs
 
 
-def parse_bole(spec: str) -> TreeGDNConfig | str:
-    """A config string ("bv=32,w=4,inv=squaring,..."), or "auto": `TreeGDNConfig.auto` for
-    each point's (B, N)."""
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+    """A launch of the Mosaic GPU verify (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) in the
+    bole sweep; --bole-configs "mosaic[,bv=64,inv=squaring,p=1]"."""
+    block_v: int = 64
+    inverse: str = "squaring"
+    products: int = 1
+
+
+def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
+    """A config string ("bv=32,w=4,inv=squaring,..."), "auto" (`TreeGDNConfig.auto` for each
+    point's (B, N), and the Mosaic verify where `mosaic_launch` takes it) or "mosaic[,bv=..,
+    inv=..,p=..]" (the Mosaic GPU verify at every point of <= 64 nodes)."""
     if spec.strip() == "auto":
         return "auto"
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    if items and items[0] == "mosaic":
+        keys = dict(bv="block_v", inv="inverse", p="products")
+        kw = {keys[k]: (v if k == "inv" else int(v))
+              for k, v in (x.split("=") for x in items[1:])}
+        return MosaicLaunch(**kw)
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
@@ -153,15 +170,35 @@ def parse_bole(spec: str) -> TreeGDNConfig | str:
     return TreeGDNConfig(**kw)
 
 
-def resolve_bole(cfgs, b: int, n: int) -> list[TreeGDNConfig]:
+def resolve_bole(cfgs, b: int, n: int, mosaic: bool = True) -> list:
     """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n, MAX_DEPTH)` (the
-    trees' depth bound, as a decode step passes its tree shape's), duplicates dropped."""
+    trees' depth bound, as a decode step passes its tree shape's) and, with `mosaic`, the
+    engine's Mosaic launch where it takes one (never in interpret mode: too slow); Mosaic
+    launches only with `mosaic` and N <= 64; duplicates dropped."""
     out = []
     for c in cfgs:
-        c = TreeGDNConfig.auto(b, n, MAX_DEPTH) if c == "auto" else c
-        if c not in out:
-            out.append(c)
+        if c == "auto":
+            launch = (mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH)
+                      if mosaic and not INTERPRET else None)
+            cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
+                                                         else [])
+        elif isinstance(c, MosaicLaunch):
+            cs = [c] if mosaic and n <= tree_gdn_mgpu.NP else []
+        else:
+            cs = [c]
+        out += [x for x in cs if x not in out]
     return out
+
+
+def bole_verify(cfg, parents, num_nodes, tree):
+    """The bole verify of one launch (a Triton config or a MosaicLaunch) as f(q, k, v, g, beta,
+    state) -> (o, factors)."""
+    if isinstance(cfg, MosaicLaunch):
+        return lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
+            *a, parents, num_nodes, tree=tree, depth_bound=MAX_DEPTH, interpret=INTERPRET,
+            **dataclasses.asdict(cfg))
+    return lambda *a: tree_gdn_verify(*a, parents, num_nodes, tree=tree, backend="pallas",
+                                      interpret=INTERPRET, config=cfg)
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
@@ -175,6 +212,8 @@ def parse_pernode(spec: str) -> PernodeConfig:
 
 
 def cfg_str(cfg) -> str:
+    if isinstance(cfg, MosaicLaunch):
+        return f"mosaic,bv={cfg.block_v},inv={cfg.inverse},p={cfg.products}"
     if isinstance(cfg, PernodeConfig):
         return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
                 + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")
@@ -422,8 +461,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
     want_state = np.asarray(states)[np.arange(b), acc]
     for cfg in resolve_bole(bole_cfgs, b, n):
         try:
-            o, f = tree_gdn_verify(*args, parents, num_nodes, tree=tree, backend="pallas",
-                                   interpret=INTERPRET, config=cfg)
+            o, f = bole_verify(cfg, parents, num_nodes, tree)(*args)
             tag = f"bole [{cfg_str(cfg)}]"
             record(f"{tag} o", rel(o, o_ref), TOL["o"])
             record(f"{tag} u", rel(f.u, f_ref.u), TOL["u"])
@@ -437,6 +475,8 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
                                    interpret=INTERPRET, fold=fold)
                 record(f"{tag} + pallas commit (fold {fold}) vs sequential",
                        rel(new, want_state), TOL["state"])
+            if not isinstance(cfg, TreeGDNConfig):
+                continue  # (the lazy verify is the Triton kernel's)
             # Lazy commit: the same inputs verified again with the path rows pending; the
             # kernel's folded state is the accepted node's state of the recurrence.
             pend = pending_commit(f, parents, acc, n)
@@ -642,9 +682,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
 
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents_d, num_nodes, tree=tree)
     point["bole"], best = sweep(
-        "bole", resolve_bole(bole_cfgs, b, n), lambda cfg: jax.jit(lambda *a: tree_gdn_verify(
-            *a, parents_d, num_nodes, tree=tree, backend="pallas", interpret=INTERPRET,
-            config=cfg)),
+        "bole", resolve_bole(bole_cfgs, b, n),
+        lambda cfg: jax.jit(bole_verify(cfg, parents_d, num_nodes, tree)),
         lambda out, o_ref=o_ref, f_ref=f_ref: dict(o=(rel(out[0], o_ref), TOL["o"]),
                                                    u=(rel(out[1].u, f_ref.u), TOL["u"])),
         sets, timer)
@@ -654,8 +693,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     # Bole commit: factors of the best config for every input set.
     if best:
         cfg = best[1]
-        fac = [tree_gdn_verify(*s, parents_d, num_nodes, tree=tree, backend="pallas",
-                               interpret=INTERPRET, config=cfg)[1] for s in sets]
+        fac = [bole_verify(cfg, parents_d, num_nodes, tree)(*s)[1] for s in sets]
         point["bole_commit"] = []
         # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
         # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
@@ -694,8 +732,10 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # Lazy commit with the rows folded by the rank-1 loop, the dot and unrolled;
         # "bole_lazy" is the fastest that passed its checks.
         # (--lazy-configs: those launches instead, each with its own fold.)
-        lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n) if LAZY_CFGS else
-                     [dataclasses.replace(cfg, fold=fold) for fold in ("loop", "dot", "unroll")])
+        # (the lazy verify is the Triton kernel's: after a Mosaic best, the Triton auto launch)
+        base = cfg if isinstance(cfg, TreeGDNConfig) else TreeGDNConfig.auto(b, n, MAX_DEPTH)
+        lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n, mosaic=False) if LAZY_CFGS else
+                     [dataclasses.replace(base, fold=fold) for fold in ("loop", "dot", "unroll")])
         point["bole_lazy_variants"] = [
             bench_lazy(c, sets, fac, parents_d, num_nodes, tree, accepted, timer)
             for c in lazy_cfgs]

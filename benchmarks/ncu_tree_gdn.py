@@ -61,10 +61,8 @@ def main(argv=None):
 
     cfgs = btg.resolve_bole([btg.parse_bole(s) for s in args.bole_configs.split(";")], b, n)
     for cfg in cfgs:
-        def verify(q, k, v, g, beta, s, cfg=cfg):
-            return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,
-                                   backend="pallas", config=cfg)
-        add(f"verify {btg.cfg_str(cfg)}", verify, q, k, v, g, beta, state)
+        add(f"verify {btg.cfg_str(cfg)}", btg.bole_verify(cfg, parents_d, num_nodes, tree),
+            q, k, v, g, beta, state)
     cfg = cfgs[0]
     fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
                           backend="pallas", config=cfg)[1]

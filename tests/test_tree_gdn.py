@@ -492,3 +492,50 @@ def test_auto_operand_dtype_switch(monkeypatch):
         monkeypatch.setattr(tg, "BF16_OPERANDS", True)
         assert not strict.bf16_qk and not strict.bf16_state
         assert dataclasses.replace(strict, bf16_qk=True, bf16_state=True) == fast
+
+
+def test_mosaic_launch_where_measured_faster(monkeypatch):
+    """`mosaic_launch`: the Mosaic GPU verify only for bf16 v, dk = dv = 128, 33-64 nodes, a
+    static depth bound, the bf16-operand family, both switches on and a jax that has it."""
+    import bole_jax.pallas.tree_gdn as tg
+    monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
+    bf = jnp.bfloat16
+    want = dict(block_v=64, inverse="squaring", products=1)
+    for b, n in ((1, 64), (4, 33), (16, 64), (64, 48)):
+        assert tg.mosaic_launch(b, n, 128, 128, bf, 9) == want
+    for args in ((1, 32, 128, 128, bf, 9), (1, 65, 128, 128, bf, 9), (1, 64, 64, 128, bf, 9),
+                 (1, 64, 128, 64, bf, 9), (1, 64, 128, 128, jnp.float32, 9),
+                 (1, 64, 128, 128, bf, None)):
+        assert tg.mosaic_launch(*args) is None, args
+    for switch in ("MOSAIC", "BF16_OPERANDS"):
+        monkeypatch.setattr(tg, switch, False)
+        assert tg.mosaic_launch(1, 64, 128, 128, bf, 9) is None, switch
+        monkeypatch.setattr(tg, switch, True)
+    monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", False)
+    assert tg.mosaic_launch(1, 64, 128, 128, bf, 9) is None
+
+
+def test_auto_verify_dispatches_to_mosaic(monkeypatch):
+    """On a device (interpret off, no config, no pending) tree_gdn_verify hands a point that
+    `mosaic_launch` takes to the Mosaic kernel with that launch, the tree and the bound; with
+    interpret mode, a config or a pending commit it stays on the Triton kernel."""
+    import bole_jax.pallas.tree_gdn as tg
+    monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return "mosaic"
+
+    monkeypatch.setattr(tg.tree_gdn_mgpu, "tree_gdn_verify_mgpu", spy)
+    rng = np.random.default_rng(RUN_SEED)
+    parents, num_nodes = random_trees(rng, 2, 40, ("random",), ragged=True)
+    x = random_gdn_inputs(rng, 2, 40, 1, 2, 128, 128, jnp.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], parents, num_nodes)
+    tree = tree_structure(parents, num_nodes)
+    assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree,
+                           depth_bound=9) == "mosaic"
+    assert calls == [dict(depth_bound=9, scale=128 ** -0.5, tree=tree, interpret=False,
+                          block_v=64, inverse="squaring", products=1)]
+    o, _ = tree_gdn_verify(*args, backend="pallas", interpret=True, tree=tree, depth_bound=9)
+    assert len(calls) == 1 and o.shape == x["v"].shape

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bole_jax.pallas import tree_gdn_ref
+from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
 from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
@@ -50,13 +50,15 @@ from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, Tree
                                         accepted_path, next_pow2, pad_axis, resolve_backend,
                                         tree_structure)
 
-__all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "commit_state_pallas",
-           "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit",
+__all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
+           "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit",
            "apply_pending", "resolve_backend"]
 
 # BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
 # dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
 BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
+# BOLE_TREE_GDN_MOSAIC=0: the auto launch never picks the Mosaic GPU verify (`mosaic_launch`).
+MOSAIC = os.environ.get("BOLE_TREE_GDN_MOSAIC", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
 _FOLDS = ("loop", "dot", "unroll")  # the lazy verify's and the commit's
 _PRECISIONS = PRECISIONS
@@ -138,6 +140,27 @@ class TreeGDNConfig:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
         return cls(block_v=64, tiles_per_program=2, num_warps=4, num_stages=2,
                    inverse="matrix", **kw)
+
+
+def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
+                  depth_bound: int | None) -> dict | None:
+    """The Mosaic GPU verify's launch (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) where the
+    auto launch takes it instead of the Triton kernel, else None.
+
+    Taken where the H200 measured it faster (session 13, tree_gdn_h200_s13/, Qwen3-Next dims,
+    N = 64: 9.1 / 12.2 / 43.0 / 149.1 us against 10.5 / 17.4 / 47.9 / 174.4 at B = 1 / 4 / 16 /
+    64; u error 1.4e-4 against the Triton verify's 1.1-2.3e-4): 64-column tiles, the inverse by
+    squaring, one bf16 wgmma per product. Needs jax >= 0.11 (the GPU image), dk = dv = 128,
+    bf16 v (the kernel rounds o through bf16), a static depth bound, 33-64 nodes (it pads the
+    node axis to 64: fewer nodes cost it as much), the bf16-operand launch family
+    (BOLE_TREE_GDN_BF16 unset) and BOLE_TREE_GDN_MOSAIC unset."""
+    if not (MOSAIC and BF16_OPERANDS and tree_gdn_mgpu.AVAILABLE) or depth_bound is None:
+        return None
+    if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
+        return None
+    if not 32 < nodes <= tree_gdn_mgpu.NP:
+        return None
+    return dict(block_v=64, inverse="squaring", products=1)
 
 
 def _l2norm_scale(x):
@@ -478,7 +501,8 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     num_nodes [B] int32 or None (nodes >= num_nodes are padding: zero outputs and factors).
     tree: `tree_structure(parents, num_nodes)`, computed once per step and shared by all layers
     (computed here when None). backend: "auto" | "pallas" | "reference". config: launch
-    parameters of the kernel (None: `TreeGDNConfig.auto(B, N, depth_bound)` on a GPU).
+    parameters of the kernel (None: on a GPU the Mosaic GPU kernel where `mosaic_launch` takes
+    it, else `TreeGDNConfig.auto(B, N, depth_bound)`).
     depth_bound: the most nodes on a root path of the caller's trees (a decode step's tree depth
     + 1), used by the auto config (`TreeGDNConfig.depth_bound`: a request whose tree is deeper
     gets NaN outputs and factors from the kernel; the reference backend ignores it).
@@ -517,6 +541,12 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                          "tiles must fit one program; use backend='reference' or a smaller tree")
     if tree is None:
         tree = tree_structure(parents, num_nodes)
+    launch = (None if config is not None or interpret or pending is not None else
+              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound))
+    if launch is not None:  # the measured-faster Mosaic GPU kernel (same outputs)
+        return tree_gdn_mgpu.tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes,
+                                                  depth_bound=depth_bound, scale=scale,
+                                                  tree=tree, interpret=False, **launch)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
