@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The EXPERIMENTAL Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) against the Triton one.
+"""The Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) against the Triton one.
 
 One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton

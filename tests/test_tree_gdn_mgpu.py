@@ -1,4 +1,4 @@
-"""EXPERIMENTAL Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) vs the jnp closed form, in
+"""The Mosaic GPU tree verify (`pallas/tree_gdn_mgpu.py`) vs the jnp closed form, in
 Mosaic GPU interpret mode on the CPU. Needs jax >= 0.11 (the GPU image's version); skipped under
 0.10.2, whose interpret mode cannot run the kernel (docs/kernels.md section 2b)."""
 

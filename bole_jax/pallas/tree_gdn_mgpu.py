@@ -1,20 +1,25 @@
-"""EXPERIMENTAL: the tree-GDN verify as a Pallas Mosaic GPU kernel (TMA + wgmma; Hopper).
+"""The tree-GDN verify as a Pallas Mosaic GPU kernel (TMA + wgmma; Hopper).
 
-Not used by the engine. Measured on the H200 in session 12: correct, and slower than the Triton
-verify (kernel alone 10.9 vs 10.5 us at B = 1 N = 64, 55.5 vs 47.3 at B = 16; docs/kernels.md
-section 2b). It is the first step of docs/NOTES.md "Next" (a verify with another
-structure than the Triton kernel of `tree_gdn.py`, which sits at 255 registers and two programs
-per SM): one program per (value tile, value head, request), one warpgroup, the operands moved by
-TMA straight from the caller's layouts (strided boxes: no transposes), every product a bf16
-wgmma:
+The engine's verify at 33-64 nodes on jax >= 0.11 (`tree_gdn.mosaic_launch`: 64-column tiles,
+the squaring inverse, one bf16 wgmma per product). Measured on the H200 in session 13 at N = 64
+(docs/kernels.md section 2b): 9.1 / 12.2 / 43.0 / 149.1 us per call at B = 1 / 4 / 16 / 64
+against the Triton verify's 10.5 / 17.4 / 47.9 / 174.4, u error 1.4e-4 (Triton 1.1-2.3e-4).
+Other launches stay for measurement (`products` 3 and 2, 128-column tiles, the Neumann
+series). A verify with another structure than the Triton kernel of `tree_gdn.py` (255 registers
+there, two programs per SM): one program per (value tile, value head, request), one
+warpgroup, the operands moved by TMA straight from the caller's layouts (strided boxes: no
+transposes), every product a bf16 wgmma:
 
     K K^T, Q K^T                 [N, N]   (k read transposed from shared memory)
     K S, Q S                     [N, bv]  (the fp32 state tile converted to bf16 in shared memory)
     (I + G)^-1 rhs               the finite Neumann series, depth_bound - 1 steps of -G @ X (or
                                  by squaring: (I - G)(I + G^2)(I + G^4)...), each product as
-                                 three bf16 wgmmas of a hi / lo split (hi hi + hi lo + lo hi:
-                                 ~16 mantissa bits, fp32-like, where one bf16 product loses u)
-    (Q K^T * Gam) U              the same split
+                                 `products` bf16 wgmmas: 3 of a hi / lo split of both operands
+                                 (hi hi + hi lo + lo hi: ~16 mantissa bits), 2 (the left operand
+                                 rounded) or 1 (both rounded: u error 1.4e-4 against 1.0e-4 at 3,
+                                 o 4.0e-3 against 3.2e-3, the bf16 rounding of k and the state
+                                 dominating)
+    (Q K^T * Gam) U              the same
 
 Same maths and outputs as `tree_gdn_ref.tree_gdn_closed_form` (docs/kernels.md section 1):
 o [B, N, HV, dv] in v.dtype and TreeFactors(k, u, gamma). Exact for trees whose longest root path
@@ -343,7 +348,7 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
                          inverse: str = "neumann", products: int = 3, interpret=None,
                          profile_dir: str | None = None):
-    """EXPERIMENTAL Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
+    """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
     static int; deeper requests give NaN). block_v: value columns per program, 128 (one program
