@@ -11,7 +11,8 @@ prompts). Every program is compiled ahead of time, warmed up, then `--reps` repe
 inside `jax.profiler.trace`, and the trace is read back:
 
   ar      the engine's AR loop (`LLM.segment_fn("ar")`): one call of --reps steps
-  step    the engine's bole loop (`LLM.segment_fn("bole")`): one call of --reps spec steps
+  step    the engine's spec loop of --mode (`LLM.segment_fn("bole")` by default; pernode /
+          chain: the baselines' loop): one call of --reps spec steps
   draft select verify accept commit emit
           the stages of one spec step (`bench.stage_functions`, as the bench's step breakdown
           times them), each called --reps times on the inputs `bench.stage_inputs` makes for
@@ -544,7 +545,7 @@ def _e2e_args(a) -> argparse.Namespace:
   """The options bench.run_e2e's helpers read, from ours."""
   return argparse.Namespace(
       model=None, preset=a.preset, dtype=a.dtype, seed=a.seed, batch=[a.batch],
-      prompt_len=a.prompt_len, modes=["ar", "bole"], tp=a.tp,
+      prompt_len=a.prompt_len, modes=["ar", a.mode], tp=a.tp,
       draft_vocab=a.draft_vocab or None,
       nodes=a.nodes, calibration=None, budget=a.budget, topk=a.topk, depth=a.depth,
       backend=a.backend, lazy_commit=a.lazy_commit)
@@ -574,9 +575,9 @@ def run(a) -> dict:
   p = bench.synthetic_accept_prob(a.accept_mean, a.depth) if spec_wanted else None
   gen = 1 + (a.warm + a.reps) * (a.depth + 1)  # no request finishes inside the traced steps
   cfg, params, ids, _ = bench._e2e_model(e2e)
-  plan = bench._plan_batch(e2e, cfg, params, ids, ["bole"] if spec_wanted else [], True, p, gen)
+  plan = bench._plan_batch(e2e, cfg, params, ids, [a.mode] if spec_wanted else [], True, p, gen)
   base = bench._prefill(plan, gen, spec_wanted, stop_at_eos=False)
-  spec = plan["specs"].get("bole")
+  spec = plan["specs"].get(a.mode)
   say(f"[profile] {a.preset}: B={a.batch}, {env['device']}, programs {a.programs}"
       + (f"; {spec.shape}, synthetic drafter p={p:.4f}" if spec else ""))
   phases = dict(setup_s=time.perf_counter() - t_start)
@@ -589,11 +590,11 @@ def run(a) -> dict:
   t = time.perf_counter()
   low = dict(ar=plan["llms"]["ar"].segment_fn("ar").lower(params, shapes("ar"), jnp.int32(0)))
   if "step" in a.programs:
-    low["step"] = plan["llms"]["bole"].segment_fn("bole").lower(params, shapes("bole"),
+    low["step"] = plan["llms"][a.mode].segment_fn(a.mode).lower(params, shapes(a.mode),
                                                                jnp.int32(0))
   if stages:  # bench.stage_inputs runs draft..accept to make the inputs of any stage
     needed = {"draft", "select", "verify", "accept", *stages}
-    lowered = bench.lower_stages(bench.stage_functions(cfg, spec), params, shapes("bole"))
+    lowered = bench.lower_stages(bench.stage_functions(cfg, spec), params, shapes(a.mode))
     low.update({name: lw for name, lw in lowered.items() if name in needed})
   exe = compile_programs(low, a.compile_workers)
   phases["compile_s"] = time.perf_counter() - t
@@ -615,7 +616,7 @@ def run(a) -> dict:
     if spec_wanted:
       st = exe["ar"](params, bench._derive_state(base, "ar", None, cfg), jnp.int32(gen))
       oracle = bench.synthetic_oracle(np.asarray(st.out))
-      st = bench._derive_state(base, "bole", spec, cfg, oracle)
+      st = bench._derive_state(base, a.mode, spec, cfg, oracle)
       if stages:  # the first spec step's inputs (shapes are static: any step runs the same kernels)
         inputs = bench.stage_inputs(exe, params, st)
         for name in stages:
@@ -676,6 +677,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="synthetic drafter: mean tokens per step (sets p, as in the bench)")
   ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"],
                   help="tree kernels of the spec step (the JAX platform: JAX_PLATFORMS)")
+  ap.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"],
+                  help="the spec mode of the step and stage programs (GDN verify and commit)")
   ap.add_argument("--lazy-commit", action="store_true", help="bole with the lazy GDN commit")
   ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                   help="weights (default bfloat16)")
@@ -699,6 +702,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                "compile_workers"):
     if getattr(a, name) < 1:
       ap.error(f"--{name.replace('_', '-')} must be >= 1")
+  if a.lazy_commit and a.mode != "bole":
+    ap.error("--lazy-commit is bole's (--mode bole)")
   if a.warm < 0 or a.draft_vocab < 0:
     ap.error("--warm and --draft-vocab must be >= 0")
   if a.budget != "none":

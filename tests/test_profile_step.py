@@ -209,6 +209,14 @@ def test_cli_tp_refuses_stage_programs(capsys):
   assert ps.parse_args(["--tp", "2", "--programs", "ar", "step"]).tp == 2
 
 
+def test_cli_mode(capsys):
+  assert ps.parse_args(["--programs", "step"]).mode == "bole"
+  assert ps.parse_args(["--mode", "pernode", "--programs", "step", "commit"]).mode == "pernode"
+  with pytest.raises(SystemExit):
+    ps.parse_args(["--mode", "pernode", "--lazy-commit"])
+  assert "--lazy-commit is bole's" in capsys.readouterr().err
+
+
 def test_profile_step_tiny(tmp_path):
   """The script end to end on the tiny preset (AR loop: the cheapest program to compile; the
   spec programs go through the same profile_program)."""
