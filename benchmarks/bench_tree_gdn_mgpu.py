@@ -3,11 +3,12 @@
 
 One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton
-verify (its auto launch) and the Mosaic one (`--variants`: 128- and 64-column value tiles,
-Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product), each checked on the device against the jnp closed form (fp32, HIGHEST), then timed
-with the same profiler timer (device time per call, each kernel's share printed below it; the
-Mosaic call includes the XLA work around the kernel: padding for N < 64 since bf3ff68, the
-gates' gamma and transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
+verify (its auto Triton launch) and the Mosaic one (`--variants`: 128- and 64-column value
+tiles, Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product), each checked on
+the device against the jnp closed form (fp32, HIGHEST), then timed with the same profiler
+timer (device time per call, each kernel's share printed below it; the Mosaic call includes
+the XLA work around the kernel: padding for N < 64 since bf3ff68, the gates' gamma and
+transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
 
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out DIR --B 1,16,64 --N 64
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out /tmp/x --cpu-dry-run   # no GPU
@@ -105,8 +106,9 @@ def bench_point(b, n, timer, seed, interpret, variants):
         except Exception as e:  # noqa: BLE001
             entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
         point[name] = entry
-        print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', float('nan')):9.1f} us  "
-              f"err o {entry.get('err_o', float('nan')):.1e} u {entry.get('err_u', float('nan')):.1e}"
+        nan = float("nan")
+        print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', nan):9.1f} us  "
+              f"err o {entry.get('err_o', nan):.1e} u {entry.get('err_u', nan):.1e}"
               f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
         for kname, kus in entry.get("kernels_us", {}).items():
             print(f"      {kus:8.2f} us  {kname}", flush=True)

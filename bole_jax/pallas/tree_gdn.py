@@ -51,8 +51,8 @@ from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, Tree
                                         tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
-           "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit", "pending_commit",
-           "apply_pending", "resolve_backend"]
+           "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
+           "pending_commit", "apply_pending", "resolve_backend"]
 
 # BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
 # dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
@@ -145,7 +145,8 @@ class TreeGDNConfig:
 def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
                   depth_bound: int | None) -> dict | None:
     """The Mosaic GPU verify's launch (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) where the
-    auto launch takes it instead of the Triton kernel, else None.
+    auto launch takes it instead of the Triton kernel, else None. (batch: every B measured
+    took it, 1 to 64.)
 
     Taken where the H200 measured it faster (session 13, tree_gdn_h200_s13/, Qwen3-Next dims,
     N = 64: 9.1 / 12.2 / 43.0 / 149.1 us against 10.5 / 17.4 / 47.9 / 174.4 at B = 1 / 4 / 16 /

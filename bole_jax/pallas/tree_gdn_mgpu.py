@@ -388,4 +388,5 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   products=int(products), interpret=bool(interpret), profile_dir=None if interpret else profile_dir)
+                   products=int(products), interpret=bool(interpret),
+                   profile_dir=None if interpret else profile_dir)
