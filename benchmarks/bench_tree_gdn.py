@@ -170,20 +170,20 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
     return TreeGDNConfig(**kw)
 
 
-def resolve_bole(cfgs, b: int, n: int, mosaic: bool = True) -> list:
+def resolve_bole(cfgs, b: int, n: int) -> list:
     """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n, MAX_DEPTH)` (the
-    trees' depth bound, as a decode step passes its tree shape's) and, with `mosaic`, the
-    engine's Mosaic launch where it takes one (never in interpret mode: too slow); Mosaic
-    launches only with `mosaic` and N <= 64; duplicates dropped."""
+    trees' depth bound, as a decode step passes its tree shape's) and the engine's Mosaic
+    launch where it takes one (never in interpret mode: too slow); Mosaic launches only at
+    N <= 64; duplicates dropped."""
     out = []
     for c in cfgs:
         if c == "auto":
-            launch = (mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH)
-                      if mosaic and not INTERPRET else None)
+            launch = (None if INTERPRET else
+                      mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH))
             cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
                                                          else [])
         elif isinstance(c, MosaicLaunch):
-            cs = [c] if mosaic and n <= tree_gdn_mgpu.NP else []
+            cs = [c] if n <= tree_gdn_mgpu.NP else []
         else:
             cs = [c]
         out += [x for x in cs if x not in out]
@@ -476,7 +476,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
                 record(f"{tag} + pallas commit (fold {fold}) vs sequential",
                        rel(new, want_state), TOL["state"])
             if not isinstance(cfg, TreeGDNConfig):
-                continue  # (the lazy verify is the Triton kernel's)
+                continue  # (the Mosaic kernel's lazy verify: bench_lazy checks it)
             # Lazy commit: the same inputs verified again with the path rows pending; the
             # kernel's folded state is the accepted node's state of the recurrence.
             pend = pending_commit(f, parents, acc, n)
@@ -614,9 +614,16 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         path, count = accepted_rows(parents, accepted, length)  # the step's, as in bole_commit
         gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count))
         pend = [gather(f) for f in fac]
-        verify = jax.jit(lambda q, k, v, g, beta, state, pending: tree_gdn_verify(
-            q, k, v, g, beta, state, parents, num_nodes, tree=tree, backend="pallas",
-            interpret=INTERPRET, config=cfg, pending=pending), donate_argnums=5)
+        if isinstance(cfg, MosaicLaunch):  # its fold writes a new state buffer (no alias)
+            verify = jax.jit(lambda q, k, v, g, beta, state, pending: (
+                tree_gdn_mgpu.tree_gdn_verify_mgpu(
+                    q, k, v, g, beta, state, parents, num_nodes, tree=tree,
+                    depth_bound=MAX_DEPTH, interpret=INTERPRET, pending=pending,
+                    **dataclasses.asdict(cfg))), donate_argnums=5)
+        else:
+            verify = jax.jit(lambda q, k, v, g, beta, state, pending: tree_gdn_verify(
+                q, k, v, g, beta, state, parents, num_nodes, tree=tree, backend="pallas",
+                interpret=INTERPRET, config=cfg, pending=pending), donate_argnums=5)
         states = [jnp.copy(s[5]) for s in sets]  # own buffers: donated call by call
 
         def call(i):
@@ -732,10 +739,11 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # Lazy commit with the rows folded by the rank-1 loop, the dot and unrolled;
         # "bole_lazy" is the fastest that passed its checks.
         # (--lazy-configs: those launches instead, each with its own fold.)
-        # (the lazy verify is the Triton kernel's: after a Mosaic best, the Triton auto launch)
+        # (after a Mosaic best: the Triton auto launch's three folds, then the Mosaic fold)
         base = cfg if isinstance(cfg, TreeGDNConfig) else TreeGDNConfig.auto(b, n, MAX_DEPTH)
-        lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n, mosaic=False) if LAZY_CFGS else
-                     [dataclasses.replace(base, fold=fold) for fold in ("loop", "dot", "unroll")])
+        lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n) if LAZY_CFGS else
+                     [dataclasses.replace(base, fold=fold) for fold in ("loop", "dot", "unroll")]
+                     + ([cfg] if isinstance(cfg, MosaicLaunch) else []))
         point["bole_lazy_variants"] = [
             bench_lazy(c, sets, fac, parents_d, num_nodes, tree, accepted, timer)
             for c in lazy_cfgs]

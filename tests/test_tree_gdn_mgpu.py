@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
-from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees, tree_structure
+from bole_jax.pallas.tree_gdn import apply_pending, pending_commit
+from bole_jax.pallas.tree_utils import (PendingCommit, random_gdn_inputs, random_trees,
+                                        tree_structure)
 
 pytestmark = pytest.mark.skipif(not tree_gdn_mgpu.AVAILABLE,
                                 reason=tree_gdn_mgpu.UNAVAILABLE_REASON or "unavailable")
@@ -97,6 +99,49 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
                                            y["state"], np.arange(65)[None] - 1, depth_bound=8)
 
 
+@pytest.mark.parametrize("n,hk,hv,block_v,products,length", [
+    (24, 1, 2, 64, 1, 9),
+    (40, 2, 4, 128, 3, 5),
+    (64, 1, 12, 64, 1, 9),  # the weights in two 8-head boxes
+])
+def test_mgpu_verify_folds_a_pending_commit(n, hk, hv, block_v, products, length):
+    """The lazy commit: the verify folds the previous step's path rows into the state it loads
+    (p_sel S + sum_{m < count} w_m k_m u_m^T, fp32), verifies from it and returns it. One
+    request accepts a deep node, one only its root (count 1); rows past the count hold NaN,
+    which must not leak."""
+    rng = np.random.default_rng(RUN_SEED)
+    parents, num_nodes = random_trees(rng, 2, n, ("deep", "random"), ragged=True)
+    x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
+    state = x["state"]
+    _, f_prev = tree_gdn_ref.tree_gdn_closed_form(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                  state, parents, num_nodes)
+    accepted = np.array([min(length - 1, int(num_nodes[0]) - 1), 0], np.int32)
+    pend = pending_commit(f_prev, parents, accepted, length)
+    want_state = apply_pending(state, pend)
+    pad = np.arange(length)[None, :] >= np.asarray(pend.count)[:, None]
+    pend = PendingCommit(k=jnp.where(pad[:, :, None, None], jnp.nan, pend.k),
+                         u=jnp.where(pad[:, :, None, None], jnp.nan, pend.u),
+                         w=jnp.where(pad[:, :, None], jnp.nan, pend.w),
+                         p_sel=pend.p_sel, count=pend.count)
+    y = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
+    args = (y["q"], y["k"], y["v"], y["g"], y["beta"])
+    o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, want_state, parents, num_nodes)
+    depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
+    o, f, new_state = tree_gdn_mgpu.tree_gdn_verify_mgpu(
+        *args, state, parents, num_nodes, depth_bound=depth, block_v=block_v,
+        inverse="squaring", products=products, pending=pend, interpret=True)
+    msg = f"seed {RUN_SEED} counts {np.asarray(pend.count)}"
+    assert pad.any(), msg  # (rows past the count exist: their NaN is tested)
+    assert new_state.shape == state.shape and new_state.dtype == jnp.float32
+    assert rel(new_state, want_state) <= 1e-6, msg  # fp32 rank-1 updates
+    assert rel(o, o_ref) <= 1e-2 and rel(f.u, f_ref.u) <= 1e-3, msg
+    with pytest.raises(ValueError, match="pending rows"):
+        bad = PendingCommit(k=pend.k, u=pend.u[:, :, :1], w=pend.w, p_sel=pend.p_sel,
+                            count=pend.count)
+        tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, state, parents, num_nodes, depth_bound=depth,
+                                           pending=bad, interpret=True)
+
+
 def _smem_estimates():
     """Pallas's shared-memory estimate of each Mosaic kernel lowered inside the block (bytes),
     read by wrapping its private estimator; None where this jax has no such hook."""
@@ -134,18 +179,32 @@ def _smem_estimates():
                                                             (64, "squaring", 16, 32, 2),
                                                             (64, "neumann", 16, 32, 1)])
 def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
+    _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows=0)
+
+
+@pytest.mark.parametrize("products", [1, 3])
+def test_mgpu_verify_with_pending_lowers_for_cuda(products):
+    """The lazy variant at Qwen3-Next heads and a decode step's 9 path rows keeps two programs
+    per SM too (its rows cost ~8 KiB of shared memory in the prologue)."""
+    _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9)
+
+
+def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows):
     """Layout inference and the shared-memory budget are checked when lowering (no GPU needed).
     The 64-column launch must keep two programs per SM (<= 113 KiB each of the H200's 228)."""
     rng = np.random.default_rng(RUN_SEED)
     parents, _ = random_trees(rng, 2, 64, ("random",))
     x = random_gdn_inputs(rng, 2, 64, hk, hv, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
-    f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a, depth_bound=8, block_v=block_v,
-                                                              inverse=inverse, products=products,
+    pend = None if not pending_rows else PendingCommit.empty(2, pending_rows, hk, 128, hv, 128)
+    f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a[:7], depth_bound=8,
+                                                              block_v=block_v, inverse=inverse,
+                                                              products=products, pending=a[7],
                                                               interpret=False))
     found, restore = _smem_estimates()
     try:
-        txt = f.trace(*args, jnp.asarray(parents)).lower(lowering_platforms=("cuda",)).as_text()
+        txt = f.trace(*args, jnp.asarray(parents), pend).lower(
+            lowering_platforms=("cuda",)).as_text()
     finally:
         if restore:
             restore()

@@ -32,7 +32,13 @@ shared memory by Pallas's estimate, one program per SM) or 64 (105 KiB with eith
 two programs per SM, K K^T and Q K^T computed twice). The gates come in as the caller holds
 them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
 root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
-XLA work around it is padding (N < 64, or HV not a multiple of 8). Limits of this version:
+XLA work around it is padding (N < 64, or HV not a multiple of 8). A pending lazy commit
+(`pending=`, session 13, interpret-tested and lowered, NOT yet timed on a GPU; the engine's lazy
+path stays on the Triton kernel) is folded into the fp32 state tile in the prologue: its rows
+(k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the count) by TMA, fp32 rank-1
+updates in registers, the folded tile stored by TMA to a new state buffer (the 64-column launch
+then needs 113 KiB of shared memory by Pallas's estimate: still two programs per SM; the g /
+gamma vectors share one buffer for that). Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -51,7 +57,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bole_jax.pallas.tree_utils import L2_EPS, TreeFactors, TreeStructure, tree_structure
+from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
+                                        tree_structure)
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 
@@ -92,9 +99,19 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam_out_g,
-            q_s, k_s, v_s, sb_s, vr_s, bar,
-            *, ratio, depth, o_dtype, scale, bv, inverse, products):
+def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows):
+    # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
+    # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
+    # p_sel, then the count (as a float in every head's column); after the outputs the folded
+    # state sn [B, HV, dk, dv].
+    ins, refs = refs[:8], refs[8:]
+    q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g = ins
+    pend_g = refs[:3] if pend_rows else None
+    refs = refs[3:] if pend_rows else refs
+    o_g, u_g, kf_g, gam_out_g = refs[:4]
+    refs = refs[4:]
+    sn_g = refs[0] if pend_rows else None
+    q_s, k_s, v_s, sb_s, vr_s, bar = refs[1:] if pend_rows else refs
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     t = lax.axis_index("t")
@@ -119,8 +136,28 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         ref[...] = y.astype(_BF)
         return y
 
-    def prologue(s32_s, anc_s, g8_s, b8_s, gv_s, gc_s, sbar):
-        # (the fp32 state tile, the mask and the gates live only here)
+    def fold(s, pk_s, pu_s, pws_s):
+        """p_sel S + sum_{m < count} w_m k_m u_m^T on the fp32 state tile s [dk, bv] (registers):
+        fp32 rank-1 updates, unrolled over the rows present; rows past the count are zeroed
+        on both factors, so even NaN there cannot leak (as the Triton kernel's fold)."""
+        col = h % GATE_BOX
+        count = pws_s[pend_rows + 1, col]
+        acc = pws_s[pend_rows, col] * s
+        finite = lambda x: jnp.abs(x) < jnp.inf  # noqa: E731
+        for m in range(pend_rows):
+            w = jnp.where(m < count, pws_s[m, col], 0.0)  # (a scalar select)
+            k_m = plgpu.load(pk_s.at[m], layout=wg.reduce(1))  # [dk], one per state row
+            u_m = plgpu.load(pu_s.at[m], layout=wg.reduce(0))  # [bv], one per column
+            # A select needs a vector predicate under warpgroup semantics: rows past the count
+            # weigh 0, and their NaN / inf (if any) are zeroed by value, so none leaks.
+            k_m = jnp.where(finite(k_m), k_m, 0.0) * w
+            u_m = jnp.where(finite(u_m), u_m, 0.0)
+            acc = acc + (lax.broadcast_in_dim(k_m, (dk, bv), [0])
+                         * lax.broadcast_in_dim(u_m, (dk, bv), [1]))
+        return acc
+
+    def prologue(s32_s, anc_s, g8_s, b8_s, vec_s, sbar, *pend_s):
+        # (the fp32 state tile, the mask, the gates and a pending commit's rows live only here)
         # The gates: the 8-head box holding this head (TMA needs a contiguous inner extent; 32
         # bytes here), its column picked in registers.
         heads8 = pl.ds((h // GATE_BOX) * GATE_BOX, GATE_BOX)
@@ -128,6 +165,12 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         plgpu.copy_gmem_to_smem(beta_g.at[b, :, heads8], b8_s, bar)
         plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
         plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
+        if pend_rows:
+            pk_g, pu_g, pws_g = pend_g
+            pk_s, pu_s, pws_s = pend_s
+            plgpu.copy_gmem_to_smem(pk_g.at[b, :, hk, :], pk_s, sbar)
+            plgpu.copy_gmem_to_smem(pu_g.at[b, :, h, cols], pu_s, sbar)
+            plgpu.copy_gmem_to_smem(pws_g.at[b, :, heads8], pws_s, sbar)
         with _region("wait_qkv"):
             plgpu.barrier_wait(bar)
         # vflag: 1 a node, 0 padding, NaN every row of a request deeper than the bound (such a
@@ -146,8 +189,14 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
         with _region("wait_state"):
             plgpu.barrier_wait(sbar)
         with _region("state_bf16"):
-            sb_s[...] = plgpu.load(s32_s, layout=wg).astype(_BF)
+            s = plgpu.load(s32_s, layout=wg)
+            if pend_rows:  # the lazy commit: the folded state is the one verified, and stored
+                s = fold(s, *pend_s)
+                s32_s[...] = s
+            sb_s[...] = s.astype(_BF)
             plgpu.commit_smem()
+            if pend_rows:
+                plgpu.copy_smem_to_gmem(s32_s, sn_g.at[b, h, :, cols])
         with _region("gam"):
             box_cols = plgpu.broadcasted_iota(jnp.int32, (n, GATE_BOX), 1, layout=wg)
 
@@ -161,6 +210,7 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             b_row = jnp.where(live, column(b8_s) * vflag, 0.0)
             # gamma_i = sum_j anc[i, j] g_j: the root-path cumulative gate. g and gamma are
             # re-read from shared memory as column vectors.
+            gv_s, gc_s = vec_s.at[0], vec_s.at[1]  # (one buffer: shared memory is aligned)
             gv_s[...] = g_node
             anc = plgpu.load(anc_s, layout=wg).astype(_F32)
             g_col = plgpu.load(gv_s, layout=wg.reduce(0))
@@ -174,14 +224,20 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
             gamma_col = plgpu.load(gc_s, layout=wg.reduce(0))
             diff = rows_of(g_row, n) - lax.broadcast_in_dim(gamma_col, (n, n), [1])
             # Gam: exp(gamma_i - gamma_j) on anc*(i)
-            return jnp.exp(jnp.minimum(diff, 0.0)) * anc, g_row, b_row, vflag
+            gam = jnp.exp(jnp.minimum(diff, 0.0)) * anc
+        if pend_rows:  # the folded state's store has read its shared memory (freed next)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return gam, g_row, b_row, vflag
 
+    # a pending commit's rows (unswizzled: read row by row and as scalars)
+    pend_scratch = [plgpu.SMEM((pend_rows, dk), _F32), plgpu.SMEM((pend_rows, bv), _F32),
+                    plgpu.SMEM((pend_rows + 2, GATE_BOX), _F32)] if pend_rows else []
     gam, g_row, b_row, vflag = pl.run_scoped(
         prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
         *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
-        plgpu.SMEM((n,), _F32), plgpu.SMEM((n,), _F32),  # g, gamma as column vectors
-        plgpu.Barrier(num_arrivals=2))
+        plgpu.SMEM((2, n), _F32),  # g, gamma as column vectors
+        plgpu.Barrier(num_arrivals=2 + len(pend_scratch)), *pend_scratch)
 
     @_region("mm")
     def mms(*jobs):
@@ -294,8 +350,8 @@ def _kernel(q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, o_g, u_g, kf_g, gam
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
                                              "products", "interpret", "profile_dir"))
-def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_bound, block_v,
-            inverse, products, interpret, profile_dir):
+def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale, depth_bound,
+            block_v, inverse, products, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -314,17 +370,26 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
     bp = jnp.pad(beta.astype(_F32), ((0, 0), (0, pad), (0, hvp - hv)))
     vflag = jnp.where((tree.path_len > depth_bound)[:, None], jnp.nan, valid.astype(_F32))
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
+    pend_rows = 0 if pending is None else pending.k.shape[1]
+    pend_args, pend_out = [], []
+    if pend_rows:  # the rows as the caller holds them (heads padded to the box only)
+        count = jnp.broadcast_to(jnp.asarray(pending.count, _F32)[:, None], (bsz, hv))
+        pws = jnp.concatenate([pending.w.astype(_F32), pending.p_sel.astype(_F32)[:, None],
+                               count[:, None]], axis=1)
+        pend_args = [pending.k.astype(_F32), pending.u.astype(_F32),
+                     jnp.pad(pws, ((0, 0), (0, 0), (0, hvp - hv)))]
+        pend_out = [jax.ShapeDtypeStruct((bsz, hv, dk, dv), _F32)]
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v, inverse=inverse, products=products)
+                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
         out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
                   jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
                   jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32)),
+                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32), *pend_out),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
@@ -336,17 +401,21 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, *, scale, depth_b
         compiler_params=(plgpu.CompilerParams(profile_space=PROFILE_SPACE,
                                               profile_dir=profile_dir) if profile_dir else None),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    o, u, kn, gamma = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32))
+    outs = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32), *pend_args)
+    o, u, kn, gamma = outs[:4]
     if pad:
         o, u, kn, gamma = o[:, :n], u[:, :n], kn[:, :n], gamma[:, :n]
     if hvp != hv:
         gamma = gamma[:, :, :hv]
+    if pend_rows:
+        return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma), outs[4]
     return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
 
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
-                         inverse: str = "neumann", products: int = 3, interpret=None,
+                         inverse: str = "neumann", products: int = 3,
+                         pending: PendingCommit | None = None, interpret=None,
                          profile_dir: str | None = None):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
@@ -358,7 +427,11 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     as [N, N] products beside, in buffers the prologue's have freed). products: bf16 wgmmas per
     product of fp32 values (the inverse's and W U): 3 (hi / lo splits of both operands, ~16
     mantissa bits), 2 (the left operand, -G or W, rounded to bf16: it already carries the bf16
-    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). interpret=None: interpret mode
+    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). pending: a lazy commit
+    (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
+    the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
+    verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
+    fp32, a new buffer). interpret=None: interpret mode
     unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
     in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
     (GPU only; benchmarks/mgpu_trace.py summarises it)."""
@@ -386,7 +459,14 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     parents = jnp.asarray(parents, jnp.int32)
     if num_nodes is not None:
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
-    return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, scale=scale,
+    if pending is not None:
+        length = pending.k.shape[1]
+        want = dict(k=(bsz, length, hk, dk), u=(bsz, length, hv, dv), w=(bsz, length, hv),
+                    p_sel=(bsz, hv), count=(bsz,))
+        got = {f: tuple(getattr(pending, f).shape) for f in want}
+        if got != want or length < 1:
+            raise ValueError(f"pending rows {got} do not match the verify's {want}")
+    return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
                    products=int(products), interpret=bool(interpret),
                    profile_dir=None if interpret else profile_dir)
