@@ -38,7 +38,7 @@ path stays on the Triton kernel) is folded into the fp32 state tile in the prolo
 (k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the count) by TMA, fp32 rank-1
 updates in registers, the folded tile stored by TMA to a new state buffer (the 64-column launch
 then needs 113 KiB of shared memory by Pallas's estimate: still two programs per SM; the g /
-gamma vectors share one buffer for that). Limits of this version:
+gamma vectors share one buffer for that, in this variant only). Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -157,6 +157,8 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         return acc
 
     def prologue(s32_s, anc_s, g8_s, b8_s, vec_s, sbar, *pend_s):
+        # vec_s: g and gamma as column vectors, two buffers or (with a pending commit, whose
+        # rows need the space: allocations are aligned) one of two rows
         # (the fp32 state tile, the mask, the gates and a pending commit's rows live only here)
         # The gates: the 8-head box holding this head (TMA needs a contiguous inner extent; 32
         # bytes here), its column picked in registers.
@@ -210,7 +212,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             b_row = jnp.where(live, column(b8_s) * vflag, 0.0)
             # gamma_i = sum_j anc[i, j] g_j: the root-path cumulative gate. g and gamma are
             # re-read from shared memory as column vectors.
-            gv_s, gc_s = vec_s.at[0], vec_s.at[1]  # (one buffer: shared memory is aligned)
+            gv_s, gc_s = (vec_s.at[0], vec_s.at[1]) if pend_rows else vec_s
             gv_s[...] = g_node
             anc = plgpu.load(anc_s, layout=wg).astype(_F32)
             g_col = plgpu.load(gv_s, layout=wg.reduce(0))
@@ -236,7 +238,8 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
         *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
-        plgpu.SMEM((2, n), _F32),  # g, gamma as column vectors
+        # g, gamma as column vectors (the GPU-timed layout without a pending commit)
+        plgpu.SMEM((2, n), _F32) if pend_rows else [plgpu.SMEM((n,), _F32)] * 2,
         plgpu.Barrier(num_arrivals=2 + len(pend_scratch)), *pend_scratch)
 
     @_region("mm")
