@@ -147,8 +147,13 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
     items = [x.strip() for x in spec.split(",") if x.strip()]
     if items and items[0] == "mosaic":
         keys = dict(bv="block_v", inv="inverse", p="products")
-        kw = {keys[k]: (v if k == "inv" else int(v))
-              for k, v in (x.split("=") for x in items[1:])}
+        kw = {}
+        for item in items[1:]:
+            k, _, v = (x.strip() for x in item.partition("="))
+            if k not in keys or not v:
+                raise ValueError(f"bad Mosaic launch item {item!r} in {spec!r}: use "
+                                 "mosaic[,bv=64|128][,inv=neumann|squaring][,p=1|2|3]")
+            kw[keys[k]] = v if k == "inv" else int(v)
         return MosaicLaunch(**kw)
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",

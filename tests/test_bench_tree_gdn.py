@@ -1,0 +1,43 @@
+"""benchmarks/bench_tree_gdn.py: the launch specs of its bole sweep (Triton configs, "auto" and
+the Mosaic GPU verify), resolved per point as the GPU run resolves them (no GPU here)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench_tree_gdn as btg  # noqa: E402
+from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
+
+
+def test_parse_mosaic_specs():
+    assert btg.parse_bole("mosaic") == btg.MosaicLaunch()
+    assert btg.parse_bole(" mosaic, bv=128, inv=neumann, p=3 ") == btg.MosaicLaunch(
+        block_v=128, inverse="neumann", products=3)
+    assert btg.cfg_str(btg.MosaicLaunch()) == "mosaic,bv=64,inv=squaring,p=1"
+    assert btg.parse_bole("auto") == "auto"
+    assert btg.parse_bole("bv=32,w=4,inv=squaring") == TreeGDNConfig(block_v=32, num_warps=4,
+                                                                      inverse="squaring")
+    for bad in ("mosaic,warps=4", "mosaic,bv"):
+        with pytest.raises(ValueError, match="bad Mosaic launch item"):
+            btg.parse_bole(bad)
+
+
+def test_resolve_auto_adds_the_engines_mosaic_launch(monkeypatch):
+    """"auto" at a point: the Triton auto config, plus the Mosaic launch exactly where
+    `mosaic_launch` takes one (never in interpret mode); an explicit Mosaic spec only at
+    N <= 64; duplicates dropped."""
+    taken = dict(block_v=64, inverse="squaring", products=1)
+    monkeypatch.setattr(btg, "mosaic_launch",
+                        lambda b, n, dk, dv, dt, depth: taken if n > 32 else None)
+    assert btg.resolve_bole(["auto"], 16, 64) == [TreeGDNConfig.auto(16, 64, btg.MAX_DEPTH),
+                                                  btg.MosaicLaunch(**taken)]
+    assert btg.resolve_bole(["auto", "auto"], 16, 16) == [
+        TreeGDNConfig.auto(16, 16, btg.MAX_DEPTH)]
+    assert btg.resolve_bole([btg.MosaicLaunch()], 1, 128) == []
+    assert btg.resolve_bole(["auto", btg.MosaicLaunch()], 1, 64) == [
+        TreeGDNConfig.auto(1, 64, btg.MAX_DEPTH), btg.MosaicLaunch()]
+    monkeypatch.setattr(btg, "INTERPRET", True)
+    assert btg.resolve_bole(["auto"], 16, 64) == [TreeGDNConfig.auto(16, 64, btg.MAX_DEPTH)]
