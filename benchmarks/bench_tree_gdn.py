@@ -197,13 +197,14 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
 
 def bole_verify(cfg, parents, num_nodes, tree):
     """The bole verify of one launch (a Triton config or a MosaicLaunch) as f(q, k, v, g, beta,
-    state) -> (o, factors)."""
+    state, pending=None) -> (o, factors[, the folded state with a pending commit])."""
     if isinstance(cfg, MosaicLaunch):
-        return lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(
+        return lambda *a, pending=None: tree_gdn_mgpu.tree_gdn_verify_mgpu(
             *a, parents, num_nodes, tree=tree, depth_bound=MAX_DEPTH, interpret=INTERPRET,
-            **dataclasses.asdict(cfg))
-    return lambda *a: tree_gdn_verify(*a, parents, num_nodes, tree=tree, backend="pallas",
-                                      interpret=INTERPRET, config=cfg)
+            pending=pending, **dataclasses.asdict(cfg))
+    return lambda *a, pending=None: tree_gdn_verify(
+        *a, parents, num_nodes, tree=tree, backend="pallas", interpret=INTERPRET, config=cfg,
+        pending=pending)
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
@@ -619,16 +620,10 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         path, count = accepted_rows(parents, accepted, length)  # the step's, as in bole_commit
         gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count))
         pend = [gather(f) for f in fac]
-        if isinstance(cfg, MosaicLaunch):  # its fold writes a new state buffer (no alias)
-            verify = jax.jit(lambda q, k, v, g, beta, state, pending: (
-                tree_gdn_mgpu.tree_gdn_verify_mgpu(
-                    q, k, v, g, beta, state, parents, num_nodes, tree=tree,
-                    depth_bound=MAX_DEPTH, interpret=INTERPRET, pending=pending,
-                    **dataclasses.asdict(cfg))), donate_argnums=5)
-        else:
-            verify = jax.jit(lambda q, k, v, g, beta, state, pending: tree_gdn_verify(
-                q, k, v, g, beta, state, parents, num_nodes, tree=tree, backend="pallas",
-                interpret=INTERPRET, config=cfg, pending=pending), donate_argnums=5)
+        # (the Mosaic fold writes a new state buffer: its donated state is not reused)
+        fold = bole_verify(cfg, parents, num_nodes, tree)
+        verify = jax.jit(lambda q, k, v, g, beta, state, pending: fold(
+            q, k, v, g, beta, state, pending=pending), donate_argnums=5)
         states = [jnp.copy(s[5]) for s in sets]  # own buffers: donated call by call
 
         def call(i):

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import accepted_rows, pending_commit, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows, pending_commit,  # noqa: E402
+                                      tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
@@ -63,7 +64,9 @@ def main(argv=None):
     for cfg in cfgs:
         add(f"verify {btg.cfg_str(cfg)}", btg.bole_verify(cfg, parents_d, num_nodes, tree),
             q, k, v, g, beta, state)
-    cfg = cfgs[0]
+    # the commit's factors and the lazy folds: the first Triton launch (Mosaic has no folds here)
+    cfg = next((c for c in cfgs if isinstance(c, TreeGDNConfig)),
+               TreeGDNConfig.auto(b, n, btg.MAX_DEPTH))
     fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
                           backend="pallas", config=cfg)[1]
     for fold in ("loop", "dot", "unroll"):

@@ -677,7 +677,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="synthetic drafter: mean tokens per step (sets p, as in the bench)")
   ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"],
                   help="tree kernels of the spec step (the JAX platform: JAX_PLATFORMS)")
-  ap.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"],
+  ap.add_argument("--mode", default="bole", choices=[m for m in bench.E2E_MODES if m != "ar"],
                   help="the spec mode of the step and stage programs (GDN verify and commit)")
   ap.add_argument("--lazy-commit", action="store_true", help="bole with the lazy GDN commit")
   ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],

@@ -47,8 +47,8 @@ from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
-                                        accepted_path, next_pow2, pad_axis, resolve_backend,
-                                        tree_structure)
+                                        accepted_path, check_pending, next_pow2, pad_axis,
+                                        resolve_backend, tree_structure)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
            "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
@@ -528,7 +528,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     scale = float(dk ** -0.5 if scale is None else scale)
     backend, interpret = resolve_backend(backend, interpret)
     if pending is not None:
-        _check_pending(pending, b, hk, hv, dk, v.shape[3])
+        check_pending(pending, b, hk, hv, dk, v.shape[3])
     if backend == "reference":
         if pending is None:
             return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
@@ -562,15 +562,6 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     return _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
                             jnp.asarray(num_nodes, jnp.int32), tree.path_len.astype(jnp.int32),
                             pending, scale=scale, cfg=cfg, interpret=interpret)
-
-
-def _check_pending(pending: PendingCommit, b, hk, hv, dk, dv):
-    length = pending.k.shape[1]
-    want = dict(k=(b, length, hk, dk), u=(b, length, hv, dv), w=(b, length, hv), p_sel=(b, hv),
-                count=(b,))
-    got = {name: tuple(jnp.shape(getattr(pending, name))) for name in want}
-    if got != want:
-        raise ValueError(f"pending {got} does not match the verify's shapes: need {want}")
 
 
 # ------------------------------------------------------------------------- selected-state commit

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
-                                        tree_structure)
+                                        check_pending, tree_structure)
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 
@@ -104,14 +104,10 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
     # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
     # p_sel, then the count (as a float in every head's column); after the outputs the folded
     # state sn [B, HV, dk, dv].
-    ins, refs = refs[:8], refs[8:]
-    q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g = ins
-    pend_g = refs[:3] if pend_rows else None
-    refs = refs[3:] if pend_rows else refs
-    o_g, u_g, kf_g, gam_out_g = refs[:4]
-    refs = refs[4:]
-    sn_g = refs[0] if pend_rows else None
-    q_s, k_s, v_s, sb_s, vr_s, bar = refs[1:] if pend_rows else refs
+    n_in, n_out = (11, 5) if pend_rows else (8, 4)
+    q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, *pend_g = refs[:n_in]
+    o_g, u_g, kf_g, gam_out_g, *sn_g = refs[n_in:n_in + n_out]
+    q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out:]
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     t = lax.axis_index("t")
@@ -198,7 +194,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             sb_s[...] = s.astype(_BF)
             plgpu.commit_smem()
             if pend_rows:
-                plgpu.copy_smem_to_gmem(s32_s, sn_g.at[b, h, :, cols])
+                plgpu.copy_smem_to_gmem(s32_s, sn_g[0].at[b, h, :, cols])
         with _region("gam"):
             box_cols = plgpu.broadcasted_iota(jnp.int32, (n, GATE_BOX), 1, layout=wg)
 
@@ -463,12 +459,9 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     if num_nodes is not None:
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
     if pending is not None:
-        length = pending.k.shape[1]
-        want = dict(k=(bsz, length, hk, dk), u=(bsz, length, hv, dv), w=(bsz, length, hv),
-                    p_sel=(bsz, hv), count=(bsz,))
-        got = {f: tuple(getattr(pending, f).shape) for f in want}
-        if got != want or length < 1:
-            raise ValueError(f"pending rows {got} do not match the verify's {want}")
+        check_pending(pending, bsz, hk, hv, dk, dv)
+        if pending.k.shape[1] < 1:  # (the kernel unrolls its rows: none would drop the fold)
+            raise ValueError("pending rows: a pending commit needs at least one row")
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
                    products=int(products), interpret=bool(interpret),

@@ -180,6 +180,16 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def check_pending(pending: PendingCommit, b: int, hk: int, hv: int, dk: int, dv: int) -> None:
+    """ValueError unless a pending commit's rows fit a verify of these shapes (any row count)."""
+    length = pending.k.shape[1]
+    want = dict(k=(b, length, hk, dk), u=(b, length, hv, dv), w=(b, length, hv), p_sel=(b, hv),
+                count=(b,))
+    got = {name: tuple(jnp.shape(getattr(pending, name))) for name in want}
+    if got != want:
+        raise ValueError(f"pending rows {got} do not match the verify's shapes: need {want}")
+
+
 def check_parents(parents, num_nodes=None) -> None:
     """Eager validation of a parents array (host side); raises ValueError naming the fix."""
     p = np.asarray(parents)
