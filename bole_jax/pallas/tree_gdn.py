@@ -152,14 +152,17 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
     N = 64: 9.1 / 12.2 / 43.0 / 149.1 us against 10.5 / 17.4 / 47.9 / 174.4 at B = 1 / 4 / 16 /
     64; u error 1.4e-4 against the Triton verify's 1.1-2.3e-4): 64-column tiles, the inverse by
     squaring, one bf16 wgmma per product. Needs jax >= 0.11 (the GPU image), dk = dv = 128,
-    bf16 v (the kernel rounds o through bf16), a static depth bound, 33-64 nodes (it pads the
-    node axis to 64: fewer nodes cost it as much), the bf16-operand launch family
-    (BOLE_TREE_GDN_BF16 unset) and BOLE_TREE_GDN_MOSAIC unset."""
+    bf16 v (the kernel rounds o through bf16), a static depth bound, exactly 64 nodes, the
+    bf16-operand launch family (BOLE_TREE_GDN_BF16 unset) and BOLE_TREE_GDN_MOSAIC unset.
+    Fewer nodes stay on Triton: the kernel pads the node axis to 64 in XLA (and slices its
+    outputs back), and at N = 48 that padding cost more than the kernel saved (session 14,
+    tree_gdn_h200_s14/n48/: 20.5 / 74.4 us per call at B = 1 / 16 against Triton's 10.0 / 43.1;
+    the kernel alone 8.1 / 41.1). The engine's node buckets are powers of two."""
     if not (MOSAIC and BF16_OPERANDS and tree_gdn_mgpu.AVAILABLE) or depth_bound is None:
         return None
     if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
         return None
-    if not 32 < nodes <= tree_gdn_mgpu.NP:
+    if nodes != tree_gdn_mgpu.NP:
         return None
     return dict(block_v=64, inverse="squaring", products=1)
 
