@@ -49,14 +49,7 @@ VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             "mgpu64_sq_p2": dict(block_v=64, inverse="squaring", products=2),
             "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
             "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
-            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
-            # session 14: q / k norms as row / column scales of the products ("_sc"), and the
-            # last store wait until shared memory is read only ("_ro")
-            "mgpu64_sq_p1_sc": dict(block_v=64, inverse="squaring", products=1, norm="scale"),
-            "mgpu64_sq_p1_ro": dict(block_v=64, inverse="squaring", products=1,
-                                    store_read_only=True),
-            "mgpu64_sq_p1_sc_ro": dict(block_v=64, inverse="squaring", products=1, norm="scale",
-                                       store_read_only=True)}
+            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1)}
 DEFAULT_VARIANTS = "mgpu64_sq,mgpu64_sq_p2,mgpu64_sq_p1,mgpu_sq_p2,mgpu64_p1"
 
 

@@ -25,32 +25,25 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("n,hk,hv,kinds,ragged,block_v,inverse,products,norm", [
-    (64, 1, 2, ("random",), False, 128, "neumann", 3, "inplace"),
-    (64, 2, 2, ("deep", "bushy"), True, 64, "neumann", 3, "inplace"),
-    (16, 1, 3, ("star", "forest"), True, 128, "neumann", 3, "inplace"),
-    (7, 1, 1, ("random", "deep"), True, 64, "neumann", 3, "inplace"),
-    (1, 1, 2, ("random",), False, 128, "neumann", 3, "inplace"),
-    (33, 2, 4, ("random",), True, 64, "neumann", 3, "inplace"),
-    (64, 1, 2, ("deep", "random"), True, 128, "squaring", 3, "inplace"),
-    (20, 1, 2, ("chain", "bushy"), True, 64, "squaring", 3, "inplace"),
-    (5, 1, 1, ("star",), False, 64, "squaring", 3, "inplace"),
-    # gates in two 8-head boxes
-    (33, 4, 12, ("random", "bushy"), True, 64, "squaring", 3, "inplace"),
+@pytest.mark.parametrize("n,hk,hv,kinds,ragged,block_v,inverse,products", [
+    (64, 1, 2, ("random",), False, 128, "neumann", 3),
+    (64, 2, 2, ("deep", "bushy"), True, 64, "neumann", 3),
+    (16, 1, 3, ("star", "forest"), True, 128, "neumann", 3),
+    (7, 1, 1, ("random", "deep"), True, 64, "neumann", 3),
+    (1, 1, 2, ("random",), False, 128, "neumann", 3),
+    (33, 2, 4, ("random",), True, 64, "neumann", 3),
+    (64, 1, 2, ("deep", "random"), True, 128, "squaring", 3),
+    (20, 1, 2, ("chain", "bushy"), True, 64, "squaring", 3),
+    (5, 1, 1, ("star",), False, 64, "squaring", 3),
+    (33, 4, 12, ("random", "bushy"), True, 64, "squaring", 3),  # gates in two 8-head boxes
     # fewer bf16 products per fp32 one: the left operand (2), then both (1) rounded to bf16
-    (64, 1, 2, ("deep", "bushy"), True, 64, "squaring", 2, "inplace"),
-    (48, 2, 4, ("random", "chain"), True, 128, "squaring", 2, "inplace"),
-    (64, 1, 2, ("random", "deep"), True, 64, "neumann", 2, "inplace"),
-    (40, 1, 2, ("bushy", "deep"), True, 64, "squaring", 1, "inplace"),
-    (64, 1, 1, ("random",), False, 64, "neumann", 1, "inplace"),
-    # norm "scale": q, k raw into the products, their norms from the Gram diagonals
-    (64, 1, 2, ("deep", "bushy"), True, 64, "squaring", 1, "scale"),
-    (64, 2, 4, ("random",), False, 64, "squaring", 1, "scale"),
-    (40, 1, 2, ("chain", "star"), True, 128, "neumann", 3, "scale"),
-    (7, 1, 1, ("random", "forest"), True, 64, "squaring", 2, "scale"),
+    (64, 1, 2, ("deep", "bushy"), True, 64, "squaring", 2),
+    (48, 2, 4, ("random", "chain"), True, 128, "squaring", 2),
+    (64, 1, 2, ("random", "deep"), True, 64, "neumann", 2),
+    (40, 1, 2, ("bushy", "deep"), True, 64, "squaring", 1),
+    (64, 1, 1, ("random",), False, 64, "neumann", 1),
 ])
-def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inverse, products,
-                                         norm):
+def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inverse, products):
     rng = np.random.default_rng(RUN_SEED)
     parents, num_nodes = random_trees(rng, 2, n, kinds, ragged=ragged)
     x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
@@ -66,10 +59,8 @@ def test_mgpu_verify_matches_closed_form(n, hk, hv, kinds, ragged, block_v, inve
     depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
     o, f = tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, num_nodes, depth_bound=depth,
                                               block_v=block_v, inverse=inverse,
-                                              products=products, norm=norm,
-                                              store_read_only=norm == "scale", interpret=True)
-    msg = (f"seed {RUN_SEED} block_v {block_v} {inverse} products {products} norm {norm} "
-           f"depth {depth}")
+                                              products=products, interpret=True)
+    msg = f"seed {RUN_SEED} block_v {block_v} {inverse} products {products} depth {depth}"
     assert o.shape == o_ref.shape and o.dtype == o_ref.dtype, msg
     assert rel(o, o_ref) <= 1e-2, msg  # bf16 output rounding
     # bf16 operands; u's error, measured (random trees, N = 64): 0.95e-4 / 1.24e-4 / 1.40e-4
@@ -104,8 +95,6 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
         tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, inverse="solve")
     with pytest.raises(ValueError, match="products"):
         tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, products=4)
-    with pytest.raises(ValueError, match="norm"):
-        tree_gdn_mgpu.tree_gdn_verify_mgpu(*args, parents, depth_bound=8, norm="rms")
     with pytest.raises(ValueError, match="nodes"):
         y = random_gdn_inputs(rng, 1, 65, 1, 1, 128, 128, jnp.bfloat16)
         tree_gdn_mgpu.tree_gdn_verify_mgpu(y["q"], y["k"], y["v"], y["g"], y["beta"],
@@ -190,12 +179,9 @@ def _smem_estimates():
                                                             (64, "squaring", 16, 32, 3),
                                                             (128, "squaring", 16, 32, 3),
                                                             (64, "squaring", 16, 32, 2),
-                                                            (64, "neumann", 16, 32, 1),
-                                                            (64, "squaring", 16, 32, -1)])
+                                                            (64, "neumann", 16, 32, 1)])
 def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
-    # products -1: the engine's launch (1 product) with norm "scale" and the read-only wait
-    norm = dict(norm="scale", store_read_only=True) if products < 0 else {}
-    _lower_and_check_smem(block_v, inverse, hk, hv, abs(products), pending_rows=0, **norm)
+    _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows=0)
 
 
 @pytest.mark.parametrize("products", [1, 3])
@@ -205,7 +191,7 @@ def test_mgpu_verify_with_pending_lowers_for_cuda(products):
     _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9)
 
 
-def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows, **kw):
+def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows):
     """Layout inference and the shared-memory budget are checked when lowering (no GPU needed).
     The 64-column launch must keep two programs per SM (<= 113 KiB each of the H200's 228)."""
     rng = np.random.default_rng(RUN_SEED)
@@ -216,7 +202,7 @@ def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows, **kw
     f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a[:7], depth_bound=8,
                                                               block_v=block_v, inverse=inverse,
                                                               products=products, pending=a[7],
-                                                              interpret=False, **kw))
+                                                              interpret=False))
     found, restore = _smem_estimates()
     try:
         txt = f.trace(*args, jnp.asarray(parents), pend).lower(

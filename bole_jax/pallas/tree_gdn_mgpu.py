@@ -99,8 +99,7 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows, norm,
-            store_read_only):
+def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows):
     # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
     # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
     # p_sel, then the count (as a float in every head's column); after the outputs the folded
@@ -176,15 +175,14 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         # request counts as live: its NaN comes from beta)
         vflag = plgpu.load(vr_s, layout=wg.reduce(1))
         live = vflag != 0
-        if norm == "inplace":  # (norm "scale": the norms come from K K^T and Q Q^T in main)
-            with _region("normalize"):
-                valid = rows_of(vflag, dk) != 0
-                normalize(q_s, scale, valid)
-                kn = normalize(k_s, 1.0, valid)
+        with _region("normalize"):
+            valid = rows_of(vflag, dk) != 0
+            normalize(q_s, scale, valid)
+            kn = normalize(k_s, 1.0, valid)
 
-            @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
-            def _():
-                kf_g.at[b, :, hk, :][...] = kn  # the factor k, from registers
+        @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
+        def _():
+            kf_g.at[b, :, hk, :][...] = kn  # the factor k, from registers
 
         with _region("wait_state"):
             plgpu.barrier_wait(sbar)
@@ -274,40 +272,13 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         else:
             pair[0][...] = value.astype(_BF)
 
-    def main(rk_s, ah_s, al_s, xh_s, xl_s, *power):
+    def main(ah_s, al_s, xh_s, xl_s, *power):
         a_pair, x_pair = (ah_s, al_s), (xh_s, xl_s)
         rows = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=wg)
         cols_nn = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=wg)
         kt = k_s.T
         with _region("kk_ks"):
-            if norm == "inplace":
-                kk, ks = mms(([(k_s, kt)], (n, n)), ([(k_s, sb_s)], (n, bv)))
-            else:  # "scale": q, k raw in shared memory; their squared norms are the diagonals
-                # of K K^T and Q Q^T (one more wgmma, issued with the others), and the norms
-                # scale the products' rows and columns in fp32: diag(r_k) K K^T diag(r_k),
-                # diag(r_k) K S, later diag(r_q) Q K^T diag(r_k) and diag(r_q) Q S.
-                kk, ks, qq = mms(([(k_s, kt)], (n, n)), ([(k_s, sb_s)], (n, bv)),
-                                 ([(q_s, q_s.T)], (n, n)))
-                eye = rows == cols_nn
-
-                def inv_norm(gram, factor):  # padding rows 0 (so every scaled product's too)
-                    sq = jnp.sum(jnp.where(eye, gram, 0.0), axis=1)
-                    return jnp.where(vflag != 0, lax.rsqrt(sq + L2_EPS) * factor, 0.0)
-
-                rk, rq = inv_norm(kk, 1.0), inv_norm(qq, scale)
-                rk_s[...] = rk  # r_k along the columns too, re-read as a column vector
-                rk_col = lax.broadcast_in_dim(plgpu.load(rk_s, layout=wg.reduce(0)), (n, n),
-                                              [1])
-                # (a select, not a product: padding rows may hold inf / NaN in q and k)
-                sc = rows_of(rk, n) * rk_col
-                kk = jnp.where(sc != 0, kk * sc, 0.0)
-                ks = jnp.where(rows_of(rk, bv) != 0, ks * rows_of(rk, bv), 0.0)
-
-                @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
-                def _():  # the factor k, from registers
-                    kraw = plgpu.load(k_s, layout=wg).astype(_F32)
-                    r = rows_of(rk, dk)
-                    kf_g.at[b, :, hk, :][...] = jnp.where(r != 0, kraw * r, 0.0)
+            kk, ks = mms(([(k_s, kt)], (n, n)), ([(k_s, sb_s)], (n, bv)))
             g_neg = jnp.where(rows > cols_nn, -rows_of(b_row, n) * kk * gam, 0.0)
             p_rows = rows_of(jnp.exp(g_row), bv)
             v = plgpu.load(v_s, layout=wg).astype(_F32)
@@ -352,10 +323,6 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         u = solve(rhs)
         with _region("output"):
             qk, qs = mms(([(q_s, kt)], (n, n)), ([(q_s, sb_s)], (n, bv)))
-            if norm == "scale":
-                sc = rows_of(rq, n) * rk_col
-                qk = jnp.where(sc != 0, qk * sc, 0.0)
-                qs = jnp.where(rows_of(rq, bv) != 0, qs * rows_of(rq, bv), 0.0)
             put(a_pair, qk * gam, right=False)
             put(x_pair, u)
             plgpu.commit_smem()
@@ -364,7 +331,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
     nn_pair = [plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF))] * 2  # -G / W, hi and lo
     x_pair = [plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF))] * 2  # X / U, hi and lo
-    o, u = pl.run_scoped(main, plgpu.SMEM((n,), _F32), *nn_pair, *x_pair,
+    o, u = pl.run_scoped(main, *nn_pair, *x_pair,
                          *(nn_pair if inverse == "squaring" else []))  # the powers of M
 
     @_region("store")
@@ -374,18 +341,16 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
         plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, cols])
-        # until the copies have read shared memory (the writes complete after the program)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=store_read_only)
+        plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, plgpu.SMEM((n, bv), o_dtype, transforms=_transforms(o_dtype)),
                   plgpu.SMEM((n, bv), _F32, transforms=_transforms(_F32)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "products", "norm", "store_read_only", "interpret",
-                                             "profile_dir"))
+                                             "products", "interpret", "profile_dir"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale, depth_bound,
-            block_v, inverse, products, norm, store_read_only, interpret, profile_dir):
+            block_v, inverse, products, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -416,8 +381,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows, norm=norm,
-                store_read_only=store_read_only)
+                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
@@ -450,7 +414,6 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
                          inverse: str = "neumann", products: int = 3,
-                         norm: str = "inplace", store_read_only: bool = False,
                          pending: PendingCommit | None = None, interpret=None,
                          profile_dir: str | None = None):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
@@ -463,12 +426,7 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     as [N, N] products beside, in buffers the prologue's have freed). products: bf16 wgmmas per
     product of fp32 values (the inverse's and W U): 3 (hi / lo splits of both operands, ~16
     mantissa bits), 2 (the left operand, -G or W, rounded to bf16: it already carries the bf16
-    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). norm: "inplace" (q and
-    k L2-normalised in shared memory before any product, rounded to bf16 again) or "scale" (q
-    and k enter the products raw; the squared norms are the diagonals of K K^T and of one more
-    product Q Q^T, and the norms scale the products' rows and columns in fp32: no pass over q
-    and k, one bf16 rounding fewer). store_read_only: the last wait on the output stores only
-    until they have read shared memory (as CUTLASS's epilogues), not until they land. pending: a lazy commit
+    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). pending: a lazy commit
     (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
     the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
@@ -492,8 +450,6 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         raise ValueError(f"inverse must be 'neumann' or 'squaring', got {inverse!r}")
     if products not in (1, 2, 3):
         raise ValueError(f"products must be 1, 2 or 3, got {products!r}")
-    if norm not in ("inplace", "scale"):
-        raise ValueError(f"norm must be 'inplace' or 'scale', got {norm!r}")
     if int(depth_bound) < 1:
         raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
     if interpret is None:
@@ -508,6 +464,5 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
             raise ValueError("pending rows: a pending commit needs at least one row")
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   products=int(products), norm=norm, store_read_only=bool(store_read_only),
-                   interpret=bool(interpret),
+                   products=int(products), interpret=bool(interpret),
                    profile_dir=None if interpret else profile_dir)
