@@ -49,7 +49,10 @@ VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             "mgpu64_sq_p2": dict(block_v=64, inverse="squaring", products=2),
             "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
             "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
-            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1)}
+            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
+            # session 14: exp / rsqrt by the hardware approximations
+            "mgpu64_sq_p1_ax": dict(block_v=64, inverse="squaring", products=1,
+                                    approx_math=True)}
 DEFAULT_VARIANTS = "mgpu64_sq,mgpu64_sq_p2,mgpu64_sq_p1,mgpu_sq_p2,mgpu64_p1"
 
 

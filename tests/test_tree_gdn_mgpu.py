@@ -179,9 +179,12 @@ def _smem_estimates():
                                                             (64, "squaring", 16, 32, 3),
                                                             (128, "squaring", 16, 32, 3),
                                                             (64, "squaring", 16, 32, 2),
-                                                            (64, "neumann", 16, 32, 1)])
+                                                            (64, "neumann", 16, 32, 1),
+                                                            (64, "squaring", 16, 32, -1)])
 def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
-    _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows=0)
+    # products -1: the engine's launch (1 product) with exp / rsqrt approximated
+    kw = dict(approx_math=True) if products < 0 else {}
+    _lower_and_check_smem(block_v, inverse, hk, hv, abs(products), pending_rows=0, **kw)
 
 
 @pytest.mark.parametrize("products", [1, 3])
@@ -191,7 +194,7 @@ def test_mgpu_verify_with_pending_lowers_for_cuda(products):
     _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9)
 
 
-def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows):
+def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows, **kw):
     """Layout inference and the shared-memory budget are checked when lowering (no GPU needed).
     The 64-column launch must keep two programs per SM (<= 113 KiB each of the H200's 228)."""
     rng = np.random.default_rng(RUN_SEED)
@@ -202,7 +205,7 @@ def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows):
     f = jax.jit(lambda *a: tree_gdn_mgpu.tree_gdn_verify_mgpu(*a[:7], depth_bound=8,
                                                               block_v=block_v, inverse=inverse,
                                                               products=products, pending=a[7],
-                                                              interpret=False))
+                                                              interpret=False, **kw))
     found, restore = _smem_estimates()
     try:
         txt = f.trace(*args, jnp.asarray(parents), pend).lower(

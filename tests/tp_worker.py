@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.extend import core as jex_core  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bole_jax import parallel  # noqa: E402
@@ -198,6 +199,80 @@ def check_logits_commit_local(cfg, params, tp, modes) -> str:
   return f"{msg}; commit on {hv // tp} of {hv} heads per device"
 
 
+def _pallas_launches(jaxpr, inside: bool = False):
+  """(kernel name, inside a shard_map body?, equation) of every pallas_call in jaxpr and in the
+  jaxprs its equations carry (jit, while, cond, scan, shard_map, custom_jvp / custom_vjp, ...).
+  A kernel's own body is not a program: not searched."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn.params.get("name") or "<unnamed>", inside, eqn
+      continue
+    body_inside = inside or eqn.primitive.name == "shard_map"
+    for val in eqn.params.values():
+      for sub in val if isinstance(val, (tuple, list)) else (val,):
+        if isinstance(sub, jex_core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jex_core.Jaxpr):
+          yield from _pallas_launches(sub, body_inside)
+
+
+def _engine_frames(eqn, last: int = 4) -> str:
+  """The bole_jax frames an equation was traced from, outermost first (its last `last`)."""
+  tb = eqn.source_info.traceback
+  frames = [f for f in (tb.frames if tb is not None else ())
+            if f"{os.sep}bole_jax{os.sep}" in f.file_name]
+  return " > ".join(f"{os.path.basename(f.file_name)}:{f.line_num} {f.function_name}"
+                    for f in reversed(frames[:last])) or "?"
+
+
+def check_pallas_inside_shard_map(cfg, params, tp,
+                                  modes=("ar", "bole", "bole-lazy", "pernode", "chain")) -> str:
+  """Every Pallas launch of the engine's programs at tp, with the kernels a GPU selects, lies
+  inside a shard_map body. A pallas_call reached outside shard_map on sharded arrays lowers (on
+  GPU) to a custom call XLA's SPMD partitioner cannot split: every operand is all-gathered to
+  every device (the baselines' state commit did that: ~27 ms per step at 80B TP = 2 B = 4,
+  session 14). On CPU "auto" picks the jnp references, so the sharded-vs-single checks cannot
+  see such a launch; here jax.default_backend() answers "gpu" while the programs are only
+  TRACED (never lowered: nothing of the GPU is needed), and the jaxprs are searched.
+
+  Per mode ("bole-lazy": bole with the lazy commit) the traced program is start_batch (chunked
+  prefill, first token) followed by the jitted decode segment (`LLM.segment_fn`: the loop the
+  generate and serving paths run). The batch of 4 takes the launches a GPU takes at B >= 2 (the
+  baselines' commit runs the jnp copy at B = 1). jit caches its traces, and the backend is
+  chosen in Python at trace time: the caches are cleared before (a trace made on CPU would be
+  reused, its references hiding the kernels) and after (a GPU trace must never reach a CPU
+  compile)."""
+  b = len(PROMPTS)
+  found, outside, notes = {}, [], []
+  prev = jax.default_backend, layers.DECODE_BACKEND
+  jax.default_backend, layers.DECODE_BACKEND = (lambda: "gpu"), "auto"
+  jax.clear_caches()
+  try:
+    for name in modes:
+      mode = "bole" if name == "bole-lazy" else name
+      opts = {} if mode == "ar" else dict(SPEC, lazy_commit=name == "bole-lazy")
+      t0 = time.perf_counter()
+      llm = LLM(cfg, params=params, tp=tp, spec_options=opts)
+      oracle = None if mode == "ar" else [[0] * NEW] * b  # synthetic acceptance: values unused
+
+      def program(p, llm=llm, mode=mode, oracle=oracle):
+        st = llm.start_batch(PROMPTS, NEW, mode=mode, spec_batch=b, oracle=oracle)
+        return llm.segment_fn(mode, b)(p, st, jnp.int32(2))
+
+      launches = list(_pallas_launches(jax.make_jaxpr(program)(llm.params).jaxpr))
+      found[name] = sorted({k for k, _, _ in launches})
+      outside += [f"{name}: {k} <- {_engine_frames(e)}" for k, inside, e in launches if not inside]
+      notes.append(f"{name} {'/'.join(found[name])} ({time.perf_counter() - t0:.1f} s)")
+  finally:
+    jax.default_backend, layers.DECODE_BACKEND = prev
+    jax.clear_caches()
+  assert not outside, (f"Pallas kernels outside shard_map at tp={tp} (XLA gathers their "
+                       "operands on every device):\n  " + "\n  ".join(outside))
+  empty = [m for m, k in found.items() if not k]
+  assert not empty, f"no Pallas launch traced for {empty}: the GPU selection did not take effect"
+  return f"all Pallas launches inside shard_map at tp={tp}: " + "; ".join(notes)
+
+
 def check_moe_gmm(cfg, params, tp) -> str:
   """The grouped-matmul experts (Pallas kernel, interpret mode) under expert parallelism, the
   pairs of other devices' experts dropped, vs the single-device dense reference: one MoE layer
@@ -327,6 +402,7 @@ def group_next():
   yield "pallas verify tp=2", lambda: check_logits_commit_local(
       cfg, params, 2, modes=("bole", "bole-lazy", "pernode", "chain"))
   yield "generate tp=2", lambda: check_generate(cfg, params, 2, ("ar", "bole", "pernode", "chain"))
+  yield "pallas inside shard_map tp=2", lambda: check_pallas_inside_shard_map(cfg, params, 2)
 
 
 def group_moe():

@@ -348,9 +348,10 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "products", "interpret", "profile_dir"))
+                                             "products", "approx_math", "interpret",
+                                             "profile_dir"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale, depth_bound,
-            block_v, inverse, products, interpret, profile_dir):
+            block_v, inverse, products, approx_math, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -397,8 +398,9 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
             plgpu.SMEM((NP,), _F32),  # vflag
             plgpu.Barrier(num_arrivals=6)],
         grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
-        compiler_params=(plgpu.CompilerParams(profile_space=PROFILE_SPACE,
-                                              profile_dir=profile_dir) if profile_dir else None),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=approx_math,
+            **(dict(profile_space=PROFILE_SPACE, profile_dir=profile_dir) if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     outs = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32), *pend_args)
     o, u, kn, gamma = outs[:4]
@@ -414,7 +416,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
                          inverse: str = "neumann", products: int = 3,
-                         pending: PendingCommit | None = None, interpret=None,
+                         approx_math: bool = False, pending: PendingCommit | None = None,
+                         interpret=None,
                          profile_dir: str | None = None):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
@@ -426,7 +429,9 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     as [N, N] products beside, in buffers the prologue's have freed). products: bf16 wgmmas per
     product of fp32 values (the inverse's and W U): 3 (hi / lo splits of both operands, ~16
     mantissa bits), 2 (the left operand, -G or W, rounded to bf16: it already carries the bf16
-    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). pending: a lazy commit
+    rounding of k and q through K K^T and Q K^T) or 1 (both rounded). approx_math: exp and rsqrt
+    by the hardware's approximations (ex2.approx, rsqrt.approx: ~2^-22 relative) instead of
+    libdevice's (Mosaic GPU's `approx_math`). pending: a lazy commit
     (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
     the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
@@ -464,5 +469,6 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
             raise ValueError("pending rows: a pending commit needs at least one row")
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   products=int(products), interpret=bool(interpret),
+                   products=int(products), approx_math=bool(approx_math),
+                   interpret=bool(interpret),
                    profile_dir=None if interpret else profile_dir)
