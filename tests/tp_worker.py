@@ -199,13 +199,24 @@ def check_logits_commit_local(cfg, params, tp, modes) -> str:
   return f"{msg}; commit on {hv // tp} of {hv} heads per device"
 
 
-def _pallas_launches(jaxpr, inside: bool = False):
-  """(kernel name, inside a shard_map body?, equation) of every pallas_call in jaxpr and in the
-  jaxprs its equations carry (jit, while, cond, scan, shard_map, custom_jvp / custom_vjp, ...).
-  A kernel's own body is not a program: not searched."""
+def _engine_frames(eqn) -> tuple[str, ...]:
+  """file:line function of the bole_jax frames an equation was traced from, outermost first
+  (JAX keeps the frames inside the traced function: the outer ones are the enclosing
+  equations')."""
+  tb = eqn.source_info.traceback
+  return tuple(f"{os.path.basename(f.file_name)}:{f.line_num} {f.function_name}"
+               for f in reversed(tb.frames if tb is not None else ())
+               if f"{os.sep}bole_jax{os.sep}" in f.file_name)
+
+
+def _pallas_launches(jaxpr, inside: bool = False, where: tuple = ()):
+  """(kernel name, inside a shard_map body?, the engine frames it was reached from) of every
+  pallas_call in jaxpr and in the jaxprs its equations carry (jit, while, cond, scan,
+  shard_map, custom_jvp / custom_vjp, ...). A kernel's own body is not a program: not searched."""
   for eqn in jaxpr.eqns:
+    here = where + tuple(f for f in _engine_frames(eqn) if f not in where)
     if eqn.primitive.name == "pallas_call":
-      yield eqn.params.get("name") or "<unnamed>", inside, eqn
+      yield eqn.params.get("name") or "<unnamed>", inside, here
       continue
     body_inside = inside or eqn.primitive.name == "shard_map"
     for val in eqn.params.values():
@@ -213,16 +224,7 @@ def _pallas_launches(jaxpr, inside: bool = False):
         if isinstance(sub, jex_core.ClosedJaxpr):
           sub = sub.jaxpr
         if isinstance(sub, jex_core.Jaxpr):
-          yield from _pallas_launches(sub, body_inside)
-
-
-def _engine_frames(eqn, last: int = 4) -> str:
-  """The bole_jax frames an equation was traced from, outermost first (its last `last`)."""
-  tb = eqn.source_info.traceback
-  frames = [f for f in (tb.frames if tb is not None else ())
-            if f"{os.sep}bole_jax{os.sep}" in f.file_name]
-  return " > ".join(f"{os.path.basename(f.file_name)}:{f.line_num} {f.function_name}"
-                    for f in reversed(frames[:last])) or "?"
+          yield from _pallas_launches(sub, body_inside, here)
 
 
 def check_pallas_inside_shard_map(cfg, params, tp,
@@ -241,7 +243,9 @@ def check_pallas_inside_shard_map(cfg, params, tp,
   baselines' commit runs the jnp copy at B = 1). jit caches its traces, and the backend is
   chosen in Python at trace time: the caches are cleared before (a trace made on CPU would be
   reused, its references hiding the kernels) and after (a GPU trace must never reach a CPU
-  compile)."""
+  compile). The GDN heads must be split at this tp: where they are not, over_gdn_heads runs the
+  kernels on replicated operands by design (each device the whole layer, nothing gathered)."""
+  assert parallel.gdn_shards(dataclasses.replace(cfg, tp=tp)) == tp, "GDN heads not split"
   b = len(PROMPTS)
   found, outside, notes = {}, [], []
   prev = jax.default_backend, layers.DECODE_BACKEND
@@ -261,7 +265,8 @@ def check_pallas_inside_shard_map(cfg, params, tp,
 
       launches = list(_pallas_launches(jax.make_jaxpr(program)(llm.params).jaxpr))
       found[name] = sorted({k for k, _, _ in launches})
-      outside += [f"{name}: {k} <- {_engine_frames(e)}" for k, inside, e in launches if not inside]
+      outside += [f"{name}: {k}, from {' > '.join(w[-4:]) or '?'}"
+                  for k, inside, w in launches if not inside]
       notes.append(f"{name} {'/'.join(found[name])} ({time.perf_counter() - t0:.1f} s)")
   finally:
     jax.default_backend, layers.DECODE_BACKEND = prev
@@ -393,7 +398,8 @@ def group_next():
   """Qwen3-Next dense at tp=2: every mode; layout, placement, errors, saving; the Pallas kernels
   (interpret mode) inside shard_map see local heads: the tp=2 verify of every GDN mode with
   backend="pallas" against the single-device reference (the reference backend under tp:
-  groups "moe" and "q35")."""
+  groups "moe" and "q35"); every mode's programs traced with the GPU's kernels, no Pallas
+  launch outside shard_map (last: it clears JAX's caches)."""
   cfg = tiny("qwen3_next")
   params = init_params(cfg, jax.random.key(1), "float32")
   yield "layout tp=2", lambda: check_layout(cfg, params, 2, init_key=jax.random.key(1))
