@@ -52,7 +52,10 @@ VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
             # session 14: exp / rsqrt by the hardware approximations
             "mgpu64_sq_p1_ax": dict(block_v=64, inverse="squaring", products=1,
-                                    approx_math=True)}
+                                    approx_math=True),
+            # ... and the kernel's own barriers instead of Pallas's automatic ones
+            "mgpu64_sq_p1_ax_nb": dict(block_v=64, inverse="squaring", products=1,
+                                       approx_math=True, auto_barriers=False)}
 DEFAULT_VARIANTS = "mgpu64_sq,mgpu64_sq_p2,mgpu64_sq_p1,mgpu_sq_p2,mgpu64_p1"
 
 
@@ -78,7 +81,23 @@ def point_inputs(b, n, seed, count):
         jax.random.PRNGKey(seed + b * 7 + n), b, n, count)
 
 
-def bench_point(b, n, timer, seed, interpret, variants):
+def repeat_check(f, x, count, first):
+    """count more calls of f on the same inputs x: the largest |difference| of any output from
+    the first call's (0: bitwise reproducible; a race between warps would show here), and
+    whether the outputs equal `first` (another launch's, same inputs) bit for bit."""
+    ref = jax.tree.leaves(jax.block_until_ready(f(*x)))
+    worst = 0.0
+    for _ in range(count):
+        got = jax.tree.leaves(f(*x))
+        worst = max(worst, max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
+                                                      - r.astype(jnp.float32))))
+                               for a, r in zip(got, ref)))
+    same = None if first is None else all(bool(jnp.array_equal(a, r))
+                                           for a, r in zip(ref, first))
+    return worst, same, ref
+
+
+def bench_point(b, n, timer, seed, interpret, variants, repeats=0):
     depth = btg.MAX_DEPTH
     r = 1 if interpret else max(2, min(16, int(3 * 60e6 // max(btg.set_bytes(b, n), 1)) + 1))
     parents, tree, sets = point_inputs(b, n, seed, r)
@@ -94,6 +113,7 @@ def bench_point(b, n, timer, seed, interpret, variants):
                                    interpret=interpret, **VARIANTS[name])
            for name in variants},
     }
+    first = None  # the first Mosaic launch's outputs (repeat check)
     for name, fn in fns.items():
         entry = {}
         try:
@@ -105,6 +125,13 @@ def bench_point(b, n, timer, seed, interpret, variants):
             entry["err_u"] = btg.rel(fac.u, f_ref.u)
             entry["ok"] = entry["err_o"] <= TOL["o"] and entry["err_u"] <= TOL["u"]
             del o, fac
+            if repeats and name != "triton":
+                worst, same, outs = repeat_check(f, sets[0], repeats, first)
+                entry.update(repeat_calls=repeats, repeat_max_abs_diff=worst,
+                             bitwise_equal_first_mosaic=same)
+                entry["ok"] = entry["ok"] and worst == 0.0  # (equality: launches that
+                # differ only in synchronisation must agree; others need not)
+                first = outs if first is None else first
             entry.update(timer(f, sets))
         except Exception as e:  # noqa: BLE001
             entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -112,7 +139,10 @@ def bench_point(b, n, timer, seed, interpret, variants):
         nan = float("nan")
         print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', nan):9.1f} us  "
               f"err o {entry.get('err_o', nan):.1e} u {entry.get('err_u', nan):.1e}"
-              f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
+              + (f"  repeats {entry['repeat_calls']}: max diff {entry['repeat_max_abs_diff']:.1e}"
+                 f", equal to the first launch: {entry['bitwise_equal_first_mosaic']}"
+                 if "repeat_calls" in entry else "")
+              + f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
         for kname, kus in entry.get("kernels_us", {}).items():
             print(f"      {kus:8.2f} us  {kname}", flush=True)
     fb = btg.floor_bytes(b, n)
@@ -131,6 +161,11 @@ def main(argv=None):
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help=f"Mosaic launches to time (default {DEFAULT_VARIANTS}); known: "
                     + ",".join(VARIANTS))
+    ap.add_argument("--repeat-check", type=int, default=0, metavar="K",
+                    help="call each Mosaic launch K more times on one input set: its outputs must "
+                         "be bitwise reproducible (a race shows here); also records whether they "
+                         "equal the first Mosaic launch's bit for bit (launches differing only "
+                         "in barriers must)")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="test this script without a GPU: interpret mode, 2 key / 4 value heads")
     args = ap.parse_args(argv)
@@ -144,7 +179,7 @@ def main(argv=None):
     timer = btg.Timer("wall" if interpret else "auto", 2 if interpret else args.reps,
                       1 if interpret else args.warmup)
     t0 = time.perf_counter()
-    points = [bench_point(b, n, timer, args.seed, interpret, variants)
+    points = [bench_point(b, n, timer, args.seed, interpret, variants, args.repeat_check)
               for b in (int(x) for x in args.B.split(","))
               for n in (int(x) for x in args.N.split(","))]
     widths = [max(9, len(k)) for k in variants]

@@ -144,6 +144,36 @@ def test_mgpu_verify_folds_a_pending_commit(n, hk, hv, block_v, products, length
                                            pending=bad, interpret=True)
 
 
+@pytest.mark.parametrize("n,inverse,products,pending_rows", [
+    (64, "squaring", 1, 0), (40, "neumann", 3, 0), (64, "squaring", 1, 9)])
+def test_mgpu_verify_own_barriers_match_automatic_ones(n, inverse, products, pending_rows):
+    """auto_barriers=False (the kernel's own warpgroup barriers instead of Pallas's around
+    every store) computes the same thing: outputs equal to the automatic-barrier launch's bit
+    for bit, and close to the reference. (Interpret mode runs a warpgroup as one thread, so it
+    cannot see a race between its warps: the GPU check is bench_tree_gdn_mgpu.py
+    --repeat-check, which calls the launch repeatedly and compares bit for bit.)"""
+    rng = np.random.default_rng(RUN_SEED)
+    parents, num_nodes = random_trees(rng, 2, n, ("deep", "bushy"), ragged=True)
+    x = random_gdn_inputs(rng, 2, n, 1, 2, 128, 128, jnp.bfloat16)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    pend = None
+    if pending_rows:
+        _, f_prev = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
+        accepted = np.array([min(pending_rows - 1, int(num_nodes[0]) - 1), 0], np.int32)
+        pend = pending_commit(f_prev, parents, accepted, pending_rows)
+    depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
+    outs = [jax.tree.leaves(tree_gdn_mgpu.tree_gdn_verify_mgpu(
+        *args, parents, num_nodes, depth_bound=depth, block_v=64, inverse=inverse,
+        products=products, pending=pend, auto_barriers=auto, interpret=True))
+        for auto in (True, False)]
+    msg = f"seed {RUN_SEED} {inverse} products {products} pending {pending_rows}"
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=msg)
+    if not pending_rows:
+        o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
+        assert rel(outs[1][0], o_ref) <= 1e-2, msg
+
+
 def _smem_estimates():
     """Pallas's shared-memory estimate of each Mosaic kernel lowered inside the block (bytes),
     read by wrapping its private estimator; None where this jax has no such hook."""
@@ -180,10 +210,12 @@ def _smem_estimates():
                                                             (128, "squaring", 16, 32, 3),
                                                             (64, "squaring", 16, 32, 2),
                                                             (64, "neumann", 16, 32, 1),
-                                                            (64, "squaring", 16, 32, -1)])
+                                                            (64, "squaring", 16, 32, -1),
+                                                            (64, "squaring", 16, 32, -2)])
 def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
-    # products -1: the engine's launch (1 product) with exp / rsqrt approximated
-    kw = dict(approx_math=True) if products < 0 else {}
+    # products -1: the engine's launch (1 product) with exp / rsqrt approximated; -2 also with
+    # the kernel's own barriers
+    kw = dict(approx_math=True, auto_barriers=products == -1) if products < 0 else {}
     _lower_and_check_smem(block_v, inverse, hk, hv, abs(products), pending_rows=0, **kw)
 
 
@@ -191,7 +223,8 @@ def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
 def test_mgpu_verify_with_pending_lowers_for_cuda(products):
     """The lazy variant at Qwen3-Next heads and a decode step's 9 path rows keeps two programs
     per SM too (its rows cost ~8 KiB of shared memory in the prologue)."""
-    _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9)
+    _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9,
+                          auto_barriers=products == 3)
 
 
 def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows, **kw):

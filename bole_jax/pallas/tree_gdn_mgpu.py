@@ -99,7 +99,8 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows):
+def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows,
+            auto_barriers):
     # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
     # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
     # p_sel, then the count (as a float in every head's column); after the outputs the folded
@@ -123,6 +124,15 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
     def rows_of(vec, width):
         return lax.broadcast_in_dim(vec, (n, width), [0])
+
+    def sync():
+        """With auto_barriers off, the warpgroup barrier where the kernel needs one (a
+        commit_smem: the proxy fence beside it costs little): after a store that other threads
+        read (the column vectors), before the first store into shared memory that earlier
+        reads (other warps' loads, wgmmas) may still use. Pallas's automatic barriers put one
+        before and one after every store instead."""
+        if not auto_barriers:
+            plgpu.commit_smem()
 
     def normalize(ref, factor, valid):
         """x * rsqrt(sum x^2 + eps) * factor per row, padding rows 0, back into `ref` (bf16)."""
@@ -210,10 +220,12 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             # re-read from shared memory as column vectors.
             gv_s, gc_s = (vec_s.at[0], vec_s.at[1]) if pend_rows else vec_s
             gv_s[...] = g_node
+            sync()
             anc = plgpu.load(anc_s, layout=wg).astype(_F32)
             g_col = plgpu.load(gv_s, layout=wg.reduce(0))
             g_row = jnp.sum(anc * lax.broadcast_in_dim(g_col, (n, n), [1]), axis=1)
             gc_s[...] = g_row
+            sync()
 
             @pl.when(t == 0)  # the factor gamma, one program per value head
             def _():
@@ -288,11 +300,14 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         @_region("inverse")
         def solve(rhs):
             # -G is a left operand only with the Neumann series; with squaring the right one
-            # of its own square too
+            # of its own square too. (These buffers reuse the prologue's shared memory.)
+            sync()
             put(a_pair, g_neg, right=inverse == "squaring")
             if inverse == "neumann":  # U = sum_{m < depth} (-G)^m rhs: depth - 1 serial products
                 u = x = rhs
-                for _ in range(depth - 1):
+                for m in range(depth - 1):
+                    if m:
+                        sync()  # (the last product read x_pair)
                     put(x_pair, x)
                     plgpu.commit_smem()
                     x = mm_split(a_pair, x_pair, (n, bv))
@@ -316,6 +331,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
                     u = u + res[0]
                     if i + 1 < factors:
                         p_val = res[1]
+                        sync()  # (the products read both pairs)
                         put(nxt, p_val)
 
             return u
@@ -323,6 +339,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         u = solve(rhs)
         with _region("output"):
             qk, qs = mms(([(q_s, kt)], (n, n)), ([(q_s, sb_s)], (n, bv)))
+            sync()  # (the inverse's last product read both pairs)
             put(a_pair, qk * gam, right=False)
             put(x_pair, u)
             plgpu.commit_smem()
@@ -336,6 +353,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
     @_region("store")
     def store(o_s, u_s):  # (the inverse's buffers are free again: the same shared memory)
+        sync()
         o_s[...] = o.astype(o_dtype)
         u_s[...] = u
         plgpu.commit_smem()
@@ -348,10 +366,10 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "products", "approx_math", "interpret",
-                                             "profile_dir"))
+                                             "products", "approx_math", "auto_barriers",
+                                             "interpret", "profile_dir"))
 def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale, depth_bound,
-            block_v, inverse, products, approx_math, interpret, profile_dir):
+            block_v, inverse, products, approx_math, auto_barriers, interpret, profile_dir):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -382,7 +400,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows)
+                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows,
+                auto_barriers=auto_barriers)
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
@@ -399,7 +418,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
             plgpu.Barrier(num_arrivals=6)],
         grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
         compiler_params=plgpu.CompilerParams(
-            approx_math=approx_math,
+            approx_math=approx_math, unsafe_no_auto_barriers=not auto_barriers,
             **(dict(profile_space=PROFILE_SPACE, profile_dir=profile_dir) if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     outs = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32), *pend_args)
@@ -416,7 +435,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
                          inverse: str = "neumann", products: int = 3,
-                         approx_math: bool = False, pending: PendingCommit | None = None,
+                         approx_math: bool = False, auto_barriers: bool = True,
+                         pending: PendingCommit | None = None,
                          interpret=None,
                          profile_dir: str | None = None):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
@@ -431,7 +451,10 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     mantissa bits), 2 (the left operand, -G or W, rounded to bf16: it already carries the bf16
     rounding of k and q through K K^T and Q K^T) or 1 (both rounded). approx_math: exp and rsqrt
     by the hardware's approximations (ex2.approx, rsqrt.approx: ~2^-22 relative) instead of
-    libdevice's (Mosaic GPU's `approx_math`). pending: a lazy commit
+    libdevice's (Mosaic GPU's `approx_math`). auto_barriers: False turns off Pallas's
+    automatic warpgroup barriers around every shared-memory store (`unsafe_no_auto_barriers`);
+    the kernel then places its own where a store can meet another warp's read (after the
+    column vectors' stores, before the stores into reused buffers). pending: a lazy commit
     (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
     the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
@@ -470,5 +493,6 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
                    products=int(products), approx_math=bool(approx_math),
+                   auto_barriers=bool(auto_barriers),
                    interpret=bool(interpret),
                    profile_dir=None if interpret else profile_dir)
