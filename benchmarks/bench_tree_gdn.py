@@ -132,30 +132,34 @@ TOL = dict(o=2e-2, u=5e-3, k=1e-4, gamma=1e-4, state=5e-3, conv=2e-2, copy=0.0)
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
     """A launch of the Mosaic GPU verify (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) in the
-    bole sweep; --bole-configs "mosaic[,bv=64,inv=squaring,p=1,ax=1]" (ax: approx_math)."""
+    bole sweep; --bole-configs "mosaic[,bv=64,inv=squaring,p=1,ax=1,ab=0]" (ax: approx_math,
+    ab: auto_barriers). The defaults are the engine's launch (`mosaic_launch`)."""
     block_v: int = 64
     inverse: str = "squaring"
     products: int = 1
     approx_math: bool = True
+    auto_barriers: bool = False
 
 
 def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
     """A config string ("bv=32,w=4,inv=squaring,..."), "auto" (`TreeGDNConfig.auto` for each
     point's (B, N), and the Mosaic verify where `mosaic_launch` takes it) or "mosaic[,bv=..,
-    inv=..,p=..,ax=0|1]" (the Mosaic GPU verify at every point of <= 64 nodes)."""
+    inv=..,p=..,ax=0|1,ab=0|1]" (the Mosaic GPU verify at every point of <= 64 nodes)."""
     if spec.strip() == "auto":
         return "auto"
     items = [x.strip() for x in spec.split(",") if x.strip()]
     if items and items[0] == "mosaic":
-        keys = dict(bv="block_v", inv="inverse", p="products", ax="approx_math")
+        keys = dict(bv="block_v", inv="inverse", p="products", ax="approx_math",
+                    ab="auto_barriers")
         kw = {}
         for item in items[1:]:
             k, _, v = (x.strip() for x in item.partition("="))
             if k not in keys or not v:
                 raise ValueError(f"bad Mosaic launch item {item!r} in {spec!r}: use "
                                  "mosaic[,bv=64|128][,inv=neumann|squaring][,p=1|2|3]"
-                                 "[,ax=0|1]")
-            kw[keys[k]] = v if k == "inv" else bool(int(v)) if k == "ax" else int(v)
+                                 "[,ax=0|1][,ab=0|1]")
+            kw[keys[k]] = (v if k == "inv" else bool(int(v)) if k in ("ax", "ab")
+                           else int(v))
         return MosaicLaunch(**kw)
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
@@ -222,7 +226,8 @@ def parse_pernode(spec: str) -> PernodeConfig:
 def cfg_str(cfg) -> str:
     if isinstance(cfg, MosaicLaunch):
         return (f"mosaic,bv={cfg.block_v},inv={cfg.inverse},p={cfg.products}"
-                + ("" if cfg.approx_math else ",ax=0"))
+                + ("" if cfg.approx_math else ",ax=0")
+                + (",ab=1" if cfg.auto_barriers else ""))
     if isinstance(cfg, PernodeConfig):
         return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
                 + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")

@@ -14,10 +14,11 @@ from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
 
 def test_parse_mosaic_specs():
     assert btg.parse_bole("mosaic") == btg.MosaicLaunch()
-    assert btg.parse_bole(" mosaic, bv=128, inv=neumann, p=3, ax=0 ") == btg.MosaicLaunch(
-        block_v=128, inverse="neumann", products=3, approx_math=False)
+    assert btg.parse_bole(" mosaic, bv=128, inv=neumann, p=3, ax=0, ab=1 ") == btg.MosaicLaunch(
+        block_v=128, inverse="neumann", products=3, approx_math=False, auto_barriers=True)
     assert btg.cfg_str(btg.MosaicLaunch()) == "mosaic,bv=64,inv=squaring,p=1"
-    assert btg.cfg_str(btg.MosaicLaunch(approx_math=False)) == "mosaic,bv=64,inv=squaring,p=1,ax=0"
+    assert btg.cfg_str(btg.MosaicLaunch(approx_math=False, auto_barriers=True)) == (
+        "mosaic,bv=64,inv=squaring,p=1,ax=0,ab=1")
     assert btg.parse_bole("auto") == "auto"
     assert btg.parse_bole("bv=32,w=4,inv=squaring") == TreeGDNConfig(block_v=32, num_warps=4,
                                                                       inverse="squaring")
@@ -30,7 +31,8 @@ def test_resolve_auto_adds_the_engines_mosaic_launch(monkeypatch):
     """"auto" at a point: the Triton auto config, plus the Mosaic launch exactly where
     `mosaic_launch` takes one (never in interpret mode); an explicit Mosaic spec only at
     N <= 64; duplicates dropped."""
-    taken = dict(block_v=64, inverse="squaring", products=1, approx_math=True)
+    taken = dict(block_v=64, inverse="squaring", products=1, approx_math=True,
+                 auto_barriers=False)
     monkeypatch.setattr(btg, "mosaic_launch",
                         lambda b, n, dk, dv, dt, depth: taken if n > 32 else None)
     assert btg.resolve_bole(["auto"], 16, 64) == [TreeGDNConfig.auto(16, 64, btg.MAX_DEPTH),

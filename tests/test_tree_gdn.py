@@ -500,7 +500,8 @@ def test_mosaic_launch_where_measured_faster(monkeypatch):
     import bole_jax.pallas.tree_gdn as tg
     monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
     bf = jnp.bfloat16
-    want = dict(block_v=64, inverse="squaring", products=1, approx_math=True)
+    want = dict(block_v=64, inverse="squaring", products=1, approx_math=True,
+                auto_barriers=False)
     for b in (1, 4, 16, 64):
         assert tg.mosaic_launch(b, 64, 128, 128, bf, 9) == want
     for args in ((1, 32, 128, 128, bf, 9), (4, 33, 128, 128, bf, 9), (64, 48, 128, 128, bf, 9),
@@ -537,6 +538,7 @@ def test_auto_verify_dispatches_to_mosaic(monkeypatch):
     assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree,
                            depth_bound=9) == "mosaic"
     assert calls == [dict(depth_bound=9, scale=128 ** -0.5, tree=tree, interpret=False,
-                          block_v=64, inverse="squaring", products=1, approx_math=True)]
+                          block_v=64, inverse="squaring", products=1, approx_math=True,
+                          auto_barriers=False)]
     o, _ = tree_gdn_verify(*args, backend="pallas", interpret=True, tree=tree, depth_bound=9)
     assert len(calls) == 1 and o.shape == x["v"].shape

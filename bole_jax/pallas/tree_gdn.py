@@ -159,14 +159,18 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
     tree_gdn_h200_s14/n48/: 20.5 / 74.4 us per call at B = 1 / 16 against Triton's 10.0 / 43.1;
     the kernel alone 8.1 / 41.1). The engine's node buckets are powers of two. exp and rsqrt
     by the hardware approximations (`approx_math`, session 14, tree_gdn_h200_s14/ax/: 9.3 /
-    12.5 / 43.2 / 149.8 -> 9.0 / 12.2 / 41.7 / 143.9 us, errors unchanged)."""
+    12.5 / 43.2 / 149.8 -> 9.0 / 12.2 / 41.7 / 143.9 us, errors unchanged) and the kernel's
+    own warpgroup barriers instead of Pallas's automatic ones (tree_gdn_h200_s14/nb/: 8.9 /
+    12.0 / 41.4 / 143.2 -> 8.7 / 11.7 / 40.8 / 141.0 us; outputs bitwise equal to the
+    automatic-barrier launch's and reproducible over 50 calls at each B)."""
     if not (MOSAIC and BF16_OPERANDS and tree_gdn_mgpu.AVAILABLE) or depth_bound is None:
         return None
     if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
         return None
     if nodes != tree_gdn_mgpu.NP:
         return None
-    return dict(block_v=64, inverse="squaring", products=1, approx_math=True)
+    return dict(block_v=64, inverse="squaring", products=1, approx_math=True,
+                auto_barriers=False)
 
 
 def _l2norm_scale(x):

@@ -1,7 +1,9 @@
 """The tree-GDN verify as a Pallas Mosaic GPU kernel (TMA + wgmma; Hopper).
 
 The engine's verify at 64 nodes on jax >= 0.11 (`tree_gdn.mosaic_launch`: 64-column tiles,
-the squaring inverse, one bf16 wgmma per product). Measured on the H200 in session 13 at N = 64
+the squaring inverse, one bf16 wgmma per product, hardware exp / rsqrt, the kernel's own
+barriers: 8.7 / 11.7 / 40.8 / 141.0 us at B = 1 / 4 / 16 / 64 in session 14). Measured on the
+H200 in session 13 at N = 64
 (docs/kernels.md section 2b): 9.1 / 12.2 / 43.0 / 149.1 us per call at B = 1 / 4 / 16 / 64
 against the Triton verify's 10.5 / 17.4 / 47.9 / 174.4, u error 1.4e-4 (Triton 1.1-2.3e-4).
 Other launches stay for measurement (`products` 3 and 2, 128-column tiles, the Neumann
