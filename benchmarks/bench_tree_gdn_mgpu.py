@@ -4,8 +4,10 @@
 One GDN layer at Qwen3-Next dims (Hk 16, HV 32, dk = dv = 128), bf16 q/k/v, fp32 state, random
 trees (<= 4 children, <= 8 nodes on a root path), as bench_tree_gdn.py. Per point: the Triton
 verify (its auto Triton launch) and the Mosaic one (`--variants`: 128- and 64-column value
-tiles, Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product), each checked on
-the device against the jnp closed form (fp32, HIGHEST), then timed with the same profiler
+tiles, Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product, hardware exp /
+rsqrt "_ax", the kernel's own barriers "_nb"), each checked on the device against the jnp
+closed form (fp32, HIGHEST; `--repeat-check K`: also bitwise reproducible), then timed with the
+same profiler
 timer (device time per call, each kernel's share printed below it; the Mosaic call includes
 the XLA work around the kernel: padding for N < 64 since bf3ff68, the gates' gamma and
 transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
@@ -56,7 +58,9 @@ VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             # ... and the kernel's own barriers instead of Pallas's automatic ones
             "mgpu64_sq_p1_ax_nb": dict(block_v=64, inverse="squaring", products=1,
                                        approx_math=True, auto_barriers=False)}
-DEFAULT_VARIANTS = "mgpu64_sq,mgpu64_sq_p2,mgpu64_sq_p1,mgpu_sq_p2,mgpu64_p1"
+# (the engine's launch, `tree_gdn.mosaic_launch`, last; session 13's set: mgpu64_sq,
+# mgpu64_sq_p2, mgpu64_sq_p1, mgpu_sq_p2, mgpu64_p1)
+DEFAULT_VARIANTS = "mgpu64_sq_p1,mgpu64_sq_p1_ax,mgpu64_sq_p1_ax_nb"
 
 
 def parse_variants(ap, text):
