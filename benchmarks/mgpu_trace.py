@@ -7,9 +7,12 @@ Chrome trace per call with the start and end of each named region (`_region` in
 pallas/tree_gdn_mgpu.py) of every program. Per region: the mean and median duration over
 programs and its share of a program's time; per call: programs per SM, a program's time from
 its first to its last event, and the kernel's span. Prints a table and writes
-<out>/mgpu_trace.json (the raw traces are kept beside it, gzipped).
+<out>/mgpu_trace.json (the raw traces are kept beside it, gzipped). `--pending`: the verify
+folds a pending lazy commit (the rows of each request's deepest node of a previous verify of
+the same inputs, as bench_tree_gdn.py's lazy sweep), its phase "fold" in the profile.
 
     PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64
+    PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64 --pending
 
 GPU only (the profiler's dump is a host callback); jax >= 0.11.
 """
@@ -36,7 +39,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from benchmarks.bench_tree_gdn_mgpu import VARIANTS, parse_variants, point_inputs  # noqa: E402
-from bole_jax.pallas import tree_gdn_mgpu  # noqa: E402
+from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref  # noqa: E402
+from bole_jax.pallas.tree_gdn import accepted_rows, pending_commit  # noqa: E402
 
 
 
@@ -71,6 +75,17 @@ def summarize(trace: dict) -> dict:
     return out
 
 
+def pending_rows(x, parents, tree, n):
+    """A pending lazy commit for the point: the factor rows of each request's deepest node of
+    a verify of the same inputs (the reference closed form), as the decode step's commit
+    leaves them (`pending_commit` with the step's accepted path)."""
+    _, fac = tree_gdn_ref.tree_gdn_closed_form(*x, parents, tree=tree)
+    accepted = jax.numpy.asarray(btg.deepest_nodes(parents))
+    length = min(btg.MAX_DEPTH, n)
+    path, count = accepted_rows(parents, accepted, length)
+    return pending_commit(fac, parents, accepted, length, path, count)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -78,6 +93,8 @@ def main(argv=None):
     ap.add_argument("--N", default="64")
     ap.add_argument("--variants", default="mgpu64_sq", help=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pending", action="store_true",
+                    help="profile the verify folding a pending lazy commit (the 'fold' phase)")
     args = ap.parse_args(argv)
     variants = parse_variants(ap, args.variants)
     if not tree_gdn_mgpu.AVAILABLE:
@@ -89,8 +106,9 @@ def main(argv=None):
     for b in (int(x) for x in args.B.split(",")):
         for n in (int(x) for x in args.N.split(",")):
             parents, tree, (x,) = point_inputs(b, n, args.seed, 1)
+            pend = pending_rows(x, parents, tree, n) if args.pending else None
             for name in variants:
-                kw = dict(VARIANTS[name], depth_bound=btg.MAX_DEPTH, tree=tree)
+                kw = dict(VARIANTS[name], depth_bound=btg.MAX_DEPTH, tree=tree, pending=pend)
                 jax.block_until_ready(tree_gdn_mgpu.tree_gdn_verify_mgpu(*x, parents, **kw))
                 d = tempfile.mkdtemp(prefix="mgpu_trace_")
                 try:
@@ -108,9 +126,11 @@ def main(argv=None):
                 with gzip.open(raw, "wt") as f:
                     json.dump(trace, f)
                 s = summarize(trace)
-                s.update(B=b, N=n, variant=name, trace=os.path.basename(raw))
+                s.update(B=b, N=n, variant=name, trace=os.path.basename(raw),
+                         pending_rows=0 if pend is None else int(pend.k.shape[1]))
                 results.append(s)
-                print(f"\nB={b} N={n} {name}: {s['programs']} programs on {s['sms']} SMs "
+                print(f"\nB={b} N={n} {name}{' + fold' if pend is not None else ''}: "
+                      f"{s['programs']} programs on {s['sms']} SMs "
                       f"(<= {s['max_programs_per_sm']} per SM); program "
                       f"{s['program_us']['mean']:.2f} us mean, {s['program_us']['max']:.2f} max; "
                       f"span {s['span_us']:.2f} us (profiled)", flush=True)

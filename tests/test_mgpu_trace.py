@@ -64,3 +64,26 @@ def test_variants_are_checked_by_name():
     for bad in ("mgpu64_sq,nope", ""):
         with pytest.raises(SystemExit):
             bench.parse_variants(ap, bad)
+
+
+def test_pending_rows_fold_to_the_deepest_nodes_state():
+    """--pending: the rows handed to the profiled verify, folded into the state, give each
+    request's state at its deepest node (the reference commit of the same factors)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_tree_gdn as btg
+    from benchmarks.bench_tree_gdn_mgpu import point_inputs
+    from bole_jax.pallas import tree_gdn_ref
+    from bole_jax.pallas.tree_gdn import apply_pending
+    from bole_jax.spec_decode.state_factors import commit_state
+
+    parents, tree, (x,) = point_inputs(2, 8, int.from_bytes(os.urandom(2), "little"), 1)
+    pend = mgpu_trace.pending_rows(x, parents, tree, 8)
+    _, fac = tree_gdn_ref.tree_gdn_closed_form(*x, parents, tree=tree)
+    deepest = jnp.asarray(btg.deepest_nodes(parents))
+    with jax.default_matmul_precision("highest"):
+        want = commit_state(x[5], fac, parents, deepest, backend="reference")
+        got = apply_pending(x[5], pend)
+    assert pend.k.shape[1] == min(btg.MAX_DEPTH, 8)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -201,7 +201,8 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         with _region("state_bf16"):
             s = plgpu.load(s32_s, layout=wg)
             if pend_rows:  # the lazy commit: the folded state is the one verified, and stored
-                s = fold(s, *pend_s)
+                with _region("fold"):
+                    s = fold(s, *pend_s)
                 s32_s[...] = s
             sb_s[...] = s.astype(_BF)
             plgpu.commit_smem()
