@@ -628,7 +628,7 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         path, count = accepted_rows(parents, accepted, length)  # the step's, as in bole_commit
         gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count))
         pend = [gather(f) for f in fac]
-        # (the Mosaic fold writes a new state buffer: its donated state is not reused)
+        # (the Mosaic fold writes the state in place too: a mutable ref inside its call)
         fold = bole_verify(cfg, parents, num_nodes, tree)
         verify = jax.jit(lambda q, k, v, g, beta, state, pending: fold(
             q, k, v, g, beta, state, pending=pending), donate_argnums=5)

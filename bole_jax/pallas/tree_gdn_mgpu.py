@@ -35,10 +35,12 @@ two programs per SM, K K^T and Q K^T computed twice). The gates come in as the c
 them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
 root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
 XLA work around it is padding (N < 64, or HV not a multiple of 8). A pending lazy commit
-(`pending=`, session 13, interpret-tested and lowered, NOT yet timed on a GPU; the engine's lazy
-path stays on the Triton kernel) is folded into the fp32 state tile in the prologue: its rows
-(k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the count) by TMA, fp32 rank-1
-updates in registers, the folded tile stored by TMA to a new state buffer (the 64-column launch
+(`pending=`, session 13; timed in session 14 writing a new state buffer: 74.9 us at B = 16, of
+which 16.9 were XLA's copy of it back into the donated state, so it now folds in place,
+untimed; the engine's lazy path stays on the Triton kernel) is folded into the fp32 state tile
+in the prologue: its rows (k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the
+count) by TMA, fp32 rank-1 updates in registers, the folded tile stored by TMA back where it
+was read (the state a mutable ref, `jax.new_ref`; the 64-column launch
 then needs 113 KiB of shared memory by Pallas's estimate: still two programs per SM; the g /
 gamma vectors share one buffer for that, in this variant only). Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
@@ -105,11 +107,11 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             auto_barriers):
     # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
     # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
-    # p_sel, then the count (as a float in every head's column); after the outputs the folded
-    # state sn [B, HV, dk, dv].
-    n_in, n_out = (11, 5) if pend_rows else (8, 4)
+    # p_sel, then the count (as a float in every head's column); s_g is then a mutable ref
+    # each program writes its folded tile back into (in place).
+    n_in, n_out = (11, 4) if pend_rows else (8, 4)
     q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, *pend_g = refs[:n_in]
-    o_g, u_g, kf_g, gam_out_g, *sn_g = refs[n_in:n_in + n_out]
+    o_g, u_g, kf_g, gam_out_g = refs[n_in:n_in + n_out]
     q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out:]
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
@@ -207,7 +209,8 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             sb_s[...] = s.astype(_BF)
             plgpu.commit_smem()
             if pend_rows:
-                plgpu.copy_smem_to_gmem(s32_s, sn_g[0].at[b, h, :, cols])
+                # in place: s_g is then a mutable ref, and only this program reads this tile
+                plgpu.copy_smem_to_gmem(s32_s, s_g.at[b, h, :, cols])
         with _region("gam"):
             box_cols = plgpu.broadcasted_iota(jnp.int32, (n, GATE_BOX), 1, layout=wg)
 
@@ -392,14 +395,13 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     vflag = jnp.where((tree.path_len > depth_bound)[:, None], jnp.nan, valid.astype(_F32))
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
     pend_rows = 0 if pending is None else pending.k.shape[1]
-    pend_args, pend_out = [], []
+    pend_args = []
     if pend_rows:  # the rows as the caller holds them (heads padded to the box only)
         count = jnp.broadcast_to(jnp.asarray(pending.count, _F32)[:, None], (bsz, hv))
         pws = jnp.concatenate([pending.w.astype(_F32), pending.p_sel.astype(_F32)[:, None],
                                count[:, None]], axis=1)
         pend_args = [pending.k.astype(_F32), pending.u.astype(_F32),
                      jnp.pad(pws, ((0, 0), (0, 0), (0, hvp - hv)))]
-        pend_out = [jax.ShapeDtypeStruct((bsz, hv, dk, dv), _F32)]
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
@@ -411,7 +413,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
         out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
                   jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
                   jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32), *pend_out),
+                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32)),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
@@ -424,14 +426,21 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
             approx_math=approx_math, unsafe_no_auto_barriers=not auto_barriers,
             **(dict(profile_space=PROFILE_SPACE, profile_dir=profile_dir) if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    outs = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), state.astype(_F32), *pend_args)
-    o, u, kn, gamma = outs[:4]
+    # With a pending commit the state goes in as a mutable ref: each program folds its tile and
+    # writes it back where it read it (no other program reads that tile), so the folded state
+    # takes the state's buffer (the caller's, when it donates it) instead of a new one, which a
+    # donating caller's XLA had copied back (a device copy of the whole state per call:
+    # 16.9 us of 74.9 at B = 16, session 14's timing of the new-buffer version).
+    s_in = state.astype(_F32)
+    if pend_rows:
+        s_in = jax.new_ref(s_in)
+    o, u, kn, gamma = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), s_in, *pend_args)
     if pad:
         o, u, kn, gamma = o[:, :n], u[:, :n], kn[:, :n], gamma[:, :n]
     if hvp != hv:
         gamma = gamma[:, :, :hv]
     if pend_rows:
-        return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma), outs[4]
+        return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma), jax.freeze(s_in)
     return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
 
 
@@ -461,7 +470,8 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
     the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
-    fp32, a new buffer). interpret=None: interpret mode
+    fp32, written in place: the state's buffer when the caller donates it). interpret=None:
+    interpret mode
     unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
     in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
     (GPU only; benchmarks/mgpu_trace.py summarises it)."""
