@@ -7,10 +7,9 @@ verify (its auto Triton launch) and the Mosaic one (`--variants`: 128- and 64-co
 tiles, Neumann or squaring inverse, 3, 2 or 1 bf16 wgmmas per fp32 product, hardware exp /
 rsqrt "_ax", the kernel's own barriers "_nb"), each checked on the device against the jnp
 closed form (fp32, HIGHEST; `--repeat-check K`: also bitwise reproducible), then timed with the
-same profiler
-timer (device time per call, each kernel's share printed below it; the Mosaic call includes
-the XLA work around the kernel: padding for N < 64 since bf3ff68, the gates' gamma and
-transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
+same profiler timer (device time per call, each kernel's share printed below it; the Mosaic
+call includes the XLA work around the kernel: padding for N < 64 since bf3ff68, the gates'
+gamma and transposes before). Prints a table and writes <out>/bench_tree_gdn_mgpu.json.
 
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out DIR --B 1,16,64 --N 64
     PYTHONPATH=. python benchmarks/bench_tree_gdn_mgpu.py --out /tmp/x --cpu-dry-run   # no GPU

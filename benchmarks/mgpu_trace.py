@@ -35,6 +35,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
@@ -80,7 +81,7 @@ def pending_rows(x, parents, tree, n):
     a verify of the same inputs (the reference closed form), as the decode step's commit
     leaves them (`pending_commit` with the step's accepted path)."""
     _, fac = tree_gdn_ref.tree_gdn_closed_form(*x, parents, tree=tree)
-    accepted = jax.numpy.asarray(btg.deepest_nodes(parents))
+    accepted = jnp.asarray(btg.deepest_nodes(parents))
     length = min(btg.MAX_DEPTH, n)
     path, count = accepted_rows(parents, accepted, length)
     return pending_commit(fac, parents, accepted, length, path, count)

@@ -101,6 +101,15 @@ def test_mgpu_verify_too_deep_is_nan_and_bad_shapes_raise():
                                            y["state"], np.arange(65)[None] - 1, depth_bound=8)
 
 
+def _pending(x, parents, num_nodes, length):
+    """The lazy commit a previous verify of inputs x leaves: request 0 accepted a deep node
+    (its path up to `length` rows), request 1 only its root (count 1)."""
+    _, f_prev = tree_gdn_ref.tree_gdn_closed_form(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                  x["state"], parents, num_nodes)
+    accepted = np.array([min(length - 1, int(num_nodes[0]) - 1), 0], np.int32)
+    return pending_commit(f_prev, parents, accepted, length)
+
+
 @pytest.mark.parametrize("n,hk,hv,block_v,products,length", [
     (24, 1, 2, 64, 1, 9),
     (40, 2, 4, 128, 3, 5),
@@ -115,10 +124,7 @@ def test_mgpu_verify_folds_a_pending_commit(n, hk, hv, block_v, products, length
     parents, num_nodes = random_trees(rng, 2, n, ("deep", "random"), ragged=True)
     x = random_gdn_inputs(rng, 2, n, hk, hv, 128, 128, jnp.bfloat16)
     state = x["state"]
-    _, f_prev = tree_gdn_ref.tree_gdn_closed_form(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                  state, parents, num_nodes)
-    accepted = np.array([min(length - 1, int(num_nodes[0]) - 1), 0], np.int32)
-    pend = pending_commit(f_prev, parents, accepted, length)
+    pend = _pending(x, parents, num_nodes, length)
     want_state = apply_pending(state, pend)
     pad = np.arange(length)[None, :] >= np.asarray(pend.count)[:, None]
     pend = PendingCommit(k=jnp.where(pad[:, :, None, None], jnp.nan, pend.k),
@@ -156,11 +162,7 @@ def test_mgpu_verify_own_barriers_match_automatic_ones(n, inverse, products, pen
     parents, num_nodes = random_trees(rng, 2, n, ("deep", "bushy"), ragged=True)
     x = random_gdn_inputs(rng, 2, n, 1, 2, 128, 128, jnp.bfloat16)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
-    pend = None
-    if pending_rows:
-        _, f_prev = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
-        accepted = np.array([min(pending_rows - 1, int(num_nodes[0]) - 1), 0], np.int32)
-        pend = pending_commit(f_prev, parents, accepted, pending_rows)
+    pend = _pending(x, parents, num_nodes, pending_rows) if pending_rows else None
     depth = max(1, int(np.max(tree_structure(parents, num_nodes).path_len)))
     outs = [jax.tree.leaves(tree_gdn_mgpu.tree_gdn_verify_mgpu(
         *args, parents, num_nodes, depth_bound=depth, block_v=64, inverse=inverse,
@@ -202,29 +204,29 @@ def _smem_estimates():
 
 
 # (hk, hv): one key head with 2 value heads (the gates padded to an 8-head box), and the
-# Qwen3-Next ratio at 16 / 32 (4 boxes, no padding).
-@pytest.mark.parametrize("block_v,inverse,hk,hv,products", [(128, "neumann", 1, 2, 3),
-                                                            (64, "neumann", 1, 2, 3),
-                                                            (64, "squaring", 1, 2, 3),
-                                                            (64, "squaring", 16, 32, 3),
-                                                            (128, "squaring", 16, 32, 3),
-                                                            (64, "squaring", 16, 32, 2),
-                                                            (64, "neumann", 16, 32, 1),
-                                                            (64, "squaring", 16, 32, -1),
-                                                            (64, "squaring", 16, 32, -2)])
-def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products):
-    # products -1: the engine's launch (1 product) with exp / rsqrt approximated; -2 also with
-    # the kernel's own barriers
-    kw = dict(approx_math=True, auto_barriers=products == -1) if products < 0 else {}
-    _lower_and_check_smem(block_v, inverse, hk, hv, abs(products), pending_rows=0, **kw)
+# Qwen3-Next ratio at 16 / 32 (4 boxes, no padding). The last two: exp / rsqrt approximated,
+# then also the kernel's own barriers (the engine's launch, `tree_gdn.mosaic_launch`).
+@pytest.mark.parametrize("block_v,inverse,hk,hv,products,kw", [
+    (128, "neumann", 1, 2, 3, {}),
+    (64, "neumann", 1, 2, 3, {}),
+    (64, "squaring", 1, 2, 3, {}),
+    (64, "squaring", 16, 32, 3, {}),
+    (128, "squaring", 16, 32, 3, {}),
+    (64, "squaring", 16, 32, 2, {}),
+    (64, "neumann", 16, 32, 1, {}),
+    (64, "squaring", 16, 32, 1, dict(approx_math=True)),
+    (64, "squaring", 16, 32, 1, dict(approx_math=True, auto_barriers=False)),
+])
+def test_mgpu_verify_lowers_for_cuda(block_v, inverse, hk, hv, products, kw):
+    _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows=0, **kw)
 
 
-@pytest.mark.parametrize("products", [1, 3])
-def test_mgpu_verify_with_pending_lowers_for_cuda(products):
+@pytest.mark.parametrize("products,auto_barriers", [(1, False), (3, True)])
+def test_mgpu_verify_with_pending_lowers_for_cuda(products, auto_barriers):
     """The lazy variant at Qwen3-Next heads and a decode step's 9 path rows keeps two programs
     per SM too (its rows cost ~8 KiB of shared memory in the prologue)."""
     _lower_and_check_smem(64, "squaring", 16, 32, products, pending_rows=9,
-                          auto_barriers=products == 3)
+                          auto_barriers=auto_barriers)
 
 
 def _lower_and_check_smem(block_v, inverse, hk, hv, products, pending_rows, **kw):

@@ -40,9 +40,9 @@ which 16.9 were XLA's copy of it back into the donated state, so it now folds in
 untimed; the engine's lazy path stays on the Triton kernel) is folded into the fp32 state tile
 in the prologue: its rows (k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the
 count) by TMA, fp32 rank-1 updates in registers, the folded tile stored by TMA back where it
-was read (the state a mutable ref, `jax.new_ref`; the 64-column launch
-then needs 113 KiB of shared memory by Pallas's estimate: still two programs per SM; the g /
-gamma vectors share one buffer for that, in this variant only). Limits of this version:
+was read (the state a mutable ref, `jax.new_ref`; the 64-column launch then needs 113 KiB of
+shared memory by Pallas's estimate: still two programs per SM; the g / gamma vectors share one
+buffer for that, in this variant only). Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -448,8 +448,7 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
                          scale=None, tree: TreeStructure | None = None, block_v: int = 128,
                          inverse: str = "neumann", products: int = 3,
                          approx_math: bool = False, auto_barriers: bool = True,
-                         pending: PendingCommit | None = None,
-                         interpret=None,
+                         pending: PendingCommit | None = None, interpret=None,
                          profile_dir: str | None = None):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
@@ -467,12 +466,11 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     automatic warpgroup barriers around every shared-memory store (`unsafe_no_auto_barriers`);
     the kernel then places its own where a store can meet another warp's read (after the
     column vectors' stores, before the stores into reused buffers). pending: a lazy commit
-    (`tree_gdn.pending_commit`, EXPERIMENTAL here, untimed): each program folds its rows into
-    the fp32 state tile it loads (fp32 rank-1 updates, as the Triton kernel's fold "unroll"),
-    verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
-    fp32, written in place: the state's buffer when the caller donates it). interpret=None:
-    interpret mode
-    unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
+    (`tree_gdn.pending_commit`; not the engine's: the in-place version is untimed): each
+    program folds its rows into the fp32 state tile it loads (fp32 rank-1 updates, as the
+    Triton kernel's fold "unroll"), verifies from that state and stores it; returns (o,
+    factors, folded state [B, HV, dk, dv] fp32, written in place: the state's buffer when the
+    caller donates it). interpret=None: interpret mode unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
     in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
     (GPU only; benchmarks/mgpu_trace.py summarises it)."""
     if not AVAILABLE:
@@ -506,6 +504,5 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
                    depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
                    products=int(products), approx_math=bool(approx_math),
-                   auto_barriers=bool(auto_barriers),
-                   interpret=bool(interpret),
+                   auto_barriers=bool(auto_barriers), interpret=bool(interpret),
                    profile_dir=None if interpret else profile_dir)
