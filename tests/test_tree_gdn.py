@@ -518,9 +518,10 @@ def test_mosaic_launch_where_measured_faster(monkeypatch):
 
 
 def test_auto_verify_dispatches_to_mosaic(monkeypatch):
-    """On a device (interpret off, no config, no pending) tree_gdn_verify hands a point that
-    `mosaic_launch` takes to the Mosaic kernel with that launch, the tree and the bound; with
-    interpret mode, a config or a pending commit it stays on the Triton kernel."""
+    """On a device (interpret off, no config) tree_gdn_verify hands a point that
+    `mosaic_launch` takes to the Mosaic kernel with that launch, the tree, the bound and the
+    pending commit (the lazy verify, since session 15); with interpret mode or a config it
+    stays on the Triton kernel."""
     import bole_jax.pallas.tree_gdn as tg
     monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
     calls = []
@@ -537,8 +538,17 @@ def test_auto_verify_dispatches_to_mosaic(monkeypatch):
     tree = tree_structure(parents, num_nodes)
     assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree,
                            depth_bound=9) == "mosaic"
-    assert calls == [dict(depth_bound=9, scale=128 ** -0.5, tree=tree, interpret=False,
-                          block_v=64, inverse="squaring", products=1, approx_math=True,
-                          auto_barriers=False)]
+    launch = dict(depth_bound=9, scale=128 ** -0.5, tree=tree, interpret=False, block_v=64,
+                  inverse="squaring", products=1, approx_math=True, auto_barriers=False)
+    assert calls == [dict(launch, pending=None)]
+    _, f_prev = ref.tree_gdn_closed_form(*args, tree=tree)
+    pend = pending_commit(f_prev, parents, np.array([5, 0], np.int32), 9)
+    assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree, depth_bound=9,
+                           pending=pend) == "mosaic"
+    assert len(calls) == 2 and calls[1].pop("pending") is pend and calls[1] == launch
     o, _ = tree_gdn_verify(*args, backend="pallas", interpret=True, tree=tree, depth_bound=9)
-    assert len(calls) == 1 and o.shape == x["v"].shape
+    assert len(calls) == 2 and o.shape == x["v"].shape
+    monkeypatch.setattr(tg, "_tree_gdn_pallas", lambda *a, **kw: "triton")
+    assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree, depth_bound=9,
+                           config=TreeGDNConfig.auto(2, 64, 9), pending=pend) == "triton"
+    assert len(calls) == 2

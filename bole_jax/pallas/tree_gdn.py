@@ -551,12 +551,17 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                          "tiles must fit one program; use backend='reference' or a smaller tree")
     if tree is None:
         tree = tree_structure(parents, num_nodes)
-    launch = (None if config is not None or interpret or pending is not None else
+    launch = (None if config is not None or interpret else
               mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound))
-    if launch is not None:  # the measured-faster Mosaic GPU kernel (same outputs)
+    if launch is not None and (pending is None or pending.k.shape[1] >= 1):
+        # The measured-faster Mosaic GPU kernel (same outputs). With a pending commit it folds
+        # the rows into its state tiles and writes them back in place (session 15,
+        # tree_gdn_h200_s15/fold2/: 12.2 / 17.2 / 57.3 / 195.1 us at B = 1 / 4 / 16 / 64,
+        # N = 64, against the best Triton fold's 12.1 / 21.3 / 65.4 / 240.4).
         return tree_gdn_mgpu.tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes,
                                                   depth_bound=depth_bound, scale=scale,
-                                                  tree=tree, interpret=False, **launch)
+                                                  tree=tree, interpret=False, pending=pending,
+                                                  **launch)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode

@@ -35,14 +35,15 @@ two programs per SM, K K^T and Q K^T computed twice). The gates come in as the c
 them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
 root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
 XLA work around it is padding (N < 64, or HV not a multiple of 8). A pending lazy commit
-(`pending=`, session 13; timed in session 14 writing a new state buffer: 74.9 us at B = 16, of
-which 16.9 were XLA's copy of it back into the donated state, so it now folds in place,
-untimed; the engine's lazy path stays on the Triton kernel) is folded into the fp32 state tile
-in the prologue: its rows (k, u and, in one [L + 2, 8-head] box, the weights, p_sel and the
-count) by TMA, fp32 rank-1 updates in registers, the folded tile stored by TMA back where it
-was read (the state a mutable ref, `jax.new_ref`; the 64-column launch then needs 113 KiB of
-shared memory by Pallas's estimate: still two programs per SM; the g / gamma vectors share one
-buffer for that, in this variant only). Limits of this version:
+(`pending=`, session 13; the engine's lazy verify at 64 nodes since session 15) is folded into
+the fp32 state tile in the prologue: its rows (k, u, and the weights and p_sel in 8-head
+boxes, as the caller holds them) by TMA, fp32 rank-1 updates in registers, the folded tile
+stored by TMA back where it was read (the state a mutable ref, `jax.new_ref`: in place, so a
+donating caller's XLA copies nothing; the 64-column launch then needs 113 KiB of shared memory
+by Pallas's estimate: still two programs per SM; the g / gamma vectors share one buffer for
+that, in this variant only). Timed in session 15 (tree_gdn_h200_s15/fold2/): 12.2 / 17.2 /
+57.3 / 195.1 us at B = 1 / 4 / 16 / 64, N = 64 (the eager verify: 8.8 / 11.8 / 40.8 / 141.0).
+Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -106,10 +107,10 @@ def _split(x):
 def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows,
             auto_barriers):
     # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
-    # rows pk [B, L, Hk, dk], pu [B, L, HV, dv] and pws [B, L + 2, HVp]: the weights w, then
-    # p_sel, then the count (as a float in every head's column); s_g is then a mutable ref
-    # each program writes its folded tile back into (in place).
-    n_in, n_out = (11, 4) if pend_rows else (8, 4)
+    # rows pk [B, L, Hk, dk], pu [B, L, HV, dv], the weights pw [B, L, HVp] and p_sel
+    # [B, HVp], as the caller holds them (no count: rows past it weigh 0, `PendingCommit`);
+    # s_g is then a mutable ref each program writes its folded tile back into (in place).
+    n_in, n_out = (12, 4) if pend_rows else (8, 4)
     q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, *pend_g = refs[:n_in]
     o_g, u_g, kf_g, gam_out_g = refs[n_in:n_in + n_out]
     q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out:]
@@ -146,16 +147,17 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         ref[...] = y.astype(_BF)
         return y
 
-    def fold(s, pk_s, pu_s, pws_s):
-        """p_sel S + sum_{m < count} w_m k_m u_m^T on the fp32 state tile s [dk, bv] (registers):
-        fp32 rank-1 updates, unrolled over the rows present; rows past the count are zeroed
-        on both factors, so even NaN there cannot leak (as the Triton kernel's fold)."""
+    def fold(s, pk_s, pu_s, pw_s):
+        """p_sel S + sum_m w_m k_m u_m^T on the fp32 state tile s [dk, bv] (registers): fp32
+        rank-1 updates, unrolled over the rows present. Rows past the count weigh 0 (the
+        `PendingCommit` contract, which `apply_pending` relies on too); every factor that is
+        not finite is zeroed, so even NaN there cannot leak."""
         col = h % GATE_BOX
-        count = pws_s[pend_rows + 1, col]
-        acc = pws_s[pend_rows, col] * s
+        acc = pw_s[ps_row, col] * s  # p_sel
         finite = lambda x: jnp.abs(x) < jnp.inf  # noqa: E731
         for m in range(pend_rows):
-            w = jnp.where(m < count, pws_s[m, col], 0.0)  # (a scalar select)
+            w = pw_s[m, col]
+            w = jnp.where(finite(w), w, 0.0)  # (a scalar select)
             k_m = plgpu.load(pk_s.at[m], layout=wg.reduce(1))  # [dk], one per state row
             u_m = plgpu.load(pu_s.at[m], layout=wg.reduce(0))  # [bv], one per column
             # A select needs a vector predicate under warpgroup semantics: rows past the count
@@ -178,11 +180,12 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s32_s, sbar)
         plgpu.copy_gmem_to_smem(anc_g.at[b], anc_s, sbar)
         if pend_rows:
-            pk_g, pu_g, pws_g = pend_g
-            pk_s, pu_s, pws_s = pend_s
+            pk_g, pu_g, pw_g, ps_g = pend_g
+            pk_s, pu_s, pw_s = pend_s
             plgpu.copy_gmem_to_smem(pk_g.at[b, :, hk, :], pk_s, sbar)
             plgpu.copy_gmem_to_smem(pu_g.at[b, :, h, cols], pu_s, sbar)
-            plgpu.copy_gmem_to_smem(pws_g.at[b, :, heads8], pws_s, sbar)
+            plgpu.copy_gmem_to_smem(pw_g.at[b, :, heads8], pw_s.at[pl.ds(0, pend_rows)], sbar)
+            plgpu.copy_gmem_to_smem(ps_g.at[b, heads8], pw_s.at[ps_row], sbar)
         with _region("wait_qkv"):
             plgpu.barrier_wait(bar)
         # vflag: 1 a node, 0 padding, NaN every row of a request deeper than the bound (such a
@@ -246,15 +249,18 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         return gam, g_row, b_row, vflag
 
     # a pending commit's rows (unswizzled: read row by row and as scalars)
+    # (the weights' rows, then p_sel in the first row on a 128-byte boundary, where a TMA
+    # destination must start: one buffer, as a second would cost an aligned KiB of its own)
+    ps_row = -(-pend_rows // 4) * 4
     pend_scratch = [plgpu.SMEM((pend_rows, dk), _F32), plgpu.SMEM((pend_rows, bv), _F32),
-                    plgpu.SMEM((pend_rows + 2, GATE_BOX), _F32)] if pend_rows else []
+                    plgpu.SMEM((ps_row + 1, GATE_BOX), _F32)] if pend_rows else []
     gam, g_row, b_row, vflag = pl.run_scoped(
         prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
         *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
         # g, gamma as column vectors (the GPU-timed layout without a pending commit)
         plgpu.SMEM((2, n), _F32) if pend_rows else [plgpu.SMEM((n,), _F32)] * 2,
-        plgpu.Barrier(num_arrivals=2 + len(pend_scratch)), *pend_scratch)
+        plgpu.Barrier(num_arrivals=6 if pend_rows else 2), *pend_scratch)
 
     @_region("mm")
     def mms(*jobs):
@@ -396,12 +402,12 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     o_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else _BF
     pend_rows = 0 if pending is None else pending.k.shape[1]
     pend_args = []
-    if pend_rows:  # the rows as the caller holds them (heads padded to the box only)
-        count = jnp.broadcast_to(jnp.asarray(pending.count, _F32)[:, None], (bsz, hv))
-        pws = jnp.concatenate([pending.w.astype(_F32), pending.p_sel.astype(_F32)[:, None],
-                               count[:, None]], axis=1)
+    if pend_rows:  # the rows as the caller holds them (heads padded to the 8-head box only;
+        # session 14's version concatenated w, p_sel and the count into one box: two XLA
+        # launches per call, ~2.3 us at B = 16)
         pend_args = [pending.k.astype(_F32), pending.u.astype(_F32),
-                     jnp.pad(pws, ((0, 0), (0, 0), (0, hvp - hv)))]
+                     jnp.pad(pending.w.astype(_F32), ((0, 0), (0, 0), (0, hvp - hv))),
+                     jnp.pad(pending.p_sel.astype(_F32), ((0, 0), (0, hvp - hv)))]
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
         _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
