@@ -460,18 +460,21 @@ def _derive_state(base, mode: str, spec, cfg: ModelConfig, oracle=None):
   prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
   spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
   the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
-  mode's pending-commit layout (`SpecConfig.pending_length`)."""
+  mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
+  under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
+  the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
+  its first call)."""
   length = spec.pending_length if spec is not None else None
   base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length))
   if mode == "ar":
-    return _copy(dataclasses.replace(base, extra=None))
+    return parallel.place(_copy(dataclasses.replace(base, extra=None)), cfg)
   ds = base.extra
   rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
   assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
   ds = dataclasses.replace(
       ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
       oracle=ds.oracle if oracle is None else oracle)
-  return _copy(dataclasses.replace(base, extra=ds))
+  return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
 
 
 def _commit_kind(spec) -> str:

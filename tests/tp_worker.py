@@ -391,6 +391,25 @@ def check_save(cfg, params, tp) -> str:
   return "save -> load round trip exact; LLM(path, tp) placement matches"
 
 
+def check_bench_lazy(tp) -> str:
+  """`bole-jax bench --lazy-commit --tp 2` decodes (the tiny Qwen3-Next preset): the state the
+  bench derives for lazy bole from the shared prefill must carry its empty pending rows split on
+  their heads, as the compiled loop expects (they were replicated, and the first call of the
+  loop failed on the H200, session 15); the tokens equal AR's."""
+  from bole_jax.serving import cli
+
+  with tempfile.TemporaryDirectory() as d:
+    rc = cli.main(["bench", "--preset", "tiny", "--dtype", "float32", "--batch", "1", "--modes",
+                   "ar", "bole", "--lazy-commit", "--tp", str(tp), "--quick", "--no-plots",
+                   "--out", d])
+    with open(os.path.join(d, "e2e_tiny.json")) as f:
+      res = json.load(f)
+  assert rc == 0 and not res["errors"] and not res["skipped"], (rc, res["errors"], res["skipped"])
+  rows = {r["mode"]: r for r in res["rows"]}
+  assert set(rows) == {"ar", "bole"} and rows["bole"]["ar_agreement"] == 1.0, res["rows"]
+  return f"lazy bole at tp={tp}: {rows['bole']['tokens_per_step']:.2f} tokens per step, == AR"
+
+
 # ----------------------------------------------------------------------------- groups
 
 
@@ -398,8 +417,8 @@ def group_next():
   """Qwen3-Next dense at tp=2: every mode; layout, placement, errors, saving; the Pallas kernels
   (interpret mode) inside shard_map see local heads: the tp=2 verify of every GDN mode with
   backend="pallas" against the single-device reference (the reference backend under tp:
-  groups "moe" and "q35"); every mode's programs traced with the GPU's kernels, no Pallas
-  launch outside shard_map (last: it clears JAX's caches)."""
+  groups "moe" and "q35"); the bench's lazy decode; every mode's programs traced with the GPU's
+  kernels, no Pallas launch outside shard_map (last: it clears JAX's caches)."""
   cfg = tiny("qwen3_next")
   params = init_params(cfg, jax.random.key(1), "float32")
   yield "layout tp=2", lambda: check_layout(cfg, params, 2, init_key=jax.random.key(1))
@@ -408,6 +427,7 @@ def group_next():
   yield "pallas verify tp=2", lambda: check_logits_commit_local(
       cfg, params, 2, modes=("bole", "bole-lazy", "pernode", "chain"))
   yield "generate tp=2", lambda: check_generate(cfg, params, 2, ("ar", "bole", "pernode", "chain"))
+  yield "bench lazy tp=2", lambda: check_bench_lazy(2)
   yield "pallas inside shard_map tp=2", lambda: check_pallas_inside_shard_map(cfg, params, 2)
 
 
