@@ -445,6 +445,9 @@ def test_kernel_lowers_to_triton(n, cfg):
                             bf16_state=True, fold="dot")),
     (8, 128, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                            bf16_state=True, fold="unroll")),
+    # the measured table's lazy launches: the dot fold at B <= 4, the loop above
+    (8, 128, TreeGDNConfig.auto(1, 8, 9)), (32, 128, TreeGDNConfig.auto(4, 32, 9)),
+    (16, 128, TreeGDNConfig.auto(16, 16, 9)),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit
@@ -492,6 +495,9 @@ def test_auto_operand_dtype_switch(monkeypatch):
         monkeypatch.setattr(tg, "BF16_OPERANDS", True)
         assert not strict.bf16_qk and not strict.bf16_state
         assert dataclasses.replace(strict, bf16_qk=True, bf16_state=True) == fast
+    # the lazy fold session 10 measured fastest: the TF32x3 dot at B <= 4, the loop above
+    assert [TreeGDNConfig.auto(b, 16).fold for b in (1, 4, 16, 64)] == ["dot", "dot", "loop",
+                                                                         "loop"]
 
 
 def test_mosaic_launch_where_measured_faster(monkeypatch):

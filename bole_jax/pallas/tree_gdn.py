@@ -126,8 +126,16 @@ class TreeGDNConfig:
         issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
         against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 8 nodes: the state
         tile loaded before the N x N work (`prefetch_state`, 4.9 -> 4.5 us). The environment
-        variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same launch shapes)."""
-        kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound)
+        variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same launch shapes).
+
+        The fold of a pending lazy commit (only the lazy verify uses it): the TF32x3 dot at
+        B <= 4, the rank-1 loop above. Session 10 timed the three folds side by side with
+        these launches (tree_gdn_h200_s10/grid_n8_64/, grid_n16_32/; lazy verify + gather, us):
+        B = 1 N = 8 / 16 / 32: dot 9.7 / 10.0 / 12.3 against loop 10.4 / 12.7 / 14.9; B = 4:
+        15.9 / 16.4 / 21.7 against 16.8 / 16.8 / 22.1; B = 16 / 64 the loop by 4-95 us. (At 64
+        nodes the engine's lazy verify is the Mosaic kernel's fold.)"""
+        kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound,
+                  fold="dot" if batch <= 4 and nodes <= 64 else "loop")
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **kw)
         if batch == 1:
