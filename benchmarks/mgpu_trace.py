@@ -13,6 +13,7 @@ the same inputs, as bench_tree_gdn.py's lazy sweep), its phase "fold" in the pro
 
     PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64
     PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64 --pending
+    PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 16 --N 64 --pending --pending-rows 1
 
 GPU only (the profiler's dump is a host callback); jax >= 0.11.
 """
@@ -76,13 +77,27 @@ def summarize(trace: dict) -> dict:
     return out
 
 
-def pending_rows(x, parents, tree, n):
+def accepted_at(parents, rows: int):
+    """Per request, the node whose root path has min(rows, the deepest path's length) nodes, on
+    the deepest node's path (the deepest node when rows reaches it)."""
+    out = []
+    for p, node in zip(np.asarray(parents), btg.deepest_nodes(parents)):
+        path = [int(node)]
+        while p[path[-1]] >= 0:
+            path.append(int(p[path[-1]]))
+        out.append(path[max(0, len(path) - rows)])
+    return np.asarray(out, np.int32)
+
+
+def pending_rows(x, parents, tree, n, rows: int | None = None):
     """A pending lazy commit for the point: the factor rows of each request's deepest node of
     a verify of the same inputs (the reference closed form), as the decode step's commit
-    leaves them (`pending_commit` with the step's accepted path)."""
+    leaves them (`pending_commit` with the step's accepted path). rows: the commit's row count
+    (the kernel unrolls its fold over them), the accepted node then the ancestor at that path
+    length (`accepted_at`); None: min(MAX_DEPTH, n), the bench's."""
     _, fac = tree_gdn_ref.tree_gdn_closed_form(*x, parents, tree=tree)
-    accepted = jnp.asarray(btg.deepest_nodes(parents))
-    length = min(btg.MAX_DEPTH, n)
+    length = min(btg.MAX_DEPTH, n) if rows is None else rows
+    accepted = jnp.asarray(accepted_at(parents, length))
     path, count = accepted_rows(parents, accepted, length)
     return pending_commit(fac, parents, accepted, length, path, count)
 
@@ -96,7 +111,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pending", action="store_true",
                     help="profile the verify folding a pending lazy commit (the 'fold' phase)")
+    ap.add_argument("--pending-rows", type=int, default=None, metavar="L",
+                    help="with --pending: the commit's rows (default: the bench's, "
+                         "min(8, N)); e.g. 1 against 8 separates the fold's per-row cost "
+                         "from what it waits for once")
     args = ap.parse_args(argv)
+    if args.pending_rows is not None and (args.pending_rows < 1 or not args.pending):
+        ap.error("--pending-rows takes a count >= 1, with --pending")
     variants = parse_variants(ap, args.variants)
     if not tree_gdn_mgpu.AVAILABLE:
         raise SystemExit(tree_gdn_mgpu.UNAVAILABLE_REASON)
@@ -107,7 +128,7 @@ def main(argv=None):
     for b in (int(x) for x in args.B.split(",")):
         for n in (int(x) for x in args.N.split(",")):
             parents, tree, (x,) = point_inputs(b, n, args.seed, 1)
-            pend = pending_rows(x, parents, tree, n) if args.pending else None
+            pend = pending_rows(x, parents, tree, n, args.pending_rows) if args.pending else None
             for name in variants:
                 kw = dict(VARIANTS[name], depth_bound=btg.MAX_DEPTH, tree=tree, pending=pend)
                 jax.block_until_ready(tree_gdn_mgpu.tree_gdn_verify_mgpu(*x, parents, **kw))
@@ -130,7 +151,8 @@ def main(argv=None):
                 s.update(B=b, N=n, variant=name, trace=os.path.basename(raw),
                          pending_rows=0 if pend is None else int(pend.k.shape[1]))
                 results.append(s)
-                print(f"\nB={b} N={n} {name}{' + fold' if pend is not None else ''}: "
+                fold = "" if pend is None else f" + fold ({int(pend.k.shape[1])} rows)"
+                print(f"\nB={b} N={n} {name}{fold}: "
                       f"{s['programs']} programs on {s['sms']} SMs "
                       f"(<= {s['max_programs_per_sm']} per SM); program "
                       f"{s['program_us']['mean']:.2f} us mean, {s['program_us']['max']:.2f} max; "

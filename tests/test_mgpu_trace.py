@@ -66,9 +66,12 @@ def test_variants_are_checked_by_name():
             bench.parse_variants(ap, bad)
 
 
-def test_pending_rows_fold_to_the_deepest_nodes_state():
+@pytest.mark.parametrize("rows", [None, 1, 3])
+def test_pending_rows_fold_to_the_deepest_nodes_state(rows):
     """--pending: the rows handed to the profiled verify, folded into the state, give each
-    request's state at its deepest node (the reference commit of the same factors)."""
+    request's state at its deepest node (the reference commit of the same factors); with
+    --pending-rows L, L rows and the state at the node of that path length on the deepest
+    node's path."""
     import jax
     import jax.numpy as jnp
 
@@ -79,11 +82,22 @@ def test_pending_rows_fold_to_the_deepest_nodes_state():
     from bole_jax.spec_decode.state_factors import commit_state
 
     parents, tree, (x,) = point_inputs(2, 8, int.from_bytes(os.urandom(2), "little"), 1)
-    pend = mgpu_trace.pending_rows(x, parents, tree, 8)
+    pend = mgpu_trace.pending_rows(x, parents, tree, 8, rows)
     _, fac = tree_gdn_ref.tree_gdn_closed_form(*x, parents, tree=tree)
-    deepest = jnp.asarray(btg.deepest_nodes(parents))
+    node = btg.deepest_nodes(parents)
+    if rows is not None:  # its ancestor with a root path of min(rows, depth) nodes
+        par = np.asarray(parents)
+
+        def depth(r, i):
+            return 1 + (depth(r, par[r, i]) if par[r, i] >= 0 else 0)
+
+        full = [depth(r, node[r]) for r in range(len(node))]
+        for r in range(len(node)):
+            while depth(r, node[r]) > rows:
+                node[r] = int(par[r, node[r]])
+        assert (np.asarray(pend.count) == np.minimum(rows, full)).all()
     with jax.default_matmul_precision("highest"):
-        want = commit_state(x[5], fac, parents, deepest, backend="reference")
+        want = commit_state(x[5], fac, parents, jnp.asarray(node), backend="reference")
         got = apply_pending(x[5], pend)
-    assert pend.k.shape[1] == min(btg.MAX_DEPTH, 8)
+    assert pend.k.shape[1] == (min(btg.MAX_DEPTH, 8) if rows is None else rows)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
