@@ -43,6 +43,7 @@ from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from benchmarks.bench_tree_gdn_mgpu import VARIANTS, parse_variants, point_inputs  # noqa: E402
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref  # noqa: E402
 from bole_jax.pallas.tree_gdn import accepted_rows, pending_commit  # noqa: E402
+from bole_jax.pallas.tree_utils import accepted_path  # noqa: E402
 
 
 
@@ -80,13 +81,9 @@ def summarize(trace: dict) -> dict:
 def accepted_at(parents, rows: int):
     """Per request, the node whose root path has min(rows, the deepest path's length) nodes, on
     the deepest node's path (the deepest node when rows reaches it)."""
-    out = []
-    for p, node in zip(np.asarray(parents), btg.deepest_nodes(parents)):
-        path = [int(node)]
-        while p[path[-1]] >= 0:
-            path.append(int(p[path[-1]]))
-        out.append(path[max(0, len(path) - rows)])
-    return np.asarray(out, np.int32)
+    walk = np.asarray(accepted_path(parents, btg.deepest_nodes(parents), parents.shape[1]))
+    depth = (walk >= 0).sum(axis=1)  # the deepest node first, -1 past the root
+    return walk[np.arange(len(walk)), np.maximum(depth - rows, 0)].astype(np.int32)
 
 
 def pending_rows(x, parents, tree, n, rows: int | None = None):

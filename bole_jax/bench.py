@@ -467,13 +467,14 @@ def _derive_state(base, mode: str, spec, cfg: ModelConfig, oracle=None):
   length = spec.pending_length if spec is not None else None
   base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length))
   if mode == "ar":
-    return parallel.place(_copy(dataclasses.replace(base, extra=None)), cfg)
-  ds = base.extra
-  rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
-  assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
-  ds = dataclasses.replace(
-      ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
-      oracle=ds.oracle if oracle is None else oracle)
+    ds = None
+  else:
+    ds = base.extra
+    rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
+    assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
+    ds = dataclasses.replace(
+        ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
+        oracle=ds.oracle if oracle is None else oracle)
   return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
 
 
