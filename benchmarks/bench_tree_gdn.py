@@ -63,7 +63,8 @@ from bole_jax.pallas import tree_conv, tree_gdn_mgpu, tree_gdn_ref, tree_pernode
 from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
                                       mosaic_launch, pending_commit, tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import random_parents, tree_depth, tree_structure  # noqa: E402
+from bole_jax.pallas.tree_utils import (dfs_order, random_parents, tree_depth,  # noqa: E402
+                                       tree_structure)
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next GDN at TP1
@@ -214,12 +215,12 @@ def bole_verify(cfg, parents, num_nodes, tree):
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
-    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first]" (lay: the scratch layout, "vk" by
-    default; root: hold the committed tile in registers, automatic by default; ev: the scratch
-    stores' cache hint)."""
+    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first][,ord=dfs]" (lay: the scratch
+    layout, "vk" by default; root: hold the committed tile in registers, automatic by default;
+    ev: the scratch stores' cache hint; ord: the node walk's order, "index" by default)."""
     keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout", root="hold_root",
-                ev="scratch_eviction")
-    return PernodeConfig(**{keys[k]: (v if k in ("lay", "ev") else int(v)) for k, v in
+                ev="scratch_eviction", ord="order")
+    return PernodeConfig(**{keys[k]: (v if k in ("lay", "ev", "ord") else int(v)) for k, v in
                             (item.split("=") for item in filter(None, spec.split(",")))})
 
 
@@ -232,7 +233,8 @@ def cfg_str(cfg) -> str:
         return (f"bv={cfg.block_v},w={cfg.num_warps},ns={cfg.num_stages}"
                 + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")
                 + ("" if cfg.hold_root is None else f",root={cfg.hold_root}")
-                + ("" if cfg.scratch_eviction is None else f",ev={cfg.scratch_eviction}"))
+                + ("" if cfg.scratch_eviction is None else f",ev={cfg.scratch_eviction}")
+                + ("" if cfg.order == "index" else f",ord={cfg.order}"))
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"
@@ -434,6 +436,16 @@ def rel(a, b):
     a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
     b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def reloads(parents, order):
+    """Mean nodes per request whose parent is neither the node walked just before it nor the
+    committed state: the per-node kernel's reloads from its scratch, walking in `order`."""
+    out = []
+    for p, o in zip(parents, order):
+        prev = np.concatenate([[-1], o[:-1]])
+        out.append(int(np.sum((p[o] != prev) & (p[o] >= 0))))
+    return float(np.mean(out))
 
 
 def deepest_nodes(parents):
@@ -764,9 +776,16 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     scratch_bytes = b * n * HV * DK * DV * 4
     r_pn = int(max(1, min(r, (24 * 2 ** 30) // max(scratch_bytes, 1))))
     # (the per-node output equals the closed form's: same maths)
+    # The depth-first walk's order: once per decode step, shared by all layers (as the tree).
+    order = dfs_order(parents_d, num_nodes, tree.anc)
+    point["reloads"] = dict(index=reloads(parents, np.arange(n)[None].repeat(b, 0)),
+                            dfs=reloads(parents, np.asarray(order)))
+    print(f"    pernode reloads per request: {point['reloads']['index']:.1f} in index order, "
+          f"{point['reloads']['dfs']:.1f} depth-first", flush=True)
     point["pernode"], best_pn = sweep(
         "pernode", pernode_cfgs, lambda cfg: jax.jit(lambda *a: tree_pernode.tree_pernode_verify(
-            *a, parents_d, num_nodes, backend="pallas", interpret=INTERPRET, config=cfg)),
+            *a, parents_d, num_nodes, backend="pallas", interpret=INTERPRET, config=cfg,
+            order=order)),
         lambda out, o_ref=o_ref: dict(o=(rel(out[0], o_ref), TOL["o"])), sets[:r_pn], timer)
     del o_ref
     point["pernode_best"] = best_pn[0] if best_pn else None
@@ -774,7 +793,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         cfg = best_pn[1]
         r_c = int(max(1, min(r_pn, 2)))
         scr = [tree_pernode.tree_pernode_verify(*s, parents_d, num_nodes, backend="pallas",
-                                                interpret=INTERPRET, config=cfg)[1]
+                                                interpret=INTERPRET, config=cfg, order=order)[1]
                for s in sets[:r_c]]
         point["pernode_commit"] = timer_in_place(
             lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout),

@@ -44,3 +44,17 @@ def test_resolve_auto_adds_the_engines_mosaic_launch(monkeypatch):
         TreeGDNConfig.auto(1, 64, btg.MAX_DEPTH), btg.MosaicLaunch()]
     monkeypatch.setattr(btg, "INTERPRET", True)
     assert btg.resolve_bole(["auto"], 16, 64) == [TreeGDNConfig.auto(16, 64, btg.MAX_DEPTH)]
+
+
+def test_pernode_specs_and_reload_count():
+    from bole_jax.pallas.tree_pernode import PernodeConfig
+    cfg = btg.parse_pernode("bv=16,w=1,ns=2,ord=dfs")
+    assert cfg == PernodeConfig(block_v=16, num_warps=1, num_stages=2, order="dfs")
+    assert btg.cfg_str(cfg) == "bv=16,w=1,ns=2,ord=dfs"
+    assert btg.cfg_str(btg.parse_pernode("bv=8,w=1,ns=3")) == "bv=8,w=1,ns=3"
+    # 0 <- 1, 0 <- 2, 1 <- 3: index order reloads node 2 (parent 0 after node 1) and node 3
+    # (parent 1 after node 2); the walk 0, 1, 3, 2 reloads only node 2.
+    import numpy as np
+    parents = np.array([[-1, 0, 0, 1]])
+    assert btg.reloads(parents, np.array([[0, 1, 2, 3]])) == 2.0
+    assert btg.reloads(parents, np.array([[0, 1, 3, 2]])) == 1.0

@@ -9,7 +9,8 @@ import pytest
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode
 from bole_jax.pallas.tree_pernode import PernodeConfig
-from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees
+from bole_jax.pallas.tree_utils import (dfs_order, random_gdn_inputs, random_trees,
+                                       tree_structure)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -44,6 +45,13 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
      PernodeConfig(block_v=8, layout="kv", hold_root=0)),
     (11, 1, 2, 16, 16, ("bushy", "deep"), np.float32,
      PernodeConfig(block_v=8, num_warps=1, num_stages=2, scratch_eviction="evict_first")),
+    # the walk in depth-first order (ragged requests, forests, both layouts, root held or not)
+    (16, 1, 2, 16, 32, ("random", "forest", "bushy"), np.float32,
+     PernodeConfig(block_v=16, order="dfs")),
+    (33, 2, 4, 16, 16, ("deep", "star", "random"), jnp.bfloat16,
+     PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs")),
+    (12, 1, 1, 32, 16, ("forest", "bushy"), np.float32,
+     PernodeConfig(block_v=8, layout="kv", hold_root=0, order="dfs")),
 ]
 
 
@@ -54,7 +62,7 @@ def _in_layout(states, layout):
 
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: (f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}"
-                                        f"-root{c[7].hold_root}"))
+                                        f"-root{c[7].hold_root}-{c[7].order}"))
 def test_pernode_matches_sequential(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
     seed = RUN_SEED
@@ -97,6 +105,39 @@ def test_chain_matches_sequential(n, dtype):
     assert rel(new, np.asarray(s_want)[np.arange(2), acc]) <= 1e-5, f"seed {seed}"
 
 
+def _preorder(parents, nn):
+    """Depth-first preorder by an explicit walk (children in index order), padding last."""
+    kids = {i: [] for i in range(-1, len(parents))}
+    for i in range(nn):
+        kids[int(parents[i])].append(i)
+    out, stack = [], list(reversed(kids[-1]))
+    while stack:
+        i = stack.pop()
+        out.append(i)
+        stack.extend(reversed(kids[i]))
+    return out + list(range(nn, len(parents)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 64, 128])
+def test_dfs_order_is_the_preorder(n):
+    rng = np.random.default_rng(RUN_SEED + n)
+    kinds = ("random", "forest", "chain", "star", "bushy", "deep")
+    parents, num_nodes = random_trees(rng, 6, n, kinds, ragged=True)
+    order = np.asarray(dfs_order(jnp.asarray(parents), jnp.asarray(num_nodes)))
+    given = np.asarray(dfs_order(jnp.asarray(parents), jnp.asarray(num_nodes),
+                                 tree_structure(parents, num_nodes).anc))
+    for b in range(6):
+        want = _preorder(parents[b], num_nodes[b])
+        assert list(order[b]) == want, f"seed {RUN_SEED + n} request {b}"
+        assert list(given[b]) == want, f"seed {RUN_SEED + n} request {b}"
+        # the point of the order: a parent differs from the node before it only at a leaf's
+        # successor, never more often than in index order
+        nn = num_nodes[b]
+        jumps = sum(parents[b, i] != (want[j - 1] if j else -1) for j, i in enumerate(want[:nn]))
+        jumps_index = sum(parents[b, i] != i - 1 for i in range(nn))
+        assert jumps <= jumps_index
+
+
 def test_reference_backend_is_sequential():
     args, parents, num_nodes = _inputs(RUN_SEED, 2, 5, 1, 1, 16, 16, ("random",))
     o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="reference")
@@ -116,6 +157,8 @@ def test_layout_is_checked():
         PernodeConfig(layout="dk_dv")
     with pytest.raises(ValueError, match="scratch_eviction"):
         PernodeConfig(scratch_eviction="evict_sometimes")
+    with pytest.raises(ValueError, match="order"):
+        PernodeConfig(order="bfs")
     with pytest.raises(ValueError, match="layout"):
         tree_pernode.commit_pernode_state(jnp.zeros((1, 1, 2, 2)), jnp.zeros((1, 3, 1, 2, 2)),
                                           jnp.zeros((1,), jnp.int32), layout="kk")
@@ -152,7 +195,10 @@ def test_pernode_conv_matches_reference(n, c, block_c):
                                      PernodeConfig(block_v=8, num_warps=1, hold_root=0)),
                                     ("tree_pernode_verify",
                                      PernodeConfig(block_v=16, num_warps=1, num_stages=2,
-                                                   scratch_eviction="evict_first"))])
+                                                   scratch_eviction="evict_first")),
+                                    ("tree_pernode_verify",
+                                     PernodeConfig(block_v=16, num_warps=1, num_stages=2,
+                                                   order="dfs"))])
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)

@@ -123,6 +123,39 @@ def tree_structure(parents: jax.Array, num_nodes: jax.Array | None = None) -> Tr
     return TreeStructure(anc=anc, depth=depth, path_len=jnp.max(path, axis=-1), valid=valid)
 
 
+@jax.jit
+def dfs_order(parents: jax.Array, num_nodes: jax.Array | None = None,
+              anc: jax.Array | None = None) -> jax.Array:
+    """[B, N] int32: each tree's nodes in depth-first preorder (children, and the roots of a
+    forest, in index order), padding nodes last in index order. order[b, j] is the j-th node
+    visited. Every node comes after its parent, and a node's parent is the node just before it
+    whenever the node is a first child: a walk in this order leaves a branch only at its leaves
+    (what a per-node-state kernel must reload from its scratch), where index order leaves one
+    at every node whose parent is not its predecessor.
+
+    Vectorised, no walk: with size(s) the subtree size of s (a column sum of the ancestor-or-
+    self mask) and c(a) = 1 + sum of size(s) over the earlier siblings s of a, node i's preorder
+    position is sum of c(a) over its ancestors-or-self a, minus one. `anc` (tree_structure's)
+    is recomputed when not given."""
+    parents = jnp.asarray(parents, jnp.int32)
+    b, n = parents.shape
+    valid = node_validity(parents, num_nodes)
+    if anc is None:
+        anc = tree_structure(parents, num_nodes).anc
+    a = anc.astype(jnp.float32)  # (sizes and positions <= N: exact in fp32)
+    size = jnp.sum(a, axis=1)  # [B, N]: nodes whose ancestor-or-self is j
+    ids = jnp.arange(n, dtype=jnp.int32)
+    sib = ((parents[:, None, :] == parents[:, :, None]) & (ids[None, None, :] < ids[None, :, None])
+           & valid[:, None, :] & valid[:, :, None])  # [B, a, s]: s an earlier sibling of a
+    c = 1.0 + jnp.einsum("bas,bs->ba", sib.astype(jnp.float32), size,
+                         precision=jax.lax.Precision.HIGHEST)
+    pos = jnp.einsum("bia,ba->bi", a, c, precision=jax.lax.Precision.HIGHEST) - 1.0
+    pos = jnp.where(valid, jnp.round(pos).astype(jnp.int32), ids[None, :])
+    # order = pos^-1, as a one-hot sum (N <= a few hundred)
+    hit = pos[:, :, None] == ids[None, None, :]  # [B, i, j]: node i at position j
+    return jnp.sum(jnp.where(hit, ids[None, :, None], 0), axis=1).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("width",))
 def conv_window_indices(parents: jax.Array, width: int) -> jax.Array:
     """[B, N, width] int32: rows of concat([conv_state (width-1 rows), x (N rows)]) forming each

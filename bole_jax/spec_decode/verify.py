@@ -105,7 +105,7 @@ def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeSt
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "pernode":
     o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, state, tree.parents,
-                                                 tree.num_nodes, backend=backend)
+                                                 tree.num_nodes, backend=backend, tree=ts)
     aux = dataclasses.replace(aux, node_states=states)
   else:
     o, states = tree_pernode.chain_verify(q, k, v, g, beta, state, tree.parents, tree.num_nodes,
