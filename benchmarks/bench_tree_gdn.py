@@ -116,7 +116,8 @@ FULL_EXTRA_BOLE = [
 # held won every point (`PernodeConfig.auto`: 8 columns x 3 stages at B = 1, 16 x 2 above). The
 # full sweep keeps their neighbourhood, the old layout and launch, and candidates for the two
 # points where the verify is still slower than SGLang's (B = 4 N = 32, B = 16 N = 8).
-DEFAULT_PERNODE = ["bv=16,w=1,ns=2", "bv=8,w=1,ns=3"]
+# Session 16 (tree_gdn_h200_s16/): the depth-first walk (ord=dfs) wins above 8 nodes at B >= 2.
+DEFAULT_PERNODE = ["bv=16,w=1,ns=2", "bv=8,w=1,ns=3", "bv=8,w=1,ns=3,ord=dfs"]
 FULL_EXTRA_PERNODE = ["bv=16,w=1,ns=3", "bv=8,w=1,ns=2", "bv=16,w=2,ns=2", "bv=32,w=2,ns=2",
                       "bv=32,w=1,ns=2,root=1", "bv=16,w=1,ns=2,ev=evict_first",
                       "bv=8,w=1,ns=3,ev=evict_first", "bv=8,w=1,ns=3,root=0",

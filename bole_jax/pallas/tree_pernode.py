@@ -61,15 +61,19 @@ class PernodeConfig:
 
     @staticmethod
     def auto(b: int, n: int) -> "PernodeConfig":
-        """The launch `tree_pernode_verify` / `chain_verify` use when given none: the winners of
-        the session-11 grid on the H200 at Qwen3-Next dims (benchmarks/results/
-        tree_gdn_h200_s11/grid_all): one warp, the "vk" scratch, the committed tile held;
-        8-column tiles and three stages at B = 1 (more programs for a latency-bound loop),
-        16 columns and two stages above (within 1% of the 8-column tile at N = 64)."""
-        del n  # the same winner at every N of the grid
+        """The launch `tree_pernode_verify` / `chain_verify` use when given none: the winners on
+        the H200 at Qwen3-Next dims. One warp, the "vk" scratch, the committed tile held
+        (session 11's grid, benchmarks/results/tree_gdn_h200_s11/grid_all). Session 16
+        (tree_gdn_h200_s16/): above 8 nodes at B >= 2 the depth-first walk with 8 columns and
+        three stages (B = 16 N = 64: 1018 -> 749 us, B = 4 N = 32: 123 -> 102); at B = 1 the
+        index walk with 8 columns and three stages (the walk's indirect loads cost more than its
+        saved reloads there: 102 vs 141 us at N = 64); at N <= 8 and B >= 2, the index walk with
+        16 columns and two stages (105 vs 107 us at B = 16)."""
         if b <= 1:
             return PernodeConfig(block_v=8, num_warps=1, num_stages=3)
-        return PernodeConfig(block_v=16, num_warps=1, num_stages=2)
+        if n <= 8:
+            return PernodeConfig(block_v=16, num_warps=1, num_stages=2)
+        return PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs")
 
     def holds_root(self, dk: int, dv: int) -> bool:
         if self.hold_root is not None:
