@@ -58,3 +58,22 @@ def test_pernode_specs_and_reload_count():
     parents = np.array([[-1, 0, 0, 1]])
     assert btg.reloads(parents, np.array([[0, 1, 2, 3]])) == 2.0
     assert btg.reloads(parents, np.array([[0, 1, 3, 2]])) == 1.0
+
+
+def test_pernode_walk_relabel_makes_preorder_the_index_order():
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks import bench_pernode_walk as bpw
+    from bole_jax.pallas.tree_utils import dfs_order, random_trees
+    rng = np.random.default_rng(7)
+    parents, _ = random_trees(rng, 5, 24, ("random", "forest", "bushy", "deep", "star"))
+    order = np.asarray(dfs_order(jnp.asarray(parents)))
+    new = bpw.relabel(parents, order)
+    assert np.all(new < np.arange(24)[None])  # parents first
+    assert np.array_equal(np.asarray(dfs_order(jnp.asarray(new))),
+                          np.broadcast_to(np.arange(24), (5, 24)))
+    # the same trees: equal numbers of children per node, renamed
+    for b in range(5):
+        kids = np.bincount(parents[b][parents[b] >= 0], minlength=24)
+        kids_new = np.bincount(new[b][new[b] >= 0], minlength=24)
+        assert np.array_equal(np.sort(kids), np.sort(kids_new))
