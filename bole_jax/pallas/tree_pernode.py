@@ -147,12 +147,11 @@ def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root,
             par = par_ref[i]
             reuse = par == prev
             if branch:
-                # 0: the previous state, 1: the committed tile, 2: the parent's scratch slot
-                src = jnp.where(reuse, 0, jnp.where(par < 0, 1, 2))
-                s = jax.lax.switch(src, [
-                    lambda: s_prev,
-                    (lambda: root) if hold_root else (lambda: pool()),
-                    lambda: scr_ref[jnp.maximum(par, 0)]])
+                # the previous state, else the committed tile or the parent's scratch slot
+                # (nested conds on booleans: lax.switch's index clamp fails Triton's verifier)
+                s = jax.lax.cond(reuse, lambda: s_prev, lambda: jax.lax.cond(
+                    par < 0, (lambda: root) if hold_root else (lambda: pool()),
+                    lambda: scr_ref[jnp.maximum(par, 0)]))
             else:
                 from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
                 from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
