@@ -216,14 +216,12 @@ def bole_verify(cfg, parents, num_nodes, tree):
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
-    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first][,ord=dfs][,rl=branch]" (lay: the
-    scratch layout, "vk" by default; root: hold the committed tile in registers, automatic by
-    default; ev: the scratch stores' cache hint; ord: the node walk's order, "index" by
-    default; rl: how a node gets its starting state, "masked" by default)."""
+    """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first][,ord=dfs]" (lay: the scratch
+    layout, "vk" by default; root: hold the committed tile in registers, automatic by default;
+    ev: the scratch stores' cache hint; ord: the node walk's order, "index" by default)."""
     keys = dict(bv="block_v", w="num_warps", ns="num_stages", lay="layout", root="hold_root",
-                ev="scratch_eviction", ord="order", rl="reload")
-    return PernodeConfig(**{keys[k]: (v if k in ("lay", "ev", "ord", "rl") else int(v))
-                            for k, v in
+                ev="scratch_eviction", ord="order")
+    return PernodeConfig(**{keys[k]: (v if k in ("lay", "ev", "ord") else int(v)) for k, v in
                             (item.split("=") for item in filter(None, spec.split(",")))})
 
 
@@ -237,8 +235,7 @@ def cfg_str(cfg) -> str:
                 + ("" if cfg.layout == "vk" else f",lay={cfg.layout}")
                 + ("" if cfg.hold_root is None else f",root={cfg.hold_root}")
                 + ("" if cfg.scratch_eviction is None else f",ev={cfg.scratch_eviction}")
-                + ("" if cfg.order == "index" else f",ord={cfg.order}")
-                + ("" if cfg.reload == "masked" else f",rl={cfg.reload}"))
+                + ("" if cfg.order == "index" else f",ord={cfg.order}"))
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"

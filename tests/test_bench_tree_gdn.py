@@ -52,9 +52,6 @@ def test_pernode_specs_and_reload_count():
     assert cfg == PernodeConfig(block_v=16, num_warps=1, num_stages=2, order="dfs")
     assert btg.cfg_str(cfg) == "bv=16,w=1,ns=2,ord=dfs"
     assert btg.cfg_str(btg.parse_pernode("bv=8,w=1,ns=3")) == "bv=8,w=1,ns=3"
-    assert btg.parse_pernode("bv=8,rl=branch,ord=dfs") == PernodeConfig(block_v=8, order="dfs",
-                                                                         reload="branch")
-    assert btg.cfg_str(btg.parse_pernode("bv=8,w=1,ns=3,rl=branch")) == "bv=8,w=1,ns=3,rl=branch"
     # 0 <- 1, 0 <- 2, 1 <- 3: index order reloads node 2 (parent 0 after node 1) and node 3
     # (parent 1 after node 2); the walk 0, 1, 3, 2 reloads only node 2.
     import numpy as np

@@ -52,13 +52,6 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
      PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs")),
     (12, 1, 1, 32, 16, ("forest", "bushy"), np.float32,
      PernodeConfig(block_v=8, layout="kv", hold_root=0, order="dfs")),
-    # the starting state chosen by a branch instead of a masked load and selects
-    (16, 1, 2, 16, 32, ("random", "forest", "deep"), np.float32,
-     PernodeConfig(block_v=16, reload="branch")),
-    (21, 1, 3, 16, 16, ("forest", "bushy", "star"), jnp.bfloat16,
-     PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs", reload="branch")),
-    (9, 1, 1, 32, 16, ("forest", "random"), np.float32,
-     PernodeConfig(block_v=8, layout="kv", hold_root=0, reload="branch")),
 ]
 
 
@@ -69,7 +62,7 @@ def _in_layout(states, layout):
 
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: (f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}"
-                                        f"-root{c[7].hold_root}-{c[7].order}-{c[7].reload}"))
+                                        f"-root{c[7].hold_root}-{c[7].order}"))
 def test_pernode_matches_sequential(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
     seed = RUN_SEED
@@ -166,8 +159,6 @@ def test_layout_is_checked():
         PernodeConfig(scratch_eviction="evict_sometimes")
     with pytest.raises(ValueError, match="order"):
         PernodeConfig(order="bfs")
-    with pytest.raises(ValueError, match="reload"):
-        PernodeConfig(reload="sometimes")
     with pytest.raises(ValueError, match="layout"):
         tree_pernode.commit_pernode_state(jnp.zeros((1, 1, 2, 2)), jnp.zeros((1, 3, 1, 2, 2)),
                                           jnp.zeros((1,), jnp.int32), layout="kk")
@@ -207,13 +198,7 @@ def test_pernode_conv_matches_reference(n, c, block_c):
                                                    scratch_eviction="evict_first")),
                                     ("tree_pernode_verify",
                                      PernodeConfig(block_v=16, num_warps=1, num_stages=2,
-                                                   order="dfs")),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=8, num_warps=1, num_stages=3,
-                                                   reload="branch")),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=16, num_warps=1, hold_root=0,
-                                                   order="dfs", reload="branch"))])
+                                                   order="dfs"))])
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)

@@ -58,11 +58,6 @@ class PernodeConfig:
     # at its leaves, so fewer nodes reload their parent's state from the scratch (random
     # 64-node trees of the benchmark: 32 reloads instead of 57 on average).
     order: str = "index"
-    # How a node gets its starting state: "masked" (every node issues the scratch load under a
-    # mask and selects among the previous state, the committed tile and the load) or "branch"
-    # (a branch on the source: only a node that reloads issues the load, and no per-node
-    # selects over the tile).
-    reload: str = "masked"
 
     @staticmethod
     def auto(b: int, n: int) -> "PernodeConfig":
@@ -93,13 +88,10 @@ class PernodeConfig:
                              "expected None, 'evict_first' or 'evict_last'")
         if self.order not in ORDERS:
             raise ValueError(f"PernodeConfig.order={self.order!r}: expected one of {ORDERS}")
-        if self.reload not in RELOADS:
-            raise ValueError(f"PernodeConfig.reload={self.reload!r}: expected one of {RELOADS}")
 
 
 LAYOUTS = ("vk", "kv")
 ORDERS = ("index", "dfs")
-RELOADS = ("masked", "branch")
 
 
 def scratch_layout(states, layout: str):
@@ -109,7 +101,7 @@ def scratch_layout(states, layout: str):
 
 
 def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root, eviction,
-                    interpret, ordered, branch):
+                    interpret, ordered):
     # Blocks: par [N]; (ordered: the walk's order [N]); q, k [N, dk]; v [N, bv]; g, beta [N];
     # s [dk, bv]; o [N, bv]; scr [N, bv, dk] ("vk": the tile is held transposed, as stored) or
     # [N, dk, bv] ("kv"). Per node: scalar loads and [dk] / [bv] row vectors.
@@ -146,22 +138,15 @@ def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root,
             # the tree stay in registers.
             par = par_ref[i]
             reuse = par == prev
-            if branch:
-                # the previous state, else the committed tile or the parent's scratch slot
-                # (nested conds on booleans: lax.switch's index clamp fails Triton's verifier)
-                s = jax.lax.cond(reuse, lambda: s_prev, lambda: jax.lax.cond(
-                    par < 0, (lambda: root) if hold_root else (lambda: pool()),
-                    lambda: scr_ref[jnp.maximum(par, 0)]))
+            from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
+            from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
+            from_scr = pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
+                                     other=0.0)
+            if hold_root:
+                loaded = jnp.where(from_pool, root, from_scr)
             else:
-                from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
-                from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
-                from_scr = pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
-                                         other=0.0)
-                if hold_root:
-                    loaded = jnp.where(from_pool, root, from_scr)
-                else:
-                    loaded = pool(from_pool) + from_scr
-                s = jnp.where(reuse, s_prev, loaded)
+                loaded = pool(from_pool) + from_scr
+            s = jnp.where(reuse, s_prev, loaded)
         k, q = unit(k_ref[i]), unit(q_ref[i]) * scale  # [dk]
         s = s * jnp.exp(g_ref[i])
         kv = jnp.sum(s * along_k(k), axis=kax)  # [bv] = S^T k
@@ -214,8 +199,7 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, order, *, scale
     o, scratch = pl.pallas_call(
         functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain, vk=vk,
                           hold_root=cfg.holds_root(dk, dv), eviction=cfg.scratch_eviction,
-                          interpret=interpret, ordered=ordered,
-                          branch=cfg.reload == "branch"),
+                          interpret=interpret, ordered=ordered),
         grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
         in_specs=[
             pl.BlockSpec((None,), lambda t, h, i: (i,)),
