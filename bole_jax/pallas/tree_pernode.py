@@ -258,7 +258,9 @@ def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, sca
     output, undefined state. Commit with `commit_pernode_state(..., layout=)`. `config=None`
     takes `PernodeConfig.auto(B, N)`. With `config.order="dfs"` the kernel walks the nodes in
     `order` ([B, N] int32, `tree_utils.dfs_order`; computed here when None, from `tree`'s
-    ancestor mask when given): a decode step computes it once for all its layers.
+    ancestor mask when given): a decode step computes it once for all its layers. A given
+    `order` is trusted: any permutation that lists every node after its parent (padding last)
+    gives the same results; one that does not gives wrong states silently.
     """
     return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
                    chain=False, tree=tree, order=order)
