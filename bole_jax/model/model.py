@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bole_jax import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block
 from bole_jax.model.cache import AttnCache, Cache, GDNCache
 from bole_jax.model.config import LINEAR, ModelConfig
@@ -55,7 +56,7 @@ def forward_pre_norm(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: C
     slots = jnp.where(valid, positions, S)  # padding -> out of range -> dropped
     mask = causal_prefix_mask(lengths, num_new, T, S)
 
-    x = params["embed"][tokens]
+    x = parallel.embed_lookup(params["embed"], tokens, cfg)
     new_layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache.layers)):
         assert isinstance(c, GDNCache if cfg.layer_types[i] == LINEAR else AttnCache), (i, type(c))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bole_jax import parallel
 from bole_jax.model.blocks import attention_layer
 from bole_jax.model.cache import AttnCache, init_attn_cache
 from bole_jax.model.config import ModelConfig
@@ -46,7 +47,8 @@ def mtp_forward(params, cfg: ModelConfig, tokens: jax.Array, h_prev: jax.Array,
   Returns (out [B, T, H] after the MTP norm, kv'). New entries are written at `slots` first.
   """
   mp = params["mtp"]
-  e = rms_norm(params["embed"][tokens], mp["pre_fc_norm_embedding"], cfg.rms_norm_eps)
+  e = rms_norm(parallel.embed_lookup(params["embed"], tokens, cfg), mp["pre_fc_norm_embedding"],
+               cfg.rms_norm_eps)
   h = rms_norm(h_prev.astype(e.dtype), mp["pre_fc_norm_hidden"], cfg.rms_norm_eps)
   x = jnp.concatenate([e, h], axis=-1) @ mp["fc"]
   new_kv = []

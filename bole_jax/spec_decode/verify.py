@@ -156,7 +156,7 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   n = tree.tokens.shape[1]
   slots = jnp.where(tree.valid, cache.lengths[:, None] + jnp.arange(n)[None], 2**30)
   mask = None
-  x = params["embed"][tree.tokens]
+  x = parallel.embed_lookup(params["embed"], tree.tokens, cfg)
   layers, auxs = [], []
   for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
     if cfg.layer_types[i] == LINEAR:
