@@ -209,14 +209,14 @@ def _engine_frames(eqn) -> tuple[str, ...]:
                if f"{os.sep}bole_jax{os.sep}" in f.file_name)
 
 
-def _pallas_launches(jaxpr, inside: bool = False, where: tuple = ()):
-  """(kernel name, inside a shard_map body?, the engine frames it was reached from) of every
-  pallas_call in jaxpr and in the jaxprs its equations carry (jit, while, cond, scan,
-  shard_map, custom_jvp / custom_vjp, ...). A kernel's own body is not a program: not searched."""
+def _eqns(jaxpr, inside: bool = False, where: tuple = ()):
+  """(equation, inside a shard_map body?, the engine frames it was reached from) of every
+  equation in jaxpr and in the jaxprs its equations carry (jit, while, cond, scan, shard_map,
+  custom_jvp / custom_vjp, ...). A Pallas kernel's own body is not a program: not searched."""
   for eqn in jaxpr.eqns:
     here = where + tuple(f for f in _engine_frames(eqn) if f not in where)
+    yield eqn, inside, here
     if eqn.primitive.name == "pallas_call":
-      yield eqn.params.get("name") or "<unnamed>", inside, here
       continue
     body_inside = inside or eqn.primitive.name == "shard_map"
     for val in eqn.params.values():
@@ -224,7 +224,15 @@ def _pallas_launches(jaxpr, inside: bool = False, where: tuple = ()):
         if isinstance(sub, jex_core.ClosedJaxpr):
           sub = sub.jaxpr
         if isinstance(sub, jex_core.Jaxpr):
-          yield from _pallas_launches(sub, body_inside, here)
+          yield from _eqns(sub, body_inside, here)
+
+
+def _pallas_launches(jaxpr):
+  """(kernel name, inside a shard_map body?, the engine frames it was reached from) of every
+  pallas_call in jaxpr and the jaxprs it carries."""
+  for eqn, inside, here in _eqns(jaxpr):
+    if eqn.primitive.name == "pallas_call":
+      yield eqn.params.get("name") or "<unnamed>", inside, here
 
 
 def check_pallas_inside_shard_map(cfg, params, tp,
@@ -278,20 +286,13 @@ def check_pallas_inside_shard_map(cfg, params, tp,
   return f"all Pallas launches inside shard_map at tp={tp}: " + "; ".join(notes)
 
 
-def _table_reads(jaxpr, shape, inside: bool = False):
+def _table_reads(jaxpr, shape):
   """(primitive, inside a shard_map body?) of every gather / dynamic_slice reading an array of
-  `shape` in jaxpr and the jaxprs its equations carry."""
-  for eqn in jaxpr.eqns:
+  `shape` in jaxpr and the jaxprs it carries."""
+  for eqn, inside, _ in _eqns(jaxpr):
     if (eqn.primitive.name in ("gather", "dynamic_slice") and eqn.invars
         and tuple(getattr(eqn.invars[0].aval, "shape", ())) == tuple(shape)):
       yield eqn.primitive.name, inside
-    body_inside = inside or eqn.primitive.name == "shard_map"
-    for val in eqn.params.values():
-      for sub in val if isinstance(val, (tuple, list)) else (val,):
-        if isinstance(sub, jex_core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jex_core.Jaxpr):
-          yield from _table_reads(sub, shape, body_inside)
 
 
 def check_embed_lookup(cfg, params, tp) -> str:
