@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import subprocess
@@ -30,6 +31,18 @@ torch.set_num_threads(1)
 assert importlib.util.find_spec("fla") is None, "uninstall flash-linear-attention (`fla`) to run the parity tests"
 
 from hf_tiny import load_torch_model, make_tiny_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's caches of compiled programs. Every XLA:CPU executable
+    keeps a few memory mappings alive while cached, and one pytest process running the whole
+    suite reached the kernel's per-process limit (vm.max_map_count, 65530) in its last module:
+    `mmap` failed with ENOMEM (session 16: test_weights.py, once as a segfault inside an XLA
+    compile). One module's tests share their compiles; across modules little is reused."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
