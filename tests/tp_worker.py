@@ -123,14 +123,15 @@ def _tree(b: int, n: int, vocab: int, chain: bool = False, seed: int = 0):
                        num_nodes=jnp.asarray(num), score=jnp.zeros((b, n), jnp.float32))
 
 
-def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
+def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int = 6) -> str:
   """Prefill, one decode step, then per GDN mode the tree verify and the commit of a greedy
   accepted path, at tp vs on one device: fp32 logits and committed caches close. "bole-lazy":
   the lazy commit (its pending rows split over the heads), compared by the committed state
-  apply_pending(state, pending), and a second verify that folds those rows in."""
+  apply_pending(state, pending), and a second verify that folds those rows in. n: tree nodes
+  per request."""
   tcfg = dataclasses.replace(cfg, tp=tp)
   tparams = parallel.shard_params(params, tcfg)
-  b, t, n = 2, 8, 6
+  b, t = 2, 8
   toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
   num_new = jnp.asarray([t, 5], jnp.int32)
   accepted = {}  # mode -> the reference run's Accepted, reused by the sharded run
@@ -182,7 +183,8 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference") -> str:
 def check_logits_commit_local(cfg, params, tp, modes) -> str:
   """check_logits with the Pallas kernels, and the baselines' state commit traced on each
   device's own heads under tp (a Pallas launch outside shard_map is a custom call XLA
-  cannot partition: it gathered every device's per-node states, session 14's 80B TP = 2 loss)."""
+  cannot partition: it gathered every device's per-node states, session 14's 80B TP = 2 loss).
+  12 nodes: PERNODE's launch at B = 2 walks them depth-first (`PernodeConfig.auto` above 8)."""
   seen, orig = [], tree_pernode.commit_pernode_state
 
   def spy(old, *a, **kw):
@@ -191,7 +193,8 @@ def check_logits_commit_local(cfg, params, tp, modes) -> str:
 
   tree_pernode.commit_pernode_state = spy
   try:
-    msg = check_logits(cfg, params, tp, modes=modes, backend="pallas")
+    msg = check_logits(cfg, params, tp, modes=modes, backend="pallas", n=12)
+    assert tree_pernode.PernodeConfig.auto(2, 12).order == "dfs"
   finally:
     tree_pernode.commit_pernode_state = orig
   hv = cfg.gdn_num_value_heads
