@@ -446,6 +446,9 @@ def embed_lookup(embed: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.A
   it is not split."""
   if shards(cfg, embed.shape[0]) == 1:
     return embed[tokens]
+  vocab = embed.shape[0]
+  # embed[tokens]'s index rules for any int: negative counts from the end, then clamped
+  tokens = jnp.clip(jnp.where(tokens < 0, tokens + vocab, tokens), 0, vocab - 1)
 
   def local(e, t):
     rows = e.shape[0]

@@ -314,8 +314,10 @@ def check_embed_lookup(cfg, params, tp) -> str:
   assert placed.sharding.spec[0] == parallel.AXIS, spec_of(placed)
   look = jax.jit(lambda e, t: parallel.embed_lookup(e, t, tcfg))
   rng = np.random.default_rng(6)
-  for shape in ((1, 1), (4, 1), (2, 7)):
+  for shape in ((1, 1), (4, 1), (2, 7), (3, 5)):
     t = jnp.asarray(rng.integers(0, cfg.vocab_size, shape), jnp.int32)
+    if shape == (3, 5):  # out of range, as embed[tokens] takes them: from the end, clamped
+      t = t.at[0].set(jnp.asarray([-1, -cfg.vocab_size, cfg.vocab_size, 10 ** 6, -(10 ** 6)]))
     got = np.asarray(look(placed, t).astype(jnp.float32))
     assert np.array_equal(got, np.asarray(table[t].astype(jnp.float32))), f"tokens {shape}"
   outside, notes = [], []
