@@ -113,7 +113,7 @@ FULL_EXTRA_BOLE = [
     "bv=32,w=4,inv=squaring,prec=tf32x3",
 ]
 # Session 11 (tree_gdn_h200_s11/): one warp, the transposed "vk" scratch and the committed tile
-# held won every point (`PernodeConfig.auto`: 8 columns x 3 stages at B = 1, 16 x 2 above). The
+# held won every point (then `PernodeConfig.auto`: 8 columns x 3 stages at B = 1, 16 x 2 above). The
 # full sweep keeps their neighbourhood, the old layout and launch, and candidates for the two
 # points where the verify is still slower than SGLang's (B = 4 N = 32, B = 16 N = 8).
 # Session 16 (tree_gdn_h200_s16/): the depth-first walk (ord=dfs) wins above 8 nodes at B >= 2.
