@@ -421,6 +421,21 @@ def make_sets(key, b, n, count):
     return sets
 
 
+def input_set_count(b, n, cap=64):
+    """Input sets to rotate among at a point: their total several times the L2 cache."""
+    return int(min(cap, max(2, math.ceil(3 * L2_BYTES / set_bytes(b, n)))))
+
+
+def scratch_bytes_of(b, n):
+    """PERNODE's per-node state scratch for one GDN layer (fp32)."""
+    return b * n * HV * DK * DV * 4
+
+
+def pernode_set_count(b, n, r):
+    """Of r input sets, how many PERNODE may rotate among: each call leaves a whole scratch."""
+    return int(max(1, min(r, (24 * 2 ** 30) // max(scratch_bytes_of(b, n), 1))))
+
+
 def set_bytes(b, n):
     return (2 * b * n * HK * DK * 2 + b * n * HV * DV * 2 + 2 * b * n * HV * 4
             + b * HV * DK * DV * 4)
@@ -439,9 +454,12 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def reloads(parents, order):
+def reloads(parents, order=None):
     """Mean nodes per request whose parent is neither the node walked just before it nor the
-    committed state: the per-node kernel's reloads from its scratch, walking in `order`."""
+    committed state: the per-node kernel's reloads from its scratch, walking in `order`
+    (None: index order)."""
+    if order is None:
+        order = np.broadcast_to(np.arange(parents.shape[1]), parents.shape)
     out = []
     for p, o in zip(parents, order):
         prev = np.concatenate([[-1], o[:-1]])
@@ -697,7 +715,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     # across layers): hand the kernel bytes here so the per-layer time excludes it.
     tree = tree_structure(parents_d, num_nodes)
     tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
-    r = int(min(64, max(2, math.ceil(3 * L2_BYTES / set_bytes(b, n)))))
+    r = input_set_count(b, n)
     sets = make_sets(jax.random.PRNGKey(seed + b * 1000 + n), b, n, r)
     accepted = jnp.asarray(deepest_nodes(parents))
     point = dict(B=b, N=n, depth=depth, input_sets=r, bole=[], pernode=[])
@@ -774,13 +792,12 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         del fac
 
     # TREE-PERNODE verify: sweep (the scratch is huge: fewer input sets when needed).
-    scratch_bytes = b * n * HV * DK * DV * 4
-    r_pn = int(max(1, min(r, (24 * 2 ** 30) // max(scratch_bytes, 1))))
+    scratch_bytes = scratch_bytes_of(b, n)
+    r_pn = pernode_set_count(b, n, r)
     # (the per-node output equals the closed form's: same maths)
     # The depth-first walk's order: once per decode step, shared by all layers (as the tree).
     order = dfs_order(parents_d, num_nodes, tree.anc)
-    point["reloads"] = dict(index=reloads(parents, np.arange(n)[None].repeat(b, 0)),
-                            dfs=reloads(parents, np.asarray(order)))
+    point["reloads"] = dict(index=reloads(parents), dfs=reloads(parents, np.asarray(order)))
     print(f"    pernode reloads per request: {point['reloads']['index']:.1f} in index order, "
           f"{point['reloads']['dfs']:.1f} depth-first", flush=True)
     point["pernode"], best_pn = sweep(
