@@ -242,8 +242,9 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpr
         order = None
     elif order is None:
         order = dfs_order(parents, num_nodes, None if tree is None else tree.anc)
-    return _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes,
-                           None if order is None else jnp.asarray(order, jnp.int32), scale=scale,
+    else:
+        order = jnp.asarray(order, jnp.int32)
+    return _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, order, scale=scale,
                            cfg=config, interpret=interpret, chain=chain)
 
 
