@@ -215,6 +215,21 @@ def bole_verify(cfg, parents, num_nodes, tree):
         pending=pending)
 
 
+def without_keys(out):
+    """A verify's outputs (o, factors[, state]) with the factor k dropped, for a timed jit: the
+    factor k is the caller's keys array, and a jit that returns an argument returns a copy of
+    it (XLA copies an undonated parameter it outputs). A decode step never pays that: its
+    commit reads the keys inside the same jit."""
+    o, f, *state = out
+    return (o, dataclasses.replace(f, k=None), *state)
+
+
+def timed_verify(cfg, parents, num_nodes, tree):
+    """`bole_verify` jitted as it is timed (`without_keys`)."""
+    fn = bole_verify(cfg, parents, num_nodes, tree)
+    return jax.jit(lambda *a, pending=None: without_keys(fn(*a, pending=pending)))
+
+
 def parse_pernode(spec: str) -> PernodeConfig:
     """"bv=32,w=1,ns=2[,lay=kv][,root=0|1][,ev=evict_first][,ord=dfs]" (lay: the scratch
     layout, "vk" by default; root: hold the committed tile in registers, automatic by default;
@@ -441,6 +456,11 @@ def set_bytes(b, n):
             + b * HV * DK * DV * 4)
 
 
+# A node's factors (`TreeFactors`): its bf16 keys as the verify took them with their fp32
+# normalising factors, fp32 u and gamma.
+ROW_BYTES = HK * DK * 2 + HK * 4 + HV * DV * 4 + HV * 4
+
+
 def floor_bytes(b, n):
     """03-targets.md bytes floor: read S_pre once per request-head, q, k, v, gates; write o, u,
     gamma."""
@@ -510,7 +530,9 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             tag = f"bole [{cfg_str(cfg)}]"
             record(f"{tag} o", rel(o, o_ref), TOL["o"])
             record(f"{tag} u", rel(f.u, f_ref.u), TOL["u"])
-            record(f"{tag} k", rel(f.k, f_ref.k), TOL["k"])
+            record(f"{tag} k", rel(f.keys(), f_ref.keys()), TOL["k"])
+            held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(f)) / (b * n)
+            record(f"{tag} factor bytes per node vs ROW_BYTES", abs(held / ROW_BYTES - 1), 0.0)
             record(f"{tag} gamma", rel(f.gamma, f_ref.gamma), TOL["gamma"])
             pad = float(jnp.max(jnp.abs(jnp.where(mask[:, :, None, None], 0.0,
                                                    f.u.astype(jnp.float32)))))
@@ -661,8 +683,8 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         pend = [gather(f) for f in fac]
         # (the Mosaic fold writes the state in place too: a mutable ref inside its call)
         fold = bole_verify(cfg, parents, num_nodes, tree)
-        verify = jax.jit(lambda q, k, v, g, beta, state, pending: fold(
-            q, k, v, g, beta, state, pending=pending), donate_argnums=5)
+        verify = jax.jit(lambda q, k, v, g, beta, state, pending: without_keys(fold(
+            q, k, v, g, beta, state, pending=pending)), donate_argnums=5)
         states = [jnp.copy(s[5]) for s in sets]  # own buffers: donated call by call
 
         def call(i):
@@ -729,7 +751,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents_d, num_nodes, tree=tree)
     point["bole"], best = sweep(
         "bole", resolve_bole(bole_cfgs, b, n),
-        lambda cfg: jax.jit(bole_verify(cfg, parents_d, num_nodes, tree)),
+        lambda cfg: timed_verify(cfg, parents_d, num_nodes, tree),
         lambda out, o_ref=o_ref, f_ref=f_ref: dict(o=(rel(out[0], o_ref), TOL["o"]),
                                                    u=(rel(out[1].u, f_ref.u), TOL["u"])),
         sets, timer)
@@ -830,10 +852,10 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     fb = floor_bytes(b, n)
     point.update(
         floor_bytes=fb, floor_us=fb / bw * 1e6, floor_us_at_4p3TBs=fb / REF_BW * 1e6,
-        bole_kernel_bytes=fb + b * n * HK * DK * 4 + b * n * n,  # + normalised k, ancestor mask
-        commit_floor_bytes=2 * b * HV * DK * DV * 4 + b * MAX_DEPTH * (HK * DK + HV * DV + HV) * 4,
+        bole_kernel_bytes=fb + b * n * HK * 4 + b * n * n,  # + k_scale, ancestor mask
+        commit_floor_bytes=2 * b * HV * DK * DV * 4 + b * MAX_DEPTH * ROW_BYTES,
         scratch_bytes=scratch_bytes,
-        factor_bytes=b * n * (HK * DK + HV * DV + HV) * 4,
+        factor_bytes=b * n * ROW_BYTES,
         sglang=dict(zip(("depth", "verify_us", "commit_us", "floor_us", "scratch_mib",
                          "factors_mib"), SGLANG[(b, n)])) if (b, n) in SGLANG else None,
     )

@@ -120,8 +120,8 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
     from bole_jax.pallas.tree_utils import TreeFactors
 
     sd = jax.ShapeDtypeStruct
-    fac = TreeFactors(k=sd((b, n, HK, DK), jnp.float32), u=sd((b, n, HV, DV), jnp.float32),
-                      gamma=sd((b, n, HV), jnp.float32))
+    fac = TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16), u=sd((b, n, HV, DV), jnp.float32),
+                      gamma=sd((b, n, HV), jnp.float32), k_scale=sd((b, n, HK), jnp.float32))
     i32 = jnp.int32
 
     def f(state, fac, parents, accepted, path, count):

@@ -223,15 +223,17 @@ def memory_per_request(cfg: ModelConfig, mode: str, num_nodes: int, capacity: in
                        dtype) -> dict:
   """MiB one request holds: committed GDN states (fp32) and conv states, the KV cache at
   `capacity` slots, and one step's verify transients (docs/interfaces.md, GDNVerifyOut): bole's
-  token-level factors (k [Hk, dk], u [HV, dv], gamma [HV], fp32) and pre-conv inputs per node,
-  or the baselines' per-node scratch (a full fp32 state and a conv window per node)."""
+  token-level factors (the keys k [Hk, dk] in the model's dtype with their fp32 k_scale [Hk];
+  u [HV, dv] and gamma [HV] fp32) and pre-conv inputs per node, or the baselines' per-node
+  scratch (a full fp32 state and a conv window per node)."""
   it = jnp.dtype(dtype).itemsize
   g, a = len(cfg.gdn_layers), len(cfg.attention_layers)
   hk, hv, dk, dv = (cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_dim,
                     cfg.gdn_value_dim)
   c, w = cfg.conv_dim, cfg.conv_kernel - 1
   if mode == "bole":
-    st, cv = g * num_nodes * (hk * dk + hv * dv + hv) * 4, g * num_nodes * c * it
+    st = g * num_nodes * (hk * dk * it + (hk + hv * dv + hv) * 4)
+    cv = g * num_nodes * c * it
   elif mode in ("pernode", "chain"):
     st, cv = g * num_nodes * hv * dk * dv * 4, g * num_nodes * w * c * it
   else:

@@ -77,3 +77,29 @@ def test_pernode_walk_relabel_makes_preorder_the_index_order():
         kids = np.bincount(parents[b][parents[b] >= 0], minlength=24)
         kids_new = np.bincount(new[b][new[b] >= 0], minlength=24)
         assert np.array_equal(np.sort(kids), np.sort(kids_new))
+
+
+def test_ratio_ceiling(tmp_path):
+    """benchmarks/ratio_ceiling.py: the step floors counted in states (4 MiB per request at
+    HV = 32, dk = dv = 128), the better of eager and lazy, and the JSON it writes."""
+    import json
+
+    from benchmarks import ratio_ceiling as rc
+
+    s = 32 * 128 * 128 * 4  # one request's fp32 state
+    b, n = 2, 8
+    io = btg.floor_bytes(b, n) - b * s
+    f = rc.step_floors(b, n)
+    assert f["bole_bytes"] == 2 * b * s + io  # read S once, write it once
+    assert f["pernode_bytes"] == (n + 3) * b * s + io  # read, N scratch states, commit copy
+    point = dict(B=b, N=n, pernode_sum_us=100.0, bole_sum_us=20.0, bole_lazy_sum_us=16.0)
+    data = dict(git_commit="abc", copy_bandwidth=dict(bandwidth=1e12),
+                points=[point, dict(B=4, N=8)])  # a point without sums is skipped
+    src = tmp_path / "bench_tree_gdn.json"
+    src.write_text(json.dumps(data))
+    rc.main([str(src)])
+    (row,) = json.loads((tmp_path / "ratio_ceiling.json").read_text())["rows"]
+    assert row["bole_mode"] == "lazy" and row["ratio"] == pytest.approx(100 / 16)
+    assert row["bole_floor_us"] == pytest.approx(f["bole_bytes"] / 1e6)
+    assert row["ceiling"] == pytest.approx(100 / row["bole_floor_us"])
+    assert row["floor_ratio"] == pytest.approx(f["pernode_bytes"] / f["bole_bytes"])

@@ -36,6 +36,14 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+FACTORS = ("u", "keys", "k_scale", "gamma")  # what a commit reads of `TreeFactors`
+
+
+def factor(f, name):
+    """A factor by name; "keys": the normalised keys the state is built from."""
+    return f.keys() if name == "keys" else getattr(f, name)
+
+
 def _inputs(seed, batch, n, hk, hv, dk, dv, kinds, ragged=False, dtype=np.float32):
     rng = np.random.default_rng(seed)
     parents, num_nodes = random_trees(rng, batch, n, kinds, ragged=ragged)
@@ -163,12 +171,14 @@ def test_kernel_matches_reference(case):
     # bf16 operands (q, k, state rounded for the K K^T, Q K^T, K S, Q S dots): ~1e-3 on u.
     bf16_ops = cfg.bf16_qk or cfg.bf16_state
     assert rel(o, o_ref) <= (1e-5 if dtype == np.float32 and not bf16_ops else 1e-2), msg
-    for name in ("u", "k", "gamma"):
-        got, want = getattr(f, name), getattr(f_ref, name)
+    for name in FACTORS:
+        got, want = factor(f, name), factor(f_ref, name)
         assert got.dtype == jnp.float32 and got.shape == want.shape, (name, msg)
         assert rel(got, want) <= (5e-3 if bf16_ops and name == "u" else 2e-5), (name, msg)
+    # the factor k is the caller's keys, not a copy the kernel wrote
+    np.testing.assert_array_equal(np.asarray(f.k), x["k"], err_msg=msg)
     m = _valid(num_nodes, n)
-    for arr in (o, f.u, f.k, f.gamma):
+    for arr in (o, f.u, f.keys(), f.k_scale, f.gamma):
         assert not np.any(np.asarray(arr, np.float32)[~m]), f"padding not zero: {msg}"
 
 
@@ -306,10 +316,10 @@ def test_kernel_with_pending_matches_reference(case):
     assert rel(s, s_ref) <= 1e-6, msg
     np.testing.assert_array_equal(np.asarray(s)[empty], x["state"][empty], err_msg=msg)
     assert rel(o, o_ref) <= 1e-5, msg
-    for name in ("u", "k", "gamma"):
-        assert rel(getattr(f, name), getattr(f_ref, name)) <= 2e-5, (name, msg)
+    for name in FACTORS:
+        assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, msg)
     m = _valid(num_nodes, n)
-    for arr in (o, f.u, f.k, f.gamma):
+    for arr in (o, f.u, f.keys(), f.k_scale, f.gamma):
         assert not np.any(np.asarray(arr)[~m]), f"padding not zero: {msg}"
 
 
@@ -393,8 +403,8 @@ def test_lazy_commit_equals_commit_then_verify():
     np.testing.assert_array_equal(np.asarray(s)[1], x1["state"][1], err_msg=msg)
     o_ref, f_ref = closed_form(*_args(x2)[:5], committed, parents2, nn2)
     assert rel(o, o_ref) <= 1e-5, msg
-    for name in ("u", "k", "gamma"):
-        assert rel(getattr(f, name), getattr(f_ref, name)) <= 2e-5, (name, msg)
+    for name in FACTORS:
+        assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, msg)
 
 
 def test_bad_shapes_raise():
@@ -464,7 +474,7 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     text = fn.trace(q, q, v, gate, gate, state, parents, pend).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn" in text and "output_operand_alias" in text
-    assert "tf.aliasing_output = 4" in text  # outputs: o, k, u, gamma, state
+    assert "tf.aliasing_output = 5" in text  # outputs: o, k, u, gamma, k_scale, state
 
 
 def test_prefetch_state_needs_one_tile():
@@ -554,7 +564,7 @@ def test_auto_verify_dispatches_to_mosaic(monkeypatch):
     assert len(calls) == 2 and calls[1].pop("pending") is pend and calls[1] == launch
     o, _ = tree_gdn_verify(*args, backend="pallas", interpret=True, tree=tree, depth_bound=9)
     assert len(calls) == 2 and o.shape == x["v"].shape
-    monkeypatch.setattr(tg, "_tree_gdn_pallas", lambda *a, **kw: "triton")
+    monkeypatch.setattr(tg, "_tree_gdn_pallas", lambda *a, **kw: ("triton",) * 5)
     assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree, depth_bound=9,
-                           config=TreeGDNConfig.auto(2, 64, 9), pending=pend) == "triton"
+                           config=TreeGDNConfig.auto(2, 64, 9), pending=pend)[0] == "triton"
     assert len(calls) == 2

@@ -48,7 +48,7 @@ from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
                                         accepted_path, check_pending, next_pow2, pad_axis,
-                                        resolve_backend, tree_structure)
+                                        resolve_backend, tree_structure, with_keys)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
            "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
@@ -189,7 +189,7 @@ def _l2norm_scale(x):
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
                      *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
-    # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; kn [Np, dk]. Np = N rounded up
+    # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; ks [Np]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
     # has_pending adds, after s: count [] (rows to fold), pk [Lb, dk], pu [Lb, hg, tpp*bv],
     # pw [Lb, hg], ps [hg] (p_sel); and the output sn [hg, dk, tpp*bv], the folded state (it may
@@ -197,11 +197,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # pend_rows rows present, or (fold "dot") a power of two >= 16 of them, rows past
     # pend_rows touched only through masks.
     if has_pending:
-        cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, kn_ref, sn_ref = refs
+        cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, ks_ref, sn_ref = refs
         # The loop bound is clamped to the rows present, so a bad count cannot read past them.
         pend = (jnp.minimum(cnt_ref[...], pend_rows), pk_ref, pu_ref, pw_ref, ps_ref)
     else:
-        o_ref, u_ref, gamma_ref, kn_ref = refs
+        o_ref, u_ref, gamma_ref, ks_ref = refs
         pend = None
     n = anc_ref.shape[0]
     hg = g_ref.shape[1]
@@ -236,12 +236,13 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     rows = vrow if inb is None else vrow & inb
     kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
     qraw = _load(q_ref, rows).astype(jnp.float32)
-    kn = kraw * _l2norm_scale(kraw)[:, None]
+    k_scale = _l2norm_scale(kraw)
+    kn = kraw * k_scale[:, None]
     qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
-    def _():
-        _store(kn_ref, kn, inb)
+    def _():  # the factor k_scale (the keys themselves are the caller's k)
+        _store(ks_ref, jnp.where(valid, k_scale, 0.0), gate_mask)
 
     kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
     kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
@@ -409,7 +410,8 @@ def _apply_inverse(gmat, rhs, path_len, method, prec):
 def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
                      pending: PendingCommit | None = None, *, scale, cfg, interpret):
     """The kernel launch: q, k [B, N, Hk, dk]; v [B, N, HV, dv]; g, beta [B, N, HV]; state
-    [B, HV, dk, dv]; anc [B, N, N]; num_nodes, path_len [B]. Returns (o, TreeFactors).
+    [B, HV, dk, dv]; anc [B, N, N]; num_nodes, path_len [B]. Returns (o, u, gamma, k_scale):
+    `with_keys` makes the factors (outside this jit, which would copy k were it to return it).
 
     pending (rows [B, L, ...], see `PendingCommit`): a distinct static variant (None is an empty
     pytree, so the plain launch is unchanged) that folds the rows into each state tile and also
@@ -453,12 +455,13 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
         qk_spec, qk_spec, val_spec, gate_spec, gate_spec, state_spec,
     ]
-    out_specs = [val_spec, val_spec, gate_spec, qk_spec]
+    out_specs = [val_spec, val_spec, gate_spec,
+                 pl.BlockSpec((None, np_, None), lambda t, h, i: (i, 0, key_head(h)))]
     out_shape = [
         jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
         jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
         jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
-        jax.ShapeDtypeStruct((b, n, hk, dkp), jnp.float32),
+        jax.ShapeDtypeStruct((b, n, hk), jnp.float32),
     ]
     args = [num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # int8:
             beta.astype(jnp.float32), state]  # bytes, not i1
@@ -497,14 +500,13 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
         name="bole_tree_gdn",
     )(*args)
-    o, u, gamma, kn = outs[:4]
-    if (dkp, dvp) != (dk, dv):
-        o, u, kn = o[..., :dv], u[..., :dv], kn[..., :dk]
-    factors = TreeFactors(k=kn, u=u, gamma=gamma)
+    o, u, gamma, k_scale = outs[:4]
+    if dvp != dv:
+        o, u = o[..., :dv], u[..., :dv]
     if pending is None:
-        return o, factors
+        return o, u, gamma, k_scale
     new = outs[4]
-    return o, factors, (new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new)
+    return o, u, gamma, k_scale, (new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new)
 
 
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
@@ -531,8 +533,10 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     once per step) and writes S over the state buffer: in place when the caller's jit donates
     `state`; without donation XLA copies the state first.
 
-    Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k [B, N, Hk, dk], u [B, N, HV, dv],
-    gamma [B, N, HV]), all fp32), plus the state S [B, HV, dk, dv] fp32 when `pending` is given.
+    Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k = the keys as given (bf16 ones rounded
+    to bf16 first on the Mosaic route), u [B, N, HV, dv] fp32, gamma [B, N, HV] fp32, k_scale
+    [B, N, Hk] fp32: the keys' normalising factors, `TreeFactors.keys()`)), plus the state S
+    [B, HV, dk, dv] fp32 when `pending` is given.
     """
     b, n, hk, dk = q.shape
     hv = v.shape[2]
@@ -581,9 +585,10 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "
                          f"{tuple(_PRECISIONS)} and fold one of {_FOLDS}, got {cfg.inverse!r}, "
                          f"{cfg.precision!r}, {cfg.fold!r}")
-    return _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
-                            jnp.asarray(num_nodes, jnp.int32), tree.path_len.astype(jnp.int32),
-                            pending, scale=scale, cfg=cfg, interpret=interpret)
+    return with_keys(k, _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
+                                          jnp.asarray(num_nodes, jnp.int32),
+                                          tree.path_len.astype(jnp.int32), pending, scale=scale,
+                                          cfg=cfg, interpret=interpret))
 
 
 # ------------------------------------------------------------------------- selected-state commit
@@ -601,12 +606,13 @@ def _path_scale(count, g_sel):
     return jnp.where(count > 0, jnp.exp(g_sel), 1.0)
 
 
-def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref, o_ref, *,
+def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, s_ref, o_ref, *,
                    fold, precision):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
-    # this head's root-path log gates; k [N, dk]; u [N, bv]; s, o [dk, bv].
+    # this head's root-path log gates; k [N, dk] the keys as verify took them and ks [N] their
+    # normalising factors (k_m = ks_m k_m, as the verify formed it); u [N, bv]; s, o [dk, bv].
     # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
     # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
     # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
@@ -614,11 +620,14 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
     # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
     # no shared-memory staging as the dot needs), rows past count zeroed.
+    def key(node):
+        return k_ref[node].astype(jnp.float32) * ks_ref[node]
+
     if fold == "unroll":
         nodes = [path_ref[m] for m in range(path_ref.shape[0])]
         sel, count = sel_ref[...], count_ref[...]
         s = s_ref[...]
-        rows = [(gamma_ref[nd], k_ref[nd], u_ref[nd]) for nd in nodes]
+        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in nodes]
         g_sel = gamma_ref[sel]
         init = _path_scale(count, g_sel) * s
         o_ref[...] = _unrolled_fold(count, init, [
@@ -631,12 +640,13 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, s_ref,
         path = path_ref[...]
         w = _path_weight(g_sel, gamma_ref[path])
         live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
-        o_ref[...] = _dot_fold(init, w, k_ref[path, :], u_ref[path, :], live, precision)
+        keys = k_ref[path, :].astype(jnp.float32) * ks_ref[path][:, None]
+        o_ref[...] = _dot_fold(init, w, keys, u_ref[path, :], live, precision)
         return
 
     def row(m):
         node = path_ref[m]
-        return _path_weight(g_sel, gamma_ref[node]), k_ref[node], u_ref[node]
+        return _path_weight(g_sel, gamma_ref[node]), key(node), u_ref[node]
 
     o_ref[...] = _rank1_fold(count, init, row)
 
@@ -684,6 +694,23 @@ def _path_rows(parents, accepted, length, path, count, n):
     return path, jnp.where(accepted >= 0, jnp.asarray(count, jnp.int32), 0)
 
 
+def _key_rows(factors: TreeFactors, rows, path):
+    """The normalised keys of nodes `path` [B, L] (fp32, [B, L, Hk, dk]): the gathered rows of k
+    times their k_scale, as `TreeFactors.keys()` forms them, without normalising all N rows."""
+    k = factors.k[rows, path].astype(jnp.float32)
+    if factors.k_scale is None:
+        return k
+    s = factors.k_scale[rows, path].astype(jnp.float32)[..., None]
+    return jnp.where(s != 0, k * s, 0.0)
+
+
+def _k_scale(factors: TreeFactors):
+    """[B, N, Hk] fp32 per-row key factors for a kernel (ones when the factors have none)."""
+    if factors.k_scale is None:
+        return jnp.ones(factors.k.shape[:3], jnp.float32)
+    return factors.k_scale.astype(jnp.float32)
+
+
 def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=None,
                    count=None, *, backend: str = "auto",
                    interpret: bool | None = None) -> PendingCommit:
@@ -701,16 +728,17 @@ def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=No
         return _pending_gather_pallas(factors, accepted, path, count, interpret=interpret)
     path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length, path, count)
     rows = jnp.arange(path.shape[0])[:, None]
-    return PendingCommit(k=factors.k[rows, path].astype(jnp.float32),
+    return PendingCommit(k=_key_rows(factors, rows, path),
                          u=factors.u[rows, path].astype(jnp.float32), w=w, p_sel=p_sel,
                          count=count)
 
 
-def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref, pk_ref, pu_ref,
-                           pw_ref, ps_ref, *, ratio, rows):
+def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, pk_ref,
+                           pu_ref, pw_ref, ps_ref, *, ratio, rows):
     # Blocks: count, sel []; path [Lp] (Lp a power of two >= rows; entries past rows are 0 and
-    # never stored); gamma [N]; k [N, dk]; u [N, dv]; out pk [Lp, dk] (this value head's key
-    # head: written by the first value head of the group), pu [Lp, dv], pw [Lp], ps [].
+    # never stored); gamma [N]; k [N, dk], ks [N] (the keys and their normalising factors);
+    # u [N, dv]; out pk [Lp, dk] (this value head's key head, normalised: written by the first
+    # value head of the group), pu [Lp, dv], pw [Lp], ps [].
     path = path_ref[...]
     count = count_ref[...]
     g_sel = gamma_ref[sel_ref[...]]
@@ -724,7 +752,8 @@ def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, u_ref
 
     @pl.when(pl.program_id(0) % ratio == 0)
     def _():
-        _store(pk_ref, k_ref[path, :].astype(jnp.float32), col)
+        ks = ks_ref[path][:, None]
+        _store(pk_ref, jnp.where(ks != 0, k_ref[path, :].astype(jnp.float32) * ks, 0.0), col)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -750,6 +779,7 @@ def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, inter
                   pl.BlockSpec((None, lp), lambda h, i: (i, 0)),
                   pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
+                  pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h // ratio)),
                   pl.BlockSpec((None, n, None, dvp), lambda h, i: (i, 0, h, 0))],
         out_specs=[pl.BlockSpec((None, lp, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
                    pl.BlockSpec((None, lp, None, dvp), lambda h, i: (i, 0, h, 0)),
@@ -762,7 +792,7 @@ def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, inter
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="bole_pending_gather",
-    )(count, sel, pathp, factors.gamma.astype(jnp.float32), kf, uf)
+    )(count, sel, pathp, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf)
     return PendingCommit(k=pk[..., :dk], u=pu[..., :dv], w=pw, p_sel=ps, count=count)
 
 
@@ -858,6 +888,7 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
                   pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
                   pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
+                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
                   pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
                   pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
         out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
@@ -867,9 +898,9 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
         # the loop-carried buffer instead of a fresh one followed by a copy (the 9B profile shows
         # one state-sized memcpy per GDN layer per step). Outside a donating jit XLA copies the
         # input first, as aliasing requires.
-        input_output_aliases={6: 0},
+        input_output_aliases={7: 0},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
-    )(count, sel, path, factors.gamma.astype(jnp.float32), kf, uf, s)
+    )(count, sel, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -29,7 +29,8 @@ is at most `depth_bound` nodes (G is nilpotent); deeper requests get NaN outputs
 kernel's static depth bound does.
 
 q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
-key head writes the factor k from registers. `block_v` 128 (one value tile per head: 161 KiB of
+key head writes the keys' normalising factors (`TreeFactors.k_scale`) from registers (the
+factor k is the caller's bf16 keys: no key write). `block_v` 128 (one value tile per head: 161 KiB of
 shared memory by Pallas's estimate, one program per SM) or 64 (105 KiB with either inverse:
 two programs per SM, K K^T and Q K^T computed twice). The gates come in as the caller holds
 them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
@@ -62,8 +63,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
-                                        check_pending, tree_structure)
+from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeStructure, check_pending,
+                                        tree_structure, with_keys)
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 
@@ -112,7 +113,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
     # s_g is then a mutable ref each program writes its folded tile back into (in place).
     n_in, n_out = (12, 4) if pend_rows else (8, 4)
     q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, *pend_g = refs[:n_in]
-    o_g, u_g, kf_g, gam_out_g = refs[n_in:n_in + n_out]
+    o_g, u_g, ks_g, gam_out_g = refs[n_in:n_in + n_out]
     q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out:]
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
@@ -140,12 +141,12 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             plgpu.commit_smem()
 
     def normalize(ref, factor, valid):
-        """x * rsqrt(sum x^2 + eps) * factor per row, padding rows 0, back into `ref` (bf16)."""
+        """x * rsqrt(sum x^2 + eps) * factor per row, padding rows 0, back into `ref` (bf16);
+        returns the rows' factors rsqrt(sum x^2 + eps) * factor ([n], per row)."""
         x = plgpu.load(ref, layout=wg).astype(_F32)
         inv = lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS) * factor
-        y = jnp.where(valid, x * rows_of(inv, dk), 0.0)
-        ref[...] = y.astype(_BF)
-        return y
+        ref[...] = jnp.where(valid, x * rows_of(inv, dk), 0.0).astype(_BF)
+        return inv
 
     def fold(s, pk_s, pu_s, pw_s):
         """p_sel S + sum_m w_m k_m u_m^T on the fp32 state tile s [dk, bv] (registers): fp32
@@ -197,11 +198,11 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         with _region("normalize"):
             valid = rows_of(vflag, dk) != 0
             normalize(q_s, scale, valid)
-            kn = normalize(k_s, 1.0, valid)
+            k_inv = normalize(k_s, 1.0, valid)
 
         @pl.when(jnp.logical_and(h % ratio == 0, t == 0))  # one program per key head
-        def _():
-            kf_g.at[b, :, hk, :][...] = kn  # the factor k, from registers
+        def _():  # the factor k_scale, from registers (the factor k is the caller's keys)
+            ks_g.at[b, :, hk][...] = jnp.where(live, k_inv, 0.0)
 
         with _region("wait_state"):
             plgpu.barrier_wait(sbar)
@@ -420,7 +421,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
         bole_tree_gdn_verify_mgpu,
         out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
                   jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hk, dk), _F32),
+                  jax.ShapeDtypeStruct((bsz, NP, hk), _F32),
                   jax.ShapeDtypeStruct((bsz, NP, hvp), _F32)),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
@@ -442,14 +443,14 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     s_in = state.astype(_F32)
     if pend_rows:
         s_in = jax.new_ref(s_in)
-    o, u, kn, gamma = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), s_in, *pend_args)
+    o, u, k_scale, gamma = kernel(qb, kb, vb, gp, bp, vflag, anc.astype(_BF), s_in, *pend_args)
     if pad:
-        o, u, kn, gamma = o[:, :n], u[:, :n], kn[:, :n], gamma[:, :n]
+        o, u, k_scale, gamma = o[:, :n], u[:, :n], k_scale[:, :n], gamma[:, :n]
     if hvp != hv:
         gamma = gamma[:, :, :hv]
     if pend_rows:
-        return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma), jax.freeze(s_in)
-    return o.astype(v.dtype), TreeFactors(k=kn, u=u, gamma=gamma)
+        return o.astype(v.dtype), u, gamma, k_scale, jax.freeze(s_in)
+    return o.astype(v.dtype), u, gamma, k_scale
 
 
 def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
@@ -510,8 +511,10 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         check_pending(pending, bsz, hk, hv, dk, dv)
         if pending.k.shape[1] < 1:  # (the kernel unrolls its rows: none would drop the fold)
             raise ValueError("pending rows: a pending commit needs at least one row")
-    return _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
-                   depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-                   products=int(products), approx_math=bool(approx_math),
-                   auto_barriers=bool(auto_barriers), interpret=bool(interpret),
-                   profile_dir=None if interpret else profile_dir)
+    # the factor k: the keys the kernel normalised (bf16: the caller's own array when bf16)
+    return with_keys(k.astype(_BF), _verify(
+        q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
+        depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
+        products=int(products), approx_math=bool(approx_math),
+        auto_barriers=bool(auto_barriers), interpret=bool(interpret),
+        profile_dir=None if interpret else profile_dir))

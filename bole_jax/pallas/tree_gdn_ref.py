@@ -10,7 +10,8 @@ Two independent formulations of the same thing (01-bole-algorithm.md sections 2-
 * `tree_gdn_closed_form`: all nodes at once from ONE committed state,
       G = diag(b) ((K K^T) * Gam * A),   U = (I + G)^-1 diag(b) (V - diag(P) K S_pre),
       O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) U,
-  returning the token-level factors (k, u, gamma) instead of states.
+  returning the token-level factors (k with its normalising k_scale, u, gamma) instead of
+  states.
   `node_states_from_factors` rebuilds any node's state from them (equation "dagger").
 
 Layouts: q, k [B, N, Hk, dk]; v [B, N, HV, dv]; g, beta [B, N, HV]; state [B, HV, dk, dv]
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model.gdn import l2_normalize  # the model's own q/k norm (eps = L2_EPS)
-from bole_jax.pallas.tree_utils import (TreeFactors, TreeStructure, node_validity,
+from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
                                         tree_structure)
 
 _HI = jax.lax.Precision.HIGHEST
@@ -121,7 +122,7 @@ def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, sc
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors). `inverse`: "solve" (unit lower triangular
     solve, any depth) or "neumann" (finite series with path_len - 1 steps per request).
     """
-    qn, kn, qh, kh, vf, gf, bf, valid = _prepare(q, k, v, g, beta, parents, num_nodes, scale)
+    _, _, qh, kh, vf, gf, bf, valid = _prepare(q, k, v, g, beta, parents, num_nodes, scale)
     if tree is None:
         tree = tree_structure(parents, num_nodes)
     n = vf.shape[1]
@@ -149,8 +150,10 @@ def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, sc
         raise ValueError(f"inverse must be 'solve' or 'neumann', got {inverse!r}")
     o = pt * qs + jnp.einsum("bhij,bhjv->bhiv", qk * gam, u, precision=_HI)
     o = jnp.moveaxis(o, 1, 2)
-    factors = TreeFactors(k=kn, u=jnp.moveaxis(u, 1, 2),
-                          gamma=jnp.where(valid[:, :, None], gamma, 0.0))
+    kf = k.astype(jnp.float32)
+    k_scale = jnp.where(valid[:, :, None], jax.lax.rsqrt(jnp.sum(kf * kf, axis=-1) + L2_EPS), 0.0)
+    factors = TreeFactors(k=k, u=jnp.moveaxis(u, 1, 2),
+                          gamma=jnp.where(valid[:, :, None], gamma, 0.0), k_scale=k_scale)
     return o.astype(v.dtype), factors
 
 
@@ -161,7 +164,7 @@ def node_states_from_factors(state, factors: TreeFactors, tree: TreeStructure) -
     (zero for padding nodes). The reference for the selected-node commit in state_factors.
     """
     hk, hv = factors.k.shape[2], factors.u.shape[2]
-    kh = jnp.repeat(factors.k, hv // hk, axis=2)  # [B, N, HV, dk]
+    kh = jnp.repeat(factors.keys(), hv // hk, axis=2)  # [B, N, HV, dk]
     gam = decay_matrix(factors.gamma, tree.anc)  # [B, HV, N, N]
     p = jnp.where(tree.valid[:, :, None], jnp.exp(factors.gamma), 0.0)  # [B, N, HV]
     acc = jnp.einsum("bhij,bjhd,bjhv->bihdv", gam, kh, factors.u, precision=_HI)

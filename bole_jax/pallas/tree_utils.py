@@ -28,13 +28,38 @@ class TreeFactors:
 
     With them, the state after any node `sel` is
     S_sel = exp(gamma_sel) S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T.
-    Padding nodes have all-zero factors. An SSD layer (`tree_ssd`) returns the same type with
-    k = Mamba2's B and u = v = dt x (no normalisation, no pseudo values).
+    where k_j are the L2-normalised keys (`keys()`). A GDN verify keeps the keys as it took them
+    (`k`, the caller's array: bf16 in a model) with one fp32 factor per row (`k_scale`, the
+    rsqrt the verify normalised with), not a normalised fp32 copy: k_j = k_scale_j * k_j
+    exactly as the verify formed it. At Qwen3-Next dims a node's factors then take 4 KiB of
+    keys (16 key heads, bf16) + 16 KiB of u instead of 8 + 16 KiB (101x smaller than a per-node
+    fp32 state, not 85x), and the verify does not write the keys at all.
+    Padding nodes have zero u, gamma and k_scale (their k is whatever the caller passed; `keys()`
+    zeroes it). An SSD layer (`tree_ssd`) returns the same type with k = Mamba2's B (k_scale
+    None: used as it is) and u = v = dt x (no pseudo values).
     """
 
-    k: jax.Array  # [B, N, Hk, dk] fp32, L2-normalised keys
+    k: jax.Array  # [B, N, Hk, dk] the keys as verify took them (k_scale None: the keys used)
     u: jax.Array  # [B, N, HV, dv] fp32, pseudo values U = (I + G)^-1 diag(b) (V - diag(P) K S_pre)
     gamma: jax.Array  # [B, N, HV] fp32, root-path cumulative log gate
+    k_scale: jax.Array | None = None  # [B, N, Hk] fp32, rsqrt(sum k^2 + eps); 0 on padding
+
+    def keys(self) -> jax.Array:
+        """[B, N, Hk, dk] fp32: the keys the state is built from (k_scale * k, padding 0)."""
+        k = self.k.astype(jnp.float32)
+        if self.k_scale is None:
+            return k
+        s = self.k_scale.astype(jnp.float32)[..., None]
+        return jnp.where(s != 0, k * s, 0.0)
+
+
+def with_keys(k, outs):
+    """(o, u, gamma, k_scale[, state]) of a verify launch -> (o, TreeFactors[, state]) with the
+    keys k as the factor k. Called outside the launch's jit: a jit that returns one of its
+    arguments returns a copy (XLA copies an undonated parameter it outputs), and the keys are
+    the caller's already."""
+    o, u, gamma, k_scale, *state = outs
+    return (o, TreeFactors(k=k, u=u, gamma=gamma, k_scale=k_scale), *state)
 
 
 @jax.tree_util.register_dataclass

@@ -50,7 +50,8 @@ class GDNVerifyOut:
   """What one GDN layer's verify leaves for the commit (only one of factors / node_states is set).
 
   conv_in: [B, N, C] pre-conv inputs of the nodes (bole: the conv commit reads the accepted path).
-  factors: TreeFactors (bole): k [B, N, Hk, dk], u [B, N, HV, dv], gamma [B, N, HV].
+  factors: TreeFactors (bole): k [B, N, Hk, dk] (the verify's own keys, bf16 in a model) with
+    k_scale [B, N, Hk], u [B, N, HV, dv], gamma [B, N, HV].
   node_states: [B, N, HV, dv, dk] fp32 (pernode / chain): the baseline's per-node state scratch,
     transposed (tree_pernode's default "vk" layout, as SGLang's).
   conv_windows: [B, N, K-1, C] (pernode / chain): each node's conv window scratch.
@@ -121,7 +122,8 @@ def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: M
   qkv, z, g, beta = gdn_in_proj(p, x, cfg)
   # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
   heads = parallel.split_at(2)
-  aux_specs = (GDNVerifyOut(conv_in=heads, factors=TreeFactors(k=heads, u=heads, gamma=heads))
+  aux_specs = (GDNVerifyOut(conv_in=heads,
+                            factors=TreeFactors(k=heads, u=heads, gamma=heads, k_scale=heads))
                if mode == "bole" else
                GDNVerifyOut(node_states=heads, conv_windows=parallel.split_at(3)))
   lazy = cache.pending is not None
@@ -193,7 +195,8 @@ def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig |
   f = parallel.split_at(2)
   rep = parallel.REPLICATED
   return parallel.over_gdn_heads(
-      commit, cfg, in_specs=(heads, TreeFactors(k=f, u=f, gamma=f), rep, rep, rep, rep),
+      commit, cfg,
+      in_specs=(heads, TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
       out_specs=heads)(state, factors, parents, last, path, count)
 
 
@@ -223,7 +226,7 @@ def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelCo
   f = parallel.split_at(2)
   rep = parallel.REPLICATED
   return parallel.over_gdn_heads(
-      rows, cfg, in_specs=(TreeFactors(k=f, u=f, gamma=f), rep, rep, rep, rep),
+      rows, cfg, in_specs=(TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
       out_specs=parallel.pending_specs(cfg))(factors, parents, last, path, count)
 
 
