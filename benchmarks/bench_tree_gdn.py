@@ -458,7 +458,8 @@ def set_bytes(b, n):
 
 # A node's factors (`TreeFactors`): its bf16 keys as the verify took them with their fp32
 # normalising factors, fp32 u and gamma.
-ROW_BYTES = HK * DK * 2 + HK * 4 + HV * DV * 4 + HV * 4
+def row_bytes():
+    return HK * DK * 2 + HK * 4 + HV * DV * 4 + HV * 4
 
 
 def floor_bytes(b, n):
@@ -532,7 +533,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             record(f"{tag} u", rel(f.u, f_ref.u), TOL["u"])
             record(f"{tag} k", rel(f.keys(), f_ref.keys()), TOL["k"])
             held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(f)) / (b * n)
-            record(f"{tag} factor bytes per node vs ROW_BYTES", abs(held / ROW_BYTES - 1), 0.0)
+            record(f"{tag} factor bytes per node vs row_bytes()", abs(held / row_bytes() - 1), 0.0)
             record(f"{tag} gamma", rel(f.gamma, f_ref.gamma), TOL["gamma"])
             pad = float(jnp.max(jnp.abs(jnp.where(mask[:, :, None, None], 0.0,
                                                    f.u.astype(jnp.float32)))))
@@ -853,9 +854,9 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     point.update(
         floor_bytes=fb, floor_us=fb / bw * 1e6, floor_us_at_4p3TBs=fb / REF_BW * 1e6,
         bole_kernel_bytes=fb + b * n * HK * 4 + b * n * n,  # + k_scale, ancestor mask
-        commit_floor_bytes=2 * b * HV * DK * DV * 4 + b * MAX_DEPTH * ROW_BYTES,
+        commit_floor_bytes=2 * b * HV * DK * DV * 4 + b * MAX_DEPTH * row_bytes(),
         scratch_bytes=scratch_bytes,
-        factor_bytes=b * n * ROW_BYTES,
+        factor_bytes=b * n * row_bytes(),
         sglang=dict(zip(("depth", "verify_us", "commit_us", "floor_us", "scratch_mib",
                          "factors_mib"), SGLANG[(b, n)])) if (b, n) in SGLANG else None,
     )
