@@ -118,7 +118,7 @@ class TreeGDNConfig:
         inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
         64 columns on 2 warps for N <= 32 and a whole value head on 4 warps for N = 64 above
         (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
-        2 warps at N = 64 spill: 187 us). Above 64 nodes: 8 warps, 32 columns. depth_bound
+        2 warps at N = 64 spill: 187 us; since session 17 two tiles on 4 warps from 17 nodes). Above 64 nodes: 8 warps, 32 columns. depth_bound
         (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
         B = 16 N = 64, 211 -> 190 us at B = 64). B > 4 with 33-64 nodes (sessions 8-9,
         tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
@@ -144,10 +144,15 @@ class TreeGDNConfig:
             return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 8, **kw)
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
-        if nodes <= 32:
+        if nodes <= 16:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
-        return cls(block_v=64, tiles_per_program=2, num_warps=4, num_stages=2,
-                   inverse="matrix", **kw)
+        # 17-32 nodes (session 17, tree_gdn_h200_s17/n32*/, tpp/): a whole value head as two
+        # 64-column tiles on 4 warps, not pipelined: 37.6 against 44.3 us (2 warps, one tile)
+        # at B = 16 N = 32 and 115.8 against 158.3 us at B = 64 (lazy 61.9 / 191.2 against
+        # 66.2 / 252.6); num_stages 2 there: 39.9 / 142.5. At 16 nodes two tiles were faster
+        # eager (20.7 vs 21.9 us at B = 16) but slower lazy (48.6 vs 38.7): one tile kept.
+        return cls(block_v=64, tiles_per_program=2, num_warps=4,
+                   num_stages=1 if nodes <= 32 else 2, inverse="matrix", **kw)
 
 
 def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
