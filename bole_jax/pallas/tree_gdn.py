@@ -116,11 +116,12 @@ class TreeGDNConfig:
         1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
         2e-5). B = 1: many small programs (32 columns, squaring per tile). B > 1: the matrix
         inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
-        64 columns on 2 warps for N <= 32 and a whole value head on 4 warps for N = 64 above
-        (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57 us on 4;
-        2 warps at N = 64 spill: 187 us; since session 17 two tiles on 4 warps from 17 nodes). Above 64 nodes: 8 warps, 32 columns. depth_bound
-        (the caller's tree depth + 1): the inverse unrolled for it (session 7: 57 -> 51 us at
-        B = 16 N = 64, 211 -> 190 us at B = 64). B > 4 with 33-64 nodes (sessions 8-9,
+        64 columns on 2 warps for N <= 16 (<= 32 until session 17) and a whole value head on
+        4 warps above (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57
+        us on 4; 2 warps at N = 64 spill: 187 us).
+        Above 64 nodes: 8 warps, 32 columns. depth_bound (the caller's tree depth + 1): the
+        inverse unrolled for it (session 7: 57 -> 51 us at B = 16 N = 64, 211 -> 190 us at
+        B = 64). B > 4 with 33-64 nodes (sessions 8-9,
         tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
         tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
         issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5

@@ -30,10 +30,10 @@ kernel's static depth bound does.
 
 q/k are L2-normalised (and q scaled) in the kernel, in place in shared memory; one program per
 key head writes the keys' normalising factors (`TreeFactors.k_scale`) from registers (the
-factor k is the caller's bf16 keys: no key write). `block_v` 128 (one value tile per head: 161 KiB of
-shared memory by Pallas's estimate, one program per SM) or 64 (105 KiB with either inverse:
-two programs per SM, K K^T and Q K^T computed twice). The gates come in as the caller holds
-them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
+factor k is the caller's bf16 keys: no key write). `block_v` 128 (one value tile per head:
+161 KiB of shared memory by Pallas's estimate, one program per SM) or 64 (105 KiB with either
+inverse: two programs per SM, K K^T and Q K^T computed twice). The gates come in as the caller
+holds them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
 root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
 XLA work around it is padding (N < 64, or HV not a multiple of 8). A pending lazy commit
 (`pending=`, session 13; the engine's lazy verify at 64 nodes since session 15) is folded into
@@ -478,11 +478,11 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     (`tree_gdn.pending_commit`; the engine's lazy verify at 64 nodes since session 15): each
     program folds its rows into the fp32 state tile it loads (fp32 rank-1 updates, as the
     Triton kernel's fold "unroll"; a row whose weight is 0 or not finite is skipped),
-    verifies from that state and stores it; returns (o,
-    factors, folded state [B, HV, dk, dv] fp32, written in place: the state's buffer when the
-    caller donates it). interpret=None: interpret mode unless on a GPU. profile_dir: record the kernel's phases per program with Mosaic GPU's
-    in-kernel profiler and write the trace (Chrome trace JSON) there, one file per call
-    (GPU only; benchmarks/mgpu_trace.py summarises it)."""
+    verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
+    fp32, written in place: the state's buffer when the caller donates it). interpret=None:
+    interpret mode unless on a GPU. profile_dir: record the kernel's phases per program with
+    Mosaic GPU's in-kernel profiler and write the trace (Chrome trace JSON) there, one file per
+    call (GPU only; benchmarks/mgpu_trace.py summarises it)."""
     if not AVAILABLE:
         raise RuntimeError(UNAVAILABLE_REASON)
     bsz, n, hk, dk = q.shape
