@@ -230,6 +230,15 @@ def test_padding_nodes_change_nothing():
     o, f = tree_gdn_verify(*_args(dirty), parents, num_nodes, backend="pallas", interpret=True,
                            config=cfg)
     assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(f.u)))
+    # the factor k holds the caller's NaN rows; its scale is 0 there and keys() zeroes them
+    assert np.all(np.isnan(np.asarray(f.k)[~m])) and not np.any(np.asarray(f.k_scale)[~m])
+    keys = np.asarray(f.keys())
+    assert np.all(np.isfinite(keys)) and not np.any(keys[~m])
+    # a commit at the deepest real node reads only real rows
+    depth = np.asarray(tree_structure(parents, num_nodes).depth)
+    accepted = np.array([int(np.argmax(np.where(m[r], depth[r], -1))) for r in range(2)],
+                        np.int32)
+    committed = commit_state(x["state"], f, parents, accepted, backend="pallas", interpret=True)
     for b in range(2):
         nb = int(num_nodes[b])
         one = {key: (val[b:b + 1, :nb] if key != "state" else val[b:b + 1])
@@ -240,6 +249,10 @@ def test_padding_nodes_change_nothing():
         assert rel(o[b, :nb], o1[0]) <= 1e-6, msg
         assert rel(f.u[b, :nb], f1.u[0]) <= 1e-6, msg
         assert rel(f.gamma[b, :nb], f1.gamma[0]) <= 1e-6, msg
+        assert rel(keys[b, :nb], f1.keys()[0]) <= 1e-6, msg
+        c1 = commit_state(one["state"], f1, parents[b:b + 1, :nb], accepted[b:b + 1],
+                          backend="pallas", interpret=True)
+        assert rel(committed[b], c1[0]) <= 1e-6, msg
 
 
 def test_shared_tree_structure_and_auto_backend():
