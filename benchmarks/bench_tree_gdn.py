@@ -456,9 +456,9 @@ def set_bytes(b, n):
             + b * HV * DK * DV * 4)
 
 
-# A node's factors (`TreeFactors`): its bf16 keys as the verify took them with their fp32
-# normalising factors, fp32 u and gamma.
 def row_bytes():
+    """A node's factors (`TreeFactors`): its bf16 keys as the verify took them with their fp32
+    normalising factors, fp32 u and gamma."""
     return HK * DK * 2 + HK * 4 + HV * DV * 4 + HV * 4
 
 

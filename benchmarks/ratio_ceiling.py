@@ -29,12 +29,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_tree_gdn import DK, DV, HV, floor_bytes  # noqa: E402
+from benchmarks.bench_tree_gdn import floor_bytes, scratch_bytes_of  # noqa: E402
 
 
 def state_bytes(b: int) -> int:
-    """One committed GDN state per request (fp32)."""
-    return b * HV * DK * DV * 4
+    """One fp32 GDN state per request (a one-node scratch)."""
+    return scratch_bytes_of(b, 1)
 
 
 def step_floors(b: int, n: int) -> dict:

@@ -21,10 +21,16 @@ import jax.numpy as jnp
 _HI = jax.lax.Precision.HIGHEST  # the state is fp32 maths: no TF32/bf16 passes on GPU
 
 
+def l2_scale(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """rsqrt(sum(x^2) + eps) over the last axis, in fp32: the factor `l2_normalize` applies
+    (one per row; the tree verify keeps it as the keys' factor, `TreeFactors.k_scale`)."""
+    x = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + eps)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x.astype(jnp.float32) * l2_scale(x, eps)[..., None]
 
 
 def _prepare(q, k, v, g, beta, scale, qk_l2norm):

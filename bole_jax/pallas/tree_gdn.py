@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from bole_jax.model.gdn import l2_scale
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
 from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
@@ -48,7 +49,8 @@ from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
                                         accepted_path, check_pending, next_pow2, pad_axis,
-                                        resolve_backend, tree_structure, with_keys)
+                                        resolve_backend, scaled_keys, tree_structure,
+                                        with_keys)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
            "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
@@ -187,11 +189,6 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
                 auto_barriers=False)
 
 
-def _l2norm_scale(x):
-    """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None])."""
-    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
-
-
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
                      *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
@@ -242,9 +239,9 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     rows = vrow if inb is None else vrow & inb
     kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
     qraw = _load(q_ref, rows).astype(jnp.float32)
-    k_scale = _l2norm_scale(kraw)
+    k_scale = l2_scale(kraw, L2_EPS)  # [Np]: the factors that L2-normalise the rows
     kn = kraw * k_scale[:, None]
-    qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
+    qn = qraw * (l2_scale(qraw, L2_EPS) * scale)[:, None]
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
     def _():  # the factor k_scale (the keys themselves are the caller's k)
@@ -701,13 +698,10 @@ def _path_rows(parents, accepted, length, path, count, n):
 
 
 def _key_rows(factors: TreeFactors, rows, path):
-    """The normalised keys of nodes `path` [B, L] (fp32, [B, L, Hk, dk]): the gathered rows of k
-    times their k_scale, as `TreeFactors.keys()` forms them, without normalising all N rows."""
-    k = factors.k[rows, path].astype(jnp.float32)
-    if factors.k_scale is None:
-        return k
-    s = factors.k_scale[rows, path].astype(jnp.float32)[..., None]
-    return jnp.where(s != 0, k * s, 0.0)
+    """The normalised keys of nodes `path` [B, L] (fp32, [B, L, Hk, dk]), as
+    `TreeFactors.keys()` forms them, without scaling all N rows."""
+    ks = None if factors.k_scale is None else factors.k_scale[rows, path]
+    return scaled_keys(factors.k[rows, path], ks)
 
 
 def _k_scale(factors: TreeFactors):

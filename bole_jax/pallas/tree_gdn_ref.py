@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.model.gdn import l2_normalize  # the model's own q/k norm (eps = L2_EPS)
+from bole_jax.model.gdn import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
 from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
                                         tree_structure)
 
@@ -150,8 +150,7 @@ def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, sc
         raise ValueError(f"inverse must be 'solve' or 'neumann', got {inverse!r}")
     o = pt * qs + jnp.einsum("bhij,bhjv->bhiv", qk * gam, u, precision=_HI)
     o = jnp.moveaxis(o, 1, 2)
-    kf = k.astype(jnp.float32)
-    k_scale = jnp.where(valid[:, :, None], jax.lax.rsqrt(jnp.sum(kf * kf, axis=-1) + L2_EPS), 0.0)
+    k_scale = jnp.where(valid[:, :, None], l2_scale(k, L2_EPS), 0.0)
     factors = TreeFactors(k=k, u=jnp.moveaxis(u, 1, 2),
                           gamma=jnp.where(valid[:, :, None], gamma, 0.0), k_scale=k_scale)
     return o.astype(v.dtype), factors

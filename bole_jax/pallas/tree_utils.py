@@ -46,11 +46,17 @@ class TreeFactors:
 
     def keys(self) -> jax.Array:
         """[B, N, Hk, dk] fp32: the keys the state is built from (k_scale * k, padding 0)."""
-        k = self.k.astype(jnp.float32)
-        if self.k_scale is None:
-            return k
-        s = self.k_scale.astype(jnp.float32)[..., None]
-        return jnp.where(s != 0, k * s, 0.0)
+        return scaled_keys(self.k, self.k_scale)
+
+
+def scaled_keys(k, k_scale):
+    """k [..., dk] times its per-row k_scale [...] in fp32, rows of scale 0 zeroed (NaN-safe);
+    k as fp32 when k_scale is None. `TreeFactors.keys()`, or any gathered rows of it."""
+    k = k.astype(jnp.float32)
+    if k_scale is None:
+        return k
+    s = k_scale.astype(jnp.float32)[..., None]
+    return jnp.where(s != 0, k * s, 0.0)
 
 
 def with_keys(k, outs):
