@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bole_jax.model.gdn import l2_scale
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
 from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
@@ -189,6 +188,13 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
                 auto_barriers=False)
 
 
+def _l2norm_scale(x):
+    """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None]); `model.gdn.
+    l2_scale`'s maths, written here so that the kernel's source locations stay in this file
+    (benchmarks/offline_compile.py maps SASS back to them)."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
+
+
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
                      *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
@@ -239,9 +245,9 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     rows = vrow if inb is None else vrow & inb
     kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
     qraw = _load(q_ref, rows).astype(jnp.float32)
-    k_scale = l2_scale(kraw, L2_EPS)  # [Np]: the factors that L2-normalise the rows
+    k_scale = _l2norm_scale(kraw)
     kn = kraw * k_scale[:, None]
-    qn = qraw * (l2_scale(qraw, L2_EPS) * scale)[:, None]
+    qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
     def _():  # the factor k_scale (the keys themselves are the caller's k)
