@@ -20,7 +20,8 @@ What it does, in order:
    config is also checked against the reference at that point; configs that fail are not
    eligible as "best"), times both commits and Bole's lazy commit ("bole-lazy": the best
    config's verify folding the previous verify's accepted path rows, plus the `pending_commit`
-   gathers), and reports verify / commit / sum, speedups, the bytes floor, transient memory and
+   gathers; "direct": the same verify reading those rows from the previous factors itself, a
+   `PendingPath`, so the lazy step is that one launch), and reports verify / commit / sum, speedups, the bytes floor, transient memory and
    SGLang's measured numbers (03-targets.md) side by side;
 4. prints a table, writes <out>/bench_tree_gdn.json (command, git commit, GPU, jax version, every
    number) and <out>/bench_tree_gdn.png (if matplotlib imports).
@@ -61,10 +62,11 @@ import numpy as np  # noqa: E402
 
 from bole_jax.pallas import tree_conv, tree_gdn_mgpu, tree_gdn_ref, tree_pernode  # noqa: E402
 from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
-                                      mosaic_launch, pending_commit, tree_gdn_verify)
+                                      gather_pending_path, mosaic_launch, pending_commit,
+                                      tree_gdn_verify)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import (dfs_order, random_parents, tree_depth,  # noqa: E402
-                                       tree_structure)
+from bole_jax.pallas.tree_utils import (PendingPath, dfs_order, random_parents,  # noqa: E402
+                                        tree_depth, tree_structure)
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next GDN at TP1
@@ -146,10 +148,14 @@ class MosaicLaunch:
 def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
     """A config string ("bv=32,w=4,inv=squaring,..."), "auto" (`TreeGDNConfig.auto` for each
     point's (B, N), and the Mosaic verify where `mosaic_launch` takes it) or "mosaic[,bv=..,
-    inv=..,p=..,ax=0|1,ab=0|1]" (the Mosaic GPU verify at every point of <= 64 nodes)."""
+    inv=..,p=..,ax=0|1,ab=0|1]" (the Mosaic GPU verify at every point of <= 64 nodes);
+    "auto,fold=unroll" (any config items after "auto"): each point's `TreeGDNConfig.auto` with
+    those fields replaced (no Mosaic launch), as ("auto", fields)."""
     if spec.strip() == "auto":
         return "auto"
     items = [x.strip() for x in spec.split(",") if x.strip()]
+    if items and items[0] == "auto":
+        return "auto", _config_fields(items[1:])
     if items and items[0] == "mosaic":
         keys = dict(bv="block_v", inv="inverse", p="products", ax="approx_math",
                     ab="auto_barriers")
@@ -163,12 +169,17 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
             kw[keys[k]] = (v if k == "inv" else bool(int(v)) if k in ("ax", "ab")
                            else int(v))
         return MosaicLaunch(**kw)
+    return TreeGDNConfig(**_config_fields(items))
+
+
+def _config_fields(items) -> dict:
+    """TreeGDNConfig fields of "key=value" items (bv=32, w=4, inv=squaring, ...)."""
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
                 prec="precision", fold="fold", pf="prefetch_state")
     kw = {}
-    for item in filter(None, spec.split(",")):
+    for item in items:
         k, v = item.split("=")
         name = keys[k.strip()]
         v = v.strip()
@@ -180,7 +191,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
-    return TreeGDNConfig(**kw)
+    return kw
 
 
 def resolve_bole(cfgs, b: int, n: int) -> list:
@@ -195,6 +206,8 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
                       mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH))
             cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
                                                          else [])
+        elif isinstance(c, tuple):  # ("auto", fields)
+            cs = [dataclasses.replace(TreeGDNConfig.auto(b, n, MAX_DEPTH), **c[1])]
         elif isinstance(c, MosaicLaunch):
             cs = [c] if n <= tree_gdn_mgpu.NP else []
         else:
@@ -669,6 +682,45 @@ def timer_in_place(commit, states, per_set, timer) -> dict:
     return res
 
 
+def _rows_of(pend):
+    """A PendingCommit's gathered arrays, without the count it was handed."""
+    return pend.k, pend.u, pend.w, pend.p_sel
+
+
+def bench_direct(cfg, fold, sets, fac, path, count, accepted, states, s_ref, timer) -> dict:
+    """The lazy commit without a gather launch: the verify takes a `PendingPath` (each set's
+    previous factors and the step's accepted path) and reads the path rows from the factors
+    itself (the Triton kernel; on the Mosaic route `tree_gdn_verify`'s gather runs inside the
+    same jit, so its time is the whole lazy step either way). Checked: the folded state is
+    commit_state's. `states` are bench_lazy's own (donated) buffers; they are replaced here
+    call by call as well."""
+    pp = [PendingPath(factors=f, path=path, sel=jnp.asarray(accepted, jnp.int32), count=count)
+          for f in fac]
+
+    mosaic = isinstance(cfg, MosaicLaunch)  # it folds gathered rows: the gather in the jit
+
+    def verify(q, k, v, g, beta, state, pending):
+        if mosaic:
+            pending = gather_pending_path(pending, interpret=INTERPRET)
+        return without_keys(fold(q, k, v, g, beta, state, pending=pending))
+
+    jverify = jax.jit(verify, donate_argnums=5)
+
+    def call(i):
+        out = jverify(*sets[i][:5], states[i], pp[i])
+        states[i] = out[2]
+        return out
+
+    # the check: the first set from its own committed state (a fresh copy: states[0] has moved)
+    out = jverify(*sets[0][:5], jnp.copy(sets[0][5]), pp[0])
+    err = rel(out[2], s_ref)
+    del out
+    res = dict(err_state_direct=err)
+    if err > TOL["state"]:
+        return dict(res, direct_ok=False)
+    return dict(res, direct_ok=True, direct=timer(call, [(i,) for i in range(len(sets))]))
+
+
 def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dict:
     """Bole with the lazy commit: the commit only gathers the accepted path's factor rows
     (`pending_commit`, jitted), and the next verify folds them into the state tiles it loads
@@ -697,6 +749,7 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         # form's from that state.
         s_ref = commit_state(sets[0][5], fac[0], parents, accepted, backend="reference",
                              max_path=length, precision="highest")
+        s_ref_state = s_ref
         t0 = time.perf_counter()
         out = call(0)
         jax.block_until_ready(out)
@@ -705,16 +758,22 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
                                                          tree=tree)
         errs = dict(o=(rel(out[0], o_ref), TOL["o"]), u=(rel(out[1].u, f_ref.u), TOL["u"]),
                     state=(rel(out[2], s_ref), TOL["state"]))
-        del out, o_ref, f_ref, s_ref
+        del out, o_ref, f_ref
         res.update({f"err_{k}": e for k, (e, _) in errs.items()})
         res["ok"] = all(e <= tol for e, tol in errs.values())
         res["verify"] = timer(call, [(i,) for i in range(len(sets))])
-        res["commit"] = timer(gather, [(f,) for f in fac])
+        # The gather as timed: its rows only. `count` is the step's own (an input here): a jit
+        # returning it would time an XLA copy of it (0.6-0.8 us, in sessions <= 17's tables).
+        rows_only = jax.jit(lambda f: _rows_of(pending_commit(f, parents, accepted, length,
+                                                              path, count)))
+        res["commit"] = timer(rows_only, [(f,) for f in fac])
         # the same rows by XLA's gathers (the reference backend; before session 10's kernel)
         gather_xla = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count,
                                                       backend="reference"))
         res["commit_xla"] = timer(gather_xla, [(f,) for f in fac])
         res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
+        res.update(bench_direct(cfg, fold, sets, fac, path, count, accepted, states, s_ref_state,
+                                timer))
     except Exception as e:  # noqa: BLE001
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     errs_txt = " ".join(f"err {k[4:]} {v:.1e}" for k, v in res.items() if k.startswith("err_"))
@@ -722,7 +781,8 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
     mean = res.get('verify', {}).get('mean_us', float('nan'))
     print(f"    {'lazy':7s} {res['config']:48s} {res.get('verify', nan)['us']:9.1f} us "
           f"(mean {mean:.1f}) + gather {res.get('commit', nan)['us']:7.1f} us "
-          f"(XLA {res.get('commit_xla', nan)['us']:.1f})  {errs_txt}"
+          f"(XLA {res.get('commit_xla', nan)['us']:.1f}); from the factors "
+          f"{res.get('direct', nan)['us']:.1f} us  {errs_txt}"
           f"{'' if res.get('ok') else '  (NOT OK) ' + res.get('error', '')}", flush=True)
     gc.collect()
     return res
@@ -812,6 +872,9 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         ok = [r for r in point["bole_lazy_variants"] if r.get("ok")]
         point["bole_lazy"] = (min(ok, key=lambda r: r["sum_us"]) if ok
                               else point["bole_lazy_variants"][0])
+        direct = [r for r in point["bole_lazy_variants"] if r.get("direct_ok")]
+        if direct:  # the lazy step without a gather launch (`PendingPath`)
+            point["bole_direct"] = min(direct, key=lambda r: r["direct"]["us"])
         del fac
 
     # TREE-PERNODE verify: sweep (the scratch is huge: fewer input sets when needed).
@@ -875,6 +938,9 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
             point.update(bole_lazy_verify_us=lv, bole_lazy_commit_us=lc,
                          bole_lazy_sum_us=lv + lc, speedup_sum_lazy=(pv + pc) / (lv + lc),
                          lazy_over_bole_sum=(lv + lc) / (bv + bc))
+        if point.get("bole_direct"):
+            dv = point["bole_direct"]["direct"]["us"]
+            point.update(bole_direct_us=dv, speedup_sum_direct=(pv + pc) / dv)
     return point
 
 
@@ -891,7 +957,8 @@ def _lazy_cols(p) -> str:
 
 def print_table(points):
     hdr = ("  B    N  d | bole ver  commit     sum | pernode ver  commit      sum | speedup "
-           "(ver) | lazy ver  gather     sum speedup lazy/bole | floor  x/floor | sglang ver  "
+           "(ver) | lazy ver  gather     sum speedup lazy/bole | direct speedup | floor  "
+           "x/floor | sglang ver  "
            "commit | scratch MiB factors MiB  ratio")
     print("\n" + hdr)
     print("-" * len(hdr))
@@ -905,7 +972,9 @@ def print_table(points):
               f"{p['bole_commit_best']['us']:7.1f} {p['bole_sum_us']:7.1f} | "
               f"{p['pernode_best']['us']:11.1f} {p['pernode_commit']['us']:7.1f} "
               f"{p['pernode_sum_us']:8.1f} | {p['speedup_sum']:6.1f}x ({p['speedup_verify']:5.1f}x)"
-              f" | {_lazy_cols(p)} | {p['floor_us']:5.1f} {p['bole_over_floor']:6.1f}x | "
+              f" | {_lazy_cols(p)} | {p.get('bole_direct_us', float('nan')):6.1f} "
+              f"{p.get('speedup_sum_direct', float('nan')):6.1f}x"
+              f" | {p['floor_us']:5.1f} {p['bole_over_floor']:6.1f}x | "
               f"{sg.get('verify_us', float('nan')):10.0f} {sg.get('commit_us', float('nan')):7.0f}"
               f" | {p['scratch_bytes'] / 2 ** 20:11.0f} {p['factor_bytes'] / 2 ** 20:11.1f} "
               f"{p['memory_ratio']:6.1f}x")

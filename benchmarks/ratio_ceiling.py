@@ -46,10 +46,13 @@ def step_floors(b: int, n: int) -> dict:
 
 
 def best_bole_sum(p: dict) -> tuple[float, str]:
-    """The better of the eager (verify + commit) and lazy (verify + gather) sums of a point."""
+    """The best of the eager (verify + commit), lazy (verify + gather) and direct (the lazy verify
+    reading the rows from the previous factors: one launch) sums of a point."""
     sums = [(p["bole_sum_us"], "eager")] if p.get("bole_sum_us") else []
     if p.get("bole_lazy_sum_us"):
         sums.append((p["bole_lazy_sum_us"], "lazy"))
+    if p.get("bole_direct_us"):
+        sums.append((p["bole_direct_us"], "direct"))
     return min(sums) if sums else (float("nan"), "-")
 
 

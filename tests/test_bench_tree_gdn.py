@@ -1,6 +1,7 @@
 """benchmarks/bench_tree_gdn.py: the launch specs of its bole sweep (Triton configs, "auto" and
 the Mosaic GPU verify), resolved per point as the GPU run resolves them (no GPU here)."""
 
+import dataclasses
 import os
 import sys
 
@@ -44,6 +45,15 @@ def test_resolve_auto_adds_the_engines_mosaic_launch(monkeypatch):
         TreeGDNConfig.auto(1, 64, btg.MAX_DEPTH), btg.MosaicLaunch()]
     monkeypatch.setattr(btg, "INTERPRET", True)
     assert btg.resolve_bole(["auto"], 16, 64) == [TreeGDNConfig.auto(16, 64, btg.MAX_DEPTH)]
+
+
+def test_auto_with_fields():
+    """"auto,fold=unroll": each point's auto config with those fields replaced, no Mosaic."""
+    spec = btg.parse_bole("auto, fold=unroll,w=2")
+    assert spec == ("auto", dict(fold="unroll", num_warps=2))
+    for b, n in ((1, 32), (16, 64)):
+        assert btg.resolve_bole([spec], b, n) == [dataclasses.replace(
+            TreeGDNConfig.auto(b, n, btg.MAX_DEPTH), fold="unroll", num_warps=2)]
 
 
 def test_pernode_specs_and_reload_count():

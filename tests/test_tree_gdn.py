@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_ref as ref
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, apply_pending, pending_commit,
-                                      tree_gdn_verify)
-from bole_jax.pallas.tree_utils import (PendingCommit, TreeFactors, accepted_path,
+from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows, apply_pending,
+                                      gather_pending_path, pending_commit, tree_gdn_verify)
+from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors, accepted_path,
                                         check_parents, random_gdn_inputs, random_parents,
                                         random_trees, tree_structure)
 from bole_jax.spec_decode.state_factors import commit_state
@@ -420,6 +420,133 @@ def test_lazy_commit_equals_commit_then_verify():
         assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, msg)
 
 
+PATH_CASES = [
+    # previous tree M nodes, this tree N, Hk, HV, dk, dv, path rows L, caller's root-first path
+    # (junk past count) or the walk (accepted first), config
+    (9, 12, 2, 4, 16, 32, 9, False, TreeGDNConfig(block_v=16, heads_per_program=2)),
+    (20, 7, 1, 2, 24, 40, 5, True, TreeGDNConfig(block_v=16, tiles_per_program=2,
+                                                 inverse="matrix")),
+    (12, 12, 2, 4, 16, 32, 5, True, TreeGDNConfig(block_v=16, fold="dot")),
+    (33, 16, 1, 2, 24, 40, 9, False, TreeGDNConfig(block_v=16, tiles_per_program=2,
+                                                   inverse="matrix", fold="dot")),
+    (12, 9, 2, 4, 16, 32, 5, True, TreeGDNConfig(block_v=16, heads_per_program=2,
+                                                 fold="unroll")),
+    (20, 20, 1, 2, 24, 40, 9, False, TreeGDNConfig(block_v=16, tiles_per_program=2,
+                                                   inverse="matrix", fold="unroll")),
+]
+
+
+def _pending_path(seed, b, m, hk, hv, dk, dv, length, callers_path):
+    """A `PendingPath` from a real previous verify of m nodes (reference factors, bf16 keys as
+    a model passes them): accepted = the deepest node, nothing (-1), a random node. Factor rows
+    of nodes off every path are NaN (a kernel must read only the path's rows); the caller's
+    path (root first, as a decode step holds it) has out-of-range junk past count."""
+    rng = np.random.default_rng(seed)
+    x, parents, nn = _inputs(seed, b, m, hk, hv, dk, dv, ("deep", "random"), ragged=True)
+    x = dict(x, k=np.asarray(jnp.asarray(x["k"], jnp.bfloat16).astype(jnp.float32)))
+    _, f = closed_form(*_args(x), parents, nn)
+    f = dataclasses.replace(f, k=jnp.asarray(x["k"], jnp.bfloat16))
+    depth = np.asarray(tree_structure(parents, nn).depth)
+    fits = [np.flatnonzero(depth[r, :nn[r]] < length) for r in range(b)]  # whole path in L rows
+    accepted = np.array([int(fits[0][np.argmax(depth[0, fits[0]])]), -1]
+                        + [int(rng.choice(fits[r])) for r in range(2, b)], np.int32)
+    walk, count = (np.asarray(a) for a in accepted_rows(parents, accepted, length))
+    on_path = np.zeros((b, m), bool)
+    for r in range(b):
+        on_path[r, walk[r, :count[r]]] = True
+    on_path[:, 0] = True  # (a clipped -1 reads node 0's gamma, weighing it by 0)
+    nan = lambda a: jnp.where(on_path.reshape(on_path.shape + (1,) * (a.ndim - 2)),  # noqa
+                              a, jnp.nan).astype(a.dtype)
+    f = TreeFactors(k=nan(f.k), u=nan(f.u), gamma=nan(f.gamma), k_scale=nan(f.k_scale))
+    path = walk
+    if callers_path:
+        path = rng.integers(-3, m + 3, (b, length)).astype(np.int32)
+        for r in range(b):
+            path[r, :count[r]] = walk[r, :count[r]][::-1]
+    return PendingPath(factors=f, path=jnp.asarray(path), sel=jnp.asarray(accepted),
+                       count=jnp.asarray(count)), x, parents, accepted
+
+
+@pytest.mark.parametrize("case", PATH_CASES,
+                         ids=lambda c: f"M{c[0]}-N{c[1]}-r{c[3] // c[2]}-L{c[6]}-{c[8].fold}")
+def test_kernel_with_pending_path_matches_reference(case):
+    """A `PendingPath` (the previous verify's factors and accepted path, no gather) folds to
+    commit_state's state at the accepted node, and o and the factors are the closed form's from
+    it; the reference backend and the gathered rows agree; nothing pending (-1) leaves that
+    request's state bit-exact."""
+    m, n, hk, hv, dk, dv, length, callers_path, cfg = case
+    seed = RUN_SEED
+    b = 3
+    pend, x_prev, parents_prev, accepted = _pending_path(seed, b, m, hk, hv, dk, dv, length,
+                                                         callers_path)
+    x, parents, num_nodes = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "bushy"),
+                                    ragged=True)
+    f_prev = closed_form(*_args(x_prev), parents_prev)[1]
+    s_ref = commit_state(x["state"], f_prev, parents_prev, accepted, backend="reference",
+                         precision="highest")
+    msg = f"seed {seed} cfg {cfg} accepted {accepted}"
+    gathered = gather_pending_path(pend, backend="reference")
+    assert rel(apply_pending(x["state"], gathered), s_ref) <= 1e-6, msg
+    o_ref, f_ref = closed_form(*_args(x)[:5], s_ref, parents, num_nodes)
+    for backend in ("pallas", "reference"):
+        o, f, s = tree_gdn_verify(*_args(x), parents, num_nodes, backend=backend,
+                                  interpret=True, config=cfg, pending=pend)
+        bmsg = f"{backend}: {msg}"
+        assert s.dtype == jnp.float32 and s.shape == x["state"].shape, bmsg
+        assert rel(s, s_ref) <= 1e-6, bmsg
+        np.testing.assert_array_equal(np.asarray(s)[1], x["state"][1], err_msg=bmsg)
+        assert rel(o, o_ref) <= 1e-5, bmsg
+        for name in FACTORS:
+            assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, bmsg)
+
+
+def test_pending_path_gather_kernel_matches_reference():
+    """gather_pending_path's Pallas gather (the Mosaic route's) = its XLA gathers, bit for bit,
+    for the caller's root-first path with junk past count and nothing pending (-1)."""
+    pend = _pending_path(RUN_SEED, 3, 20, 2, 4, 16, 32, 9, True)[0]
+    want = gather_pending_path(pend, backend="reference")
+    got = gather_pending_path(pend, backend="pallas", interpret=True)
+    for name in ("k", "u", "w", "p_sel", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)),
+                                      err_msg=f"{name} seed {RUN_SEED}")
+    np.testing.assert_array_equal(np.asarray(got.p_sel)[1], 1.0)
+
+
+def test_lazy_path_commit_equals_commit_then_verify():
+    """Two steps through one jitted, state-donating verify with the lazy commit kept as a
+    `PendingPath`: step 1 from `PendingPath.empty` returns the state untouched; step 2 folds step
+    1's own factors at its accepted paths and equals commit_state followed by a plain verify."""
+    seed = RUN_SEED
+    rng = np.random.default_rng(seed)
+    b, n, hk, hv, dk, dv, length = 3, 12, 1, 2, 16, 32, 5
+    cfg = TreeGDNConfig(block_v=16, heads_per_program=2, fold="unroll")
+    x1, parents1, nn1 = _inputs(seed, b, n, hk, hv, dk, dv, ("deep", "random"), ragged=True)
+    x2, parents2, nn2 = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "forest"),
+                                ragged=True)
+
+    @functools.partial(jax.jit, donate_argnums=5)
+    def step(q, k, v, g, beta, state, parents, num_nodes, pending):
+        return tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, backend="pallas",
+                               interpret=True, config=cfg, pending=pending)
+
+    empty = PendingPath.empty(b, n, length, hk, dk, hv, dv, k_dtype=jnp.float32)
+    o1, f1, s1 = step(*_args(x1)[:5], jnp.array(x1["state"]), parents1, nn1, empty)
+    np.testing.assert_array_equal(np.asarray(s1), x1["state"], err_msg=f"seed {seed}")
+    depth = np.asarray(tree_structure(parents1, nn1).depth)
+    accepted = np.array([int(np.argmax(depth[0, :nn1[0]])), -1,
+                         int(rng.integers(0, nn1[2]))], np.int32)
+    msg = f"seed {seed} accepted {accepted}"
+    path, count = accepted_rows(parents1, accepted, length)
+    pend = PendingPath(factors=f1, path=path, sel=jnp.asarray(accepted), count=count)
+    committed = commit_state(x1["state"], f1, parents1, accepted, backend="reference",
+                             max_path=length)
+    o, f, s = step(*_args(x2)[:5], s1, parents2, nn2, pend)
+    assert rel(s, committed) <= 1e-6, msg
+    o_ref, f_ref = closed_form(*_args(x2)[:5], committed, parents2, nn2)
+    assert rel(o, o_ref) <= 1e-5, msg
+
+
 def test_bad_shapes_raise():
     x, parents, _ = _inputs(0, 1, 4, 2, 3, 16, 16, ("random",))
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -488,6 +615,30 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
         lowering_platforms=("cuda",)).as_text()
     assert "bole_tree_gdn" in text and "output_operand_alias" in text
     assert "tf.aliasing_output = 5" in text  # outputs: o, k, u, gamma, k_scale, state
+
+
+@pytest.mark.parametrize("n,cfg", [
+    (32, TreeGDNConfig.auto(1, 32, 9)), (16, TreeGDNConfig.auto(4, 16, 9)),
+    (16, TreeGDNConfig.auto(16, 16, 9)), (32, TreeGDNConfig.auto(16, 32, 9)),
+    (8, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
+                      bf16_state=True, fold="unroll")),
+])
+def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
+    """The variant that reads a `PendingPath` (indirect row loads at the path's node ids)
+    lowers for cuda at Qwen3-Next head dims, its state output aliased to the donated state."""
+    b, hk, hv, d = 2, 2, 4, 128
+    q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
+    v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
+    gate = jnp.zeros((b, n, hv), jnp.float32)
+    state = jnp.zeros((b, hv, d, d), jnp.float32)
+    parents = jnp.zeros((b, n), jnp.int32)
+    pend = PendingPath.empty(b, n, 9, hk, d, hv, d)
+    fn = jax.jit(lambda *a: tree_gdn_verify(*a[:7], backend="pallas", interpret=False,
+                                            config=cfg, pending=a[7]), donate_argnums=5)
+    text = fn.trace(q, q, v, gate, gate, state, parents, pend).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "bole_tree_gdn" in text and "tf.aliasing_output = 5" in text
+    assert "bole_pending_gather" not in text  # no gather launch
 
 
 def test_prefetch_state_needs_one_tile():

@@ -46,14 +46,16 @@ from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeFactors, TreeStructure,
-                                        accepted_path, check_pending, next_pow2, pad_axis,
+from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, PendingPath, TreeFactors,
+                                        TreeStructure, accepted_path, check_pending,
+                                        check_pending_path, next_pow2, pad_axis,
                                         resolve_backend, scaled_keys, tree_structure,
                                         with_keys)
 
 __all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
            "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
-           "pending_commit", "apply_pending", "resolve_backend"]
+           "PendingPath", "pending_commit", "gather_pending_path", "apply_pending",
+           "resolve_backend"]
 
 # BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
 # dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
@@ -196,7 +198,8 @@ def _l2norm_scale(x):
 
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-                     *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0):
+                     *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0,
+                     pend_path=False):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; ks [Np]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
@@ -205,7 +208,16 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # alias s: each tile is read before its own store and by no other program). Lb = the
     # pend_rows rows present, or (fold "dot") a power of two >= 16 of them, rows past
     # pend_rows touched only through masks.
-    if has_pending:
+    # pend_path (a `PendingPath`: the previous verify's factors, read at the path's rows) adds
+    # instead: count [], sel [], path [Lb] (node ids in bounds), pg [Mp, hg] (gamma), pk
+    # [Mp, dk] (keys as that verify took them), pks [Mp] (their k_scale), pu [Mp, hg, tpp*bv];
+    # Mp = M rounded up to a power of two, only rows named by the path are read.
+    if pend_path:
+        (cnt_ref, sel_ref, path_ref, pg_ref, pk_ref, pks_ref, pu_ref,
+         o_ref, u_ref, gamma_ref, ks_ref, sn_ref) = refs
+        pend = (jnp.minimum(cnt_ref[...], pend_rows), sel_ref[...], path_ref, pg_ref, pk_ref,
+                pks_ref, pu_ref)
+    elif has_pending:
         cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, ks_ref, sn_ref = refs
         # The loop bound is clamped to the rows present, so a bad count cannot read past them.
         pend = (jnp.minimum(cnt_ref[...], pend_rows), pk_ref, pu_ref, pw_ref, ps_ref)
@@ -280,7 +292,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
             if pend is not None:
-                s = _fold_pending(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
+                fold_fn = _fold_pending_path if pend_path else _fold_pending
+                s = fold_fn(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -365,6 +378,28 @@ def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
     return _rank1_fold(count, init, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
 
 
+def _fold_pending_path(s, pend, j, cols, fold: str, rows: int, precision):
+    """`_fold_pending` for a `PendingPath`: the same sum, its rows read straight from the
+    previous verify's factors at the path's node ids (a dependent load of the id first), the
+    weights formed here from gamma as `_commit_kernel` forms them."""
+    count, sel, path_ref, pg_ref, pk_ref, pks_ref, pu_ref = pend
+    g_sel = pg_ref[sel, j]
+    init = _path_scale(count, g_sel) * s
+
+    def row(node):
+        key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
+        return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
+
+    if fold == "unroll":
+        return _unrolled_fold(count, init, [row(path_ref[m]) for m in range(rows)])
+    if fold == "dot":
+        path = path_ref[...]  # [Lb], padded with in-bounds ids past count (not live)
+        keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
+        return _dot_fold(init, _path_weight(g_sel, pg_ref[path, j]), keys,
+                         pu_ref[path, j, cols], jnp.arange(path.shape[0]) < count, precision)
+    return _rank1_fold(count, init, lambda m: row(path_ref[m]))
+
+
 def _inverse_matrix(gmat, path_len, prec):
     """T = (I + G)^-1 = prod_m (I + X^(2^m)), X = -G, by squaring: 2 dependent [Np, Np] dots per
     doubling of the covered depth (2 steps for path_len <= 8)."""
@@ -417,7 +452,8 @@ def _apply_inverse(gmat, rhs, path_len, method, prec):
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
 def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
-                     pending: PendingCommit | None = None, *, scale, cfg, interpret):
+                     pending: PendingCommit | PendingPath | None = None, *, scale, cfg,
+                     interpret):
     """The kernel launch: q, k [B, N, Hk, dk]; v [B, N, HV, dv]; g, beta [B, N, HV]; state
     [B, HV, dk, dv]; anc [B, N, N]; num_nodes, path_len [B]. Returns (o, u, gamma, k_scale):
     `with_keys` makes the factors (outside this jit, which would copy k were it to return it).
@@ -426,7 +462,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     pytree, so the plain launch is unchanged) that folds the rows into each state tile and also
     returns the folded state [B, HV, dk, dv] fp32. It is written over the state buffer: in place
     when the caller's jit donates `state` and dk, dv are powers of two (else over the padded
-    copy, or over an XLA copy of an undonated state)."""
+    copy, or over an XLA copy of an undonated state). A `PendingPath` is folded the same way, its
+    rows read from the previous verify's factors at the path's node ids (no gathered rows)."""
     b, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     ratio = hv // hk
@@ -475,7 +512,35 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     args = [num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # int8:
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
-    if pending is not None:
+    pend_path = isinstance(pending, PendingPath)
+    if pend_path:
+        # The previous verify's factors as blocks of Mp rows (a power of two; rows past M lie
+        # past the arrays' end and are never named by the path); the path as Lb ids, padded
+        # for fold "dot" with the first id (past count: not live). Nothing is copied but the
+        # path and a dv padding of u when dv is not a power of two.
+        f = pending.factors
+        m = f.u.shape[1]
+        mp = next_pow2(m, minimum=1)
+        length = pending.path.shape[1]
+        lb = length if cfg.fold != "dot" else next_pow2(length)
+        path = jnp.clip(jnp.asarray(pending.path, jnp.int32), 0, m - 1)
+        if lb != length:
+            path = jnp.concatenate([path, jnp.broadcast_to(path[:, :1], (b, lb - length))], 1)
+        in_specs += [
+            per_req, per_req,
+            pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
+            pl.BlockSpec((None, mp, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, mp, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, mp, None), lambda t, h, i: (i, 0, key_head(h))),
+            pl.BlockSpec((None, mp, hg, bw), lambda t, h, i: (i, 0, h, t)),
+        ]
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        args += [pending.live_count(), jnp.clip(jnp.asarray(pending.sel, jnp.int32), 0, m - 1),
+                 path, f.gamma.astype(jnp.float32), pad_axis(f.k, 3, dkp),
+                 f.k_scale.astype(jnp.float32), pad_axis(f.u.astype(jnp.float32), 3, dvp)]
+        aliases = {8: 4}  # state -> folded state
+    elif pending is not None:
         # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need
         # not be a power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows,
         # those past L masked. Either way no padding copy along L, only along dk / dv when those
@@ -499,7 +564,9 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     outs = pl.pallas_call(
         functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
                           interpret=interpret, has_pending=pending is not None,
-                          pend_rows=0 if pending is None else pending.k.shape[1]),
+                          pend_rows=(0 if pending is None else pending.path.shape[1]
+                                     if pend_path else pending.k.shape[1]),
+                          pend_path=pend_path),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -521,7 +588,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
 def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
                     tree: TreeStructure | None = None, backend: str = "auto",
                     interpret: bool | None = None, config: TreeGDNConfig | None = None,
-                    pending: PendingCommit | None = None, depth_bound: int | None = None):
+                    pending: PendingCommit | PendingPath | None = None,
+                    depth_bound: int | None = None):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -540,7 +608,10 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     the verify starts from S = apply_pending(state, pending) and also returns that state. The
     Pallas kernel folds the rows into each state tile it loads (the state is read and written
     once per step) and writes S over the state buffer: in place when the caller's jit donates
-    `state`; without donation XLA copies the state first.
+    `state`; without donation XLA copies the state first. A `PendingPath` (the previous verify's
+    factors and accepted path, the lazy commit without a gather launch) gives the same S: the
+    Triton kernel reads the path's rows from the factors; the reference and the Mosaic route
+    gather them first (`gather_pending_path`).
 
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k = the keys as given (bf16 ones rounded
     to bf16 first on the Mosaic route), u [B, N, HV, dv] fp32, gamma [B, N, HV] fp32, k_scale
@@ -557,9 +628,13 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                          f"{state.shape} [B, HV, dk, dv]")
     scale = float(dk ** -0.5 if scale is None else scale)
     backend, interpret = resolve_backend(backend, interpret)
-    if pending is not None:
+    if isinstance(pending, PendingPath):
+        check_pending_path(pending, b, hk, hv, dk, v.shape[3])
+    elif pending is not None:
         check_pending(pending, b, hk, hv, dk, v.shape[3])
     if backend == "reference":
+        if isinstance(pending, PendingPath):
+            pending = gather_pending_path(pending, backend="reference")
         if pending is None:
             return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
                                                      num_nodes, scale=scale, tree=tree)
@@ -574,6 +649,8 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         tree = tree_structure(parents, num_nodes)
     launch = (None if config is not None or interpret else
               mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound))
+    if launch is not None and isinstance(pending, PendingPath):
+        pending = gather_pending_path(pending, backend="pallas", interpret=False)
     if launch is not None and (pending is None or pending.k.shape[1] >= 1):
         # The measured-faster Mosaic GPU kernel (same outputs). With a pending commit it folds
         # the rows into its state tiles and writes them back in place (session 15,
@@ -739,6 +816,16 @@ def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=No
                          count=count)
 
 
+def gather_pending_path(pending: PendingPath, *, backend: str = "auto",
+                        interpret: bool | None = None) -> PendingCommit:
+    """The rows of a `PendingPath`, gathered (`pending_commit`): for a verify that folds
+    gathered rows (the Mosaic kernel, the reference) and for `apply_pending`."""
+    count = pending.live_count()
+    accepted = jnp.where(count > 0, jnp.asarray(pending.sel, jnp.int32), -1)
+    return pending_commit(pending.factors, None, accepted, pending.path.shape[1], pending.path,
+                          count, backend=backend, interpret=interpret)
+
+
 def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, pk_ref,
                            pu_ref, pw_ref, ps_ref, *, ratio, rows):
     # Blocks: count, sel []; path [Lp] (Lp a power of two >= rows; entries past rows are 0 and
@@ -812,8 +899,12 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
     r = hv // hk
     # GQA without repeating keys: value head h = (key head h // r, member h % r).
     prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
-    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", pending.k, pending.w.reshape(b, length, hk, r),
-                       pending.u.reshape(b, length, hk, r, dv), precision=prec)
+    # rows past count weigh 0 and are zeroed (their contents, even NaN, never reach the sum)
+    live = (jnp.arange(length)[None, :] < jnp.asarray(pending.count)[:, None])[:, :, None, None]
+    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", jnp.where(live, pending.k, 0.0),
+                       pending.w.reshape(b, length, hk, r),
+                       jnp.where(live, pending.u, 0.0).reshape(b, length, hk, r, dv),
+                       precision=prec)
     return (pending.p_sel[:, :, None, None] * state.astype(jnp.float32)
             + delta.reshape(b, hv, dk, dv))
 

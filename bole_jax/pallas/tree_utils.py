@@ -97,6 +97,42 @@ class PendingCommit:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PendingPath:
+    """The same not-yet-applied commit as `PendingCommit`, kept as the previous verify's factors
+    and its accepted path instead of gathered rows: the next verify reads the path's rows
+    straight from the factors, so the lazy commit needs no launch of its own (no gather).
+        S = p_sel S + sum_{m < count} w_m k_m u_m^T,   row m = node path[m],
+        w_m = exp(gamma_sel - gamma_m), p_sel = exp(gamma_sel), gamma_sel = gamma[sel]
+    (`tree_gdn.pending_commit` gathers the same rows). Nothing is pending when sel < 0 or
+    count is 0 (then p_sel = 1 and no row is read; `empty`).
+    """
+
+    factors: TreeFactors  # the previous verify's: k [B, M, Hk, dk], k_scale [B, M, Hk] fp32,
+    #                       u [B, M, HV, dv] fp32, gamma [B, M, HV] fp32 (M = its tree's nodes)
+    path: jax.Array  # [B, L] int32 node ids (any order; entries past count are not read)
+    sel: jax.Array  # [B] int32, the accepted node (-1: nothing)
+    count: jax.Array  # [B] int32, nodes on its root path (0: nothing)
+
+    @staticmethod
+    def empty(batch: int, nodes: int, length: int, hk: int, dk: int, hv: int, dv: int,
+              k_dtype=jnp.bfloat16) -> "PendingPath":
+        """Nothing pending, in the layout a decode loop carries (factors of `nodes` nodes, a path
+        of `length` rows)."""
+        factors = TreeFactors(k=jnp.zeros((batch, nodes, hk, dk), k_dtype),
+                              u=jnp.zeros((batch, nodes, hv, dv), jnp.float32),
+                              gamma=jnp.zeros((batch, nodes, hv), jnp.float32),
+                              k_scale=jnp.zeros((batch, nodes, hk), jnp.float32))
+        return PendingPath(factors=factors, path=jnp.zeros((batch, length), jnp.int32),
+                           sel=jnp.full((batch,), -1, jnp.int32),
+                           count=jnp.zeros((batch,), jnp.int32))
+
+    def live_count(self) -> jax.Array:
+        """[B] int32: the rows to fold (0 where nothing is pending)."""
+        return jnp.where(self.sel >= 0, jnp.asarray(self.count, jnp.int32), 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TreeStructure:
     """Ancestor relation of a batch of (ragged) trees.
 
@@ -252,6 +288,23 @@ def check_pending(pending: PendingCommit, b: int, hk: int, hv: int, dk: int, dv:
     got = {name: tuple(jnp.shape(getattr(pending, name))) for name in want}
     if got != want:
         raise ValueError(f"pending rows {got} do not match the verify's shapes: need {want}")
+
+
+def check_pending_path(pending: PendingPath, b: int, hk: int, hv: int, dk: int,
+                       dv: int) -> None:
+    """ValueError unless a pending path's factors fit a verify of these shapes (any node count
+    M, any path length L)."""
+    f = pending.factors
+    m, length = f.u.shape[1], jnp.shape(pending.path)[1]
+    if f.k_scale is None:
+        raise ValueError("a pending path needs GDN factors with k_scale (a verify's)")
+    want = dict(k=(b, m, hk, dk), k_scale=(b, m, hk), u=(b, m, hv, dv), gamma=(b, m, hv))
+    got = {name: tuple(jnp.shape(getattr(f, name))) for name in want}
+    want.update(path=(b, length), sel=(b,), count=(b,))
+    got.update({name: tuple(jnp.shape(getattr(pending, name))) for name in ("path", "sel",
+                                                                            "count")})
+    if got != want:
+        raise ValueError(f"pending path {got} does not match the verify's shapes: need {want}")
 
 
 def check_parents(parents, num_nodes=None) -> None:
