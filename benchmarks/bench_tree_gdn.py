@@ -177,7 +177,7 @@ def _config_fields(items) -> dict:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", pf="prefetch_state")
+                prec="precision", fold="fold", pf="prefetch_state", pff="prefetch_fold")
     kw = {}
     for item in items:
         k, v = item.split("=")
@@ -187,7 +187,7 @@ def _config_fields(items) -> dict:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state", "prefetch_state"):
+        elif name in ("bf16_qk", "bf16_state", "prefetch_state", "prefetch_fold"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -281,6 +281,8 @@ def cfg_str(cfg) -> str:
         s += f",fold={cfg.fold}"
     if cfg.prefetch_state:
         s += ",pf=1"
+    if cfg.prefetch_fold:
+        s += ",pff=1"
     return s
 
 

@@ -303,6 +303,11 @@ PENDING_CASES = [
      TreeGDNConfig(block_v=16, heads_per_program=2, fold="unroll")),
     (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 9, (9, 3, 0),
      TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", fold="unroll")),
+    # the rows' loads issued before the N x N work (NaN past count still never leaks)
+    (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
+     TreeGDNConfig(block_v=32, fold="unroll", prefetch_fold=True)),
+    (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 16, (16, 3, 0),
+     TreeGDNConfig(block_v=64, fold="dot", prefetch_fold=True, prefetch_state=True)),
 ]
 
 
@@ -433,6 +438,10 @@ PATH_CASES = [
                                                  fold="unroll")),
     (20, 20, 1, 2, 24, 40, 9, False, TreeGDNConfig(block_v=16, tiles_per_program=2,
                                                    inverse="matrix", fold="unroll")),
+    # the rows' loads issued before the N x N work
+    (12, 9, 1, 2, 16, 32, 5, True, TreeGDNConfig(block_v=32, fold="unroll", prefetch_fold=True,
+                                                 prefetch_state=True)),
+    (20, 12, 2, 4, 24, 40, 9, False, TreeGDNConfig(block_v=64, fold="dot", prefetch_fold=True)),
 ]
 
 
@@ -622,6 +631,8 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     (16, TreeGDNConfig.auto(16, 16, 9)), (32, TreeGDNConfig.auto(16, 32, 9)),
     (8, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                       bf16_state=True, fold="unroll")),
+    (32, dataclasses.replace(TreeGDNConfig.auto(1, 32, 9), prefetch_fold=True)),
+    (16, dataclasses.replace(TreeGDNConfig.auto(4, 16, 9), fold="unroll", prefetch_fold=True)),
 ])
 def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
     """The variant that reads a `PendingPath` (indirect row loads at the path's node ids)
@@ -644,10 +655,15 @@ def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
 def test_prefetch_state_needs_one_tile():
     x, parents, num_nodes = _inputs(RUN_SEED, 1, 4, 1, 2, 16, 32, ("random",))
     for cfg in (TreeGDNConfig(block_v=16, tiles_per_program=2, prefetch_state=True),
-                TreeGDNConfig(block_v=16, heads_per_program=2, prefetch_state=True)):
-        with pytest.raises(ValueError, match="prefetch_state"):
+                TreeGDNConfig(block_v=16, heads_per_program=2, prefetch_state=True),
+                TreeGDNConfig(block_v=16, tiles_per_program=2, prefetch_fold=True,
+                              fold="dot")):
+        with pytest.raises(ValueError, match="prefetch_state / prefetch_fold"):
             tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
                             config=cfg)
+    with pytest.raises(ValueError, match="prefetch_fold needs fold"):
+        tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
+                        config=TreeGDNConfig(block_v=16, prefetch_fold=True))
 
 
 def test_auto_configs_are_legal():

@@ -97,6 +97,9 @@ class TreeGDNConfig:
       load the state tile first, before the tree mask and q/k, so its latency overlaps the
       N x N work (in program order it is issued after the inverse, then waited for at once).
       Holds the tile in registers through the N x N work.
+    prefetch_fold: the same for a pending lazy commit's rows (folds "unroll" and "dot"; one
+      value tile per program, one value head): their loads, a `PendingPath`'s dependent ones
+      included, issue before the N x N work instead of at the fold.
     """
 
     block_v: int | None = None
@@ -111,6 +114,7 @@ class TreeGDNConfig:
     precision: str | None = None
     fold: str = "loop"
     prefetch_state: bool = False
+    prefetch_fold: bool = False
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -234,7 +238,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
     prec_fold = None if interpret else _PRECISIONS["tf32x3"]
 
-    # [dk, bv] committed state tile (fp32), loaded ahead of everything else when asked
+    # A pending commit's rows (a `PendingPath`'s after their dependent id loads) and the [dk, bv]
+    # committed state tile (fp32), issued ahead of everything else when asked (one value head
+    # and tile per program).
+    early_rows = (_pending_rows(pend, pend_path, 0, slice(None), cfg.fold, pend_rows)
+                  if pend is not None and cfg.prefetch_fold else None)
     early_s = s_ref[0, :, :] if cfg.prefetch_state else None
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
@@ -292,8 +300,9 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
             if pend is not None:
-                fold_fn = _fold_pending_path if pend_path else _fold_pending
-                s = fold_fn(s, pend, j, cols, cfg.fold, pend_rows, prec_fold)
+                loaded = (early_rows if early_rows is not None else
+                          _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
+                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -358,46 +367,57 @@ def _unrolled_fold(count, init, rows):
     return acc
 
 
-def _fold_pending(s, pend, j, cols, fold: str, rows: int, precision):
-    """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv] of value head j
-    (columns cols): the gathered rows of a lazy commit (`rows` of them present), added as
-    `_commit_kernel` adds them: a loop of fp32 rank-1 updates, unrolled ones
-    (`_unrolled_fold`), or fold "dot" (`_dot_fold`)."""
+def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
+    """The loads of a pending lazy commit's fold for value head j (columns cols): (scale, rows)
+    with scale the state's decay p_sel and rows, by fold, "unroll": [(w_m [], k_m [dk],
+    u_m [bv])] for every row present; "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
+    "loop": a function m -> (w_m, k_m, u_m) (loaded inside the loop). Gathered rows
+    (`PendingCommit`) come as the caller gathered them; a `PendingPath`'s are read from the
+    previous verify's factors at the path's node ids (a dependent load of the id first), the
+    weights formed here from gamma as `_commit_kernel` forms them. Independent of the state,
+    so a kernel may issue them before anything else (`TreeGDNConfig.prefetch_fold`)."""
+    if pend_path:
+        count, sel, path_ref, pg_ref, pk_ref, pks_ref, pu_ref = pend
+        g_sel = pg_ref[sel, j]
+
+        def row(node):
+            key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
+            return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
+
+        scale = _path_scale(count, g_sel)
+        if fold == "unroll":
+            return scale, [row(path_ref[m]) for m in range(rows)]
+        if fold == "dot":
+            path = path_ref[...]  # [Lb], padded with in-bounds ids past count (not live)
+            keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
+            return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
+                           jnp.arange(path.shape[0]) < count)
+        return scale, lambda m: row(path_ref[m])
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
-    init = ps_ref[j] * s
+    scale = ps_ref[j]
     if fold == "unroll":
-        return _unrolled_fold(count, init, [(pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
-                                            for m in range(rows)])
+        return scale, [(pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]) for m in range(rows)]
     if fold == "dot":
         lp = pk_ref.shape[0]
         idx = jnp.arange(lp, dtype=jnp.int32)
         inb = None if lp == rows else idx < rows
         col = None if inb is None else inb[:, None]
-        return _dot_fold(init, _load(pw_ref.at[:, j], inb), _load(pk_ref, col),
-                         _load(pu_ref.at[:, j, cols], col), idx < count, precision)
-    return _rank1_fold(count, init, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]))
+        return scale, (_load(pw_ref.at[:, j], inb), _load(pk_ref, col),
+                       _load(pu_ref.at[:, j, cols], col), idx < count)
+    return scale, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
 
 
-def _fold_pending_path(s, pend, j, cols, fold: str, rows: int, precision):
-    """`_fold_pending` for a `PendingPath`: the same sum, its rows read straight from the
-    previous verify's factors at the path's node ids (a dependent load of the id first), the
-    weights formed here from gamma as `_commit_kernel` forms them."""
-    count, sel, path_ref, pg_ref, pk_ref, pks_ref, pu_ref = pend
-    g_sel = pg_ref[sel, j]
-    init = _path_scale(count, g_sel) * s
-
-    def row(node):
-        key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
-        return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
-
+def _fold_rows(s, count, loaded, fold: str, precision):
+    """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv], from
+    `_pending_rows`' (scale, rows): the rows added as `_commit_kernel` adds them, by a loop of
+    fp32 rank-1 updates, unrolled ones (`_unrolled_fold`) or one dot (`_dot_fold`)."""
+    scale, rows = loaded
+    init = scale * s
     if fold == "unroll":
-        return _unrolled_fold(count, init, [row(path_ref[m]) for m in range(rows)])
+        return _unrolled_fold(count, init, rows)
     if fold == "dot":
-        path = path_ref[...]  # [Lb], padded with in-bounds ids past count (not live)
-        keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
-        return _dot_fold(init, _path_weight(g_sel, pg_ref[path, j]), keys,
-                         pu_ref[path, j, cols], jnp.arange(path.shape[0]) < count, precision)
-    return _rank1_fold(count, init, lambda m: row(path_ref[m]))
+        return _dot_fold(init, *rows, precision)
+    return _rank1_fold(count, init, rows)
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -477,8 +497,12 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         raise ValueError(f"block_v={bv} must be a power of two >= 16 dividing dv={dvp}")
     if hg < 1 or ratio % hg:
         raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
-    if cfg.prefetch_state and (cfg.tiles_per_program != 1 or hg != 1):
-        raise ValueError("prefetch_state needs tiles_per_program=1 and heads_per_program=1")
+    if (cfg.prefetch_state or cfg.prefetch_fold) and (cfg.tiles_per_program != 1 or hg != 1):
+        raise ValueError("prefetch_state / prefetch_fold need tiles_per_program=1 and "
+                         "heads_per_program=1")
+    if cfg.prefetch_fold and cfg.fold == "loop":
+        raise ValueError("prefetch_fold needs fold 'unroll' or 'dot' (the loop loads its rows "
+                         "trip by trip)")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
