@@ -109,7 +109,8 @@ def read_cols(s, bv, warps):
 
 def time_in_place(fn, states, extra, timer):
     """fn(state, extra) -> new state, timed in place (state donated) over the sets' states."""
-    return btg.timer_in_place(fn, states, [extra] * len(states), timer)
+    return btg.timer_in_place(lambda s, e, _: fn(s, e), states, [extra] * len(states), timer,
+                              None)
 
 
 def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):

@@ -216,9 +216,29 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
     return out
 
 
-def bole_verify(cfg, parents, num_nodes, tree):
+def step_args(parents, num_nodes, tree, accepted, path, count, order=None) -> dict:
+    """What a decode step holds once for all its layers (the trees, their node counts and
+    structure, the accepted nodes and their root paths, PERNODE's walk order), handed to every
+    timed jit as an ARGUMENT. Closed over, they would be constants of the jit, and XLA
+    materialises a splat constant (all-equal entries, such as full node counts) with a
+    broadcast kernel on every call (~0.7 us each at B >= 4; in the tables of sessions <= 17),
+    which a decode step, passing arrays, never runs."""
+    return dict(parents=parents, num_nodes=num_nodes, tree=tree, accepted=accepted, path=path,
+                count=count, order=order)
+
+
+def bind(fn, ctx, **jit_kw):
+    """f(*a, **kw) = jax.jit(fn)(ctx, *a, **kw): `step_args` passed as the jit's first
+    argument (donate_argnums count it)."""
+    jfn = jax.jit(fn, **jit_kw)
+    return lambda *a, **kw: jfn(ctx, *a, **kw)
+
+
+def bole_verify(cfg, ctx):
     """The bole verify of one launch (a Triton config or a MosaicLaunch) as f(q, k, v, g, beta,
-    state, pending=None) -> (o, factors[, the folded state with a pending commit])."""
+    state, pending=None) -> (o, factors[, the folded state with a pending commit]); ctx: the
+    step's `step_args`."""
+    parents, num_nodes, tree = ctx["parents"], ctx["num_nodes"], ctx["tree"]
     if isinstance(cfg, MosaicLaunch):
         return lambda *a, pending=None: tree_gdn_mgpu.tree_gdn_verify_mgpu(
             *a, parents, num_nodes, tree=tree, depth_bound=MAX_DEPTH, interpret=INTERPRET,
@@ -237,10 +257,11 @@ def without_keys(out):
     return (o, dataclasses.replace(f, k=None), *state)
 
 
-def timed_verify(cfg, parents, num_nodes, tree):
-    """`bole_verify` jitted as it is timed (`without_keys`)."""
-    fn = bole_verify(cfg, parents, num_nodes, tree)
-    return jax.jit(lambda *a, pending=None: without_keys(fn(*a, pending=pending)))
+def timed_verify(cfg, ctx):
+    """`bole_verify` jitted as it is timed (`without_keys`; the step's arrays as arguments)."""
+    return bind(lambda c, *a, pending=None: without_keys(bole_verify(cfg, c)(*a,
+                                                                             pending=pending)),
+                ctx)
 
 
 def parse_pernode(spec: str) -> PernodeConfig:
@@ -542,7 +563,8 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
     want_state = np.asarray(states)[np.arange(b), acc]
     for cfg in resolve_bole(bole_cfgs, b, n):
         try:
-            o, f = bole_verify(cfg, parents, num_nodes, tree)(*args)
+            o, f = bole_verify(cfg, step_args(parents, num_nodes, tree, None, None, None))(
+                *args)
             tag = f"bole [{cfg_str(cfg)}]"
             record(f"{tag} o", rel(o, o_ref), TOL["o"])
             record(f"{tag} u", rel(f.u, f_ref.u), TOL["u"])
@@ -667,16 +689,17 @@ def sweep(label, cfgs, make_fn, errors, sets, timer):
     return entries, best
 
 
-def timer_in_place(commit, states, per_set, timer) -> dict:
-    """Time commit(state, per_set[i]) -> new state the way a decode step runs it: the jit
+def timer_in_place(commit, states, per_set, timer, ctx) -> dict:
+    """Time commit(state, per_set[i], ctx) -> new state the way a decode step runs it: the jit
     donates the state, so the new state is written over the old one (no XLA copy of the
     state first), and each set's state buffer is replaced by the returned one call by call.
-    states[i]: set i's state (copied here, so the caller's arrays stay valid)."""
+    states[i]: set i's state (copied here, so the caller's arrays stay valid); ctx: the step's
+    `step_args`, an argument of the jit."""
     fn = jax.jit(commit, donate_argnums=0)
     states = [jnp.copy(states[i]) for i in range(len(per_set))]  # own buffers to donate
 
     def call(i):
-        states[i] = fn(states[i], per_set[i])
+        states[i] = fn(states[i], per_set[i], ctx)
         return states[i]
 
     res = timer(call, [(i,) for i in range(len(per_set))])
@@ -689,32 +712,30 @@ def _rows_of(pend):
     return pend.k, pend.u, pend.w, pend.p_sel
 
 
-def bench_direct(cfg, fold, sets, fac, path, count, accepted, states, s_ref, timer) -> dict:
+def bench_direct(cfg, sets, fac, ctx, states, s_ref, timer) -> dict:
     """The lazy commit without a gather launch: the verify takes a `PendingPath` (each set's
     previous factors and the step's accepted path) and reads the path rows from the factors
     itself (the Triton kernel; on the Mosaic route `tree_gdn_verify`'s gather runs inside the
     same jit, so its time is the whole lazy step either way). Checked: the folded state is
     commit_state's. `states` are bench_lazy's own (donated) buffers; they are replaced here
     call by call as well."""
-    pp = [PendingPath(factors=f, path=path, sel=jnp.asarray(accepted, jnp.int32), count=count)
-          for f in fac]
-
     mosaic = isinstance(cfg, MosaicLaunch)  # it folds gathered rows: the gather in the jit
 
-    def verify(q, k, v, g, beta, state, pending):
+    def verify(c, q, k, v, g, beta, state, f):
+        pending = PendingPath(factors=f, path=c["path"], sel=c["accepted"], count=c["count"])
         if mosaic:
             pending = gather_pending_path(pending, interpret=INTERPRET)
-        return without_keys(fold(q, k, v, g, beta, state, pending=pending))
+        return without_keys(bole_verify(cfg, c)(q, k, v, g, beta, state, pending=pending))
 
-    jverify = jax.jit(verify, donate_argnums=5)
+    jverify = bind(verify, ctx, donate_argnums=6)
 
     def call(i):
-        out = jverify(*sets[i][:5], states[i], pp[i])
+        out = jverify(*sets[i][:5], states[i], fac[i])
         states[i] = out[2]
         return out
 
     # the check: the first set from its own committed state (a fresh copy: states[0] has moved)
-    out = jverify(*sets[0][:5], jnp.copy(sets[0][5]), pp[0])
+    out = jverify(*sets[0][:5], jnp.copy(sets[0][5]), fac[0])
     err = rel(out[2], s_ref)
     del out
     res = dict(err_state_direct=err)
@@ -723,23 +744,27 @@ def bench_direct(cfg, fold, sets, fac, path, count, accepted, states, s_ref, tim
     return dict(res, direct_ok=True, direct=timer(call, [(i,) for i in range(len(sets))]))
 
 
-def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dict:
+def bench_lazy(cfg, sets, fac, ctx, timer) -> dict:
     """Bole with the lazy commit: the commit only gathers the accepted path's factor rows
     (`pending_commit`, jitted), and the next verify folds them into the state tiles it loads
     (`tree_gdn_verify(pending=)`). Pending rows come from the accepted (deepest) node of each
     set's own previous verify (`fac`). The verify's jit donates the state, as a decode step
     would, so the kernel writes the folded state in place (without donation XLA would copy the
     state first); each set's state buffer is replaced by the returned one call by call."""
-    length = min(MAX_DEPTH, parents.shape[1])
+    parents, num_nodes, tree, accepted = (ctx[k] for k in ("parents", "num_nodes", "tree",
+                                                           "accepted"))
+    length = ctx["path"].shape[1]
     res = dict(config=cfg_str(cfg), path_rows=length)
+
+    def gather_fn(backend="auto"):  # (the step's accepted path, as in bole_commit)
+        return lambda c, f: pending_commit(f, c["parents"], c["accepted"], length, c["path"],
+                                           c["count"], backend=backend)
+
     try:
-        path, count = accepted_rows(parents, accepted, length)  # the step's, as in bole_commit
-        gather = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count))
-        pend = [gather(f) for f in fac]
+        pend = [bind(gather_fn(), ctx)(f) for f in fac]
         # (the Mosaic fold writes the state in place too: a mutable ref inside its call)
-        fold = bole_verify(cfg, parents, num_nodes, tree)
-        verify = jax.jit(lambda q, k, v, g, beta, state, pending: without_keys(fold(
-            q, k, v, g, beta, state, pending=pending)), donate_argnums=5)
+        verify = bind(lambda c, q, k, v, g, beta, state, pending: without_keys(bole_verify(
+            cfg, c)(q, k, v, g, beta, state, pending=pending)), ctx, donate_argnums=6)
         states = [jnp.copy(s[5]) for s in sets]  # own buffers: donated call by call
 
         def call(i):
@@ -766,16 +791,13 @@ def bench_lazy(cfg, sets, fac, parents, num_nodes, tree, accepted, timer) -> dic
         res["verify"] = timer(call, [(i,) for i in range(len(sets))])
         # The gather as timed: its rows only. `count` is the step's own (an input here): a jit
         # returning it would time an XLA copy of it (0.6-0.8 us, in sessions <= 17's tables).
-        rows_only = jax.jit(lambda f: _rows_of(pending_commit(f, parents, accepted, length,
-                                                              path, count)))
+        rows_only = bind(lambda c, f: _rows_of(gather_fn()(c, f)), ctx)
         res["commit"] = timer(rows_only, [(f,) for f in fac])
         # the same rows by XLA's gathers (the reference backend; before session 10's kernel)
-        gather_xla = jax.jit(lambda f: pending_commit(f, parents, accepted, length, path, count,
-                                                      backend="reference"))
+        gather_xla = bind(lambda c, f: _rows_of(gather_fn("reference")(c, f)), ctx)
         res["commit_xla"] = timer(gather_xla, [(f,) for f in fac])
         res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
-        res.update(bench_direct(cfg, fold, sets, fac, path, count, accepted, states, s_ref_state,
-                                timer))
+        res.update(bench_direct(cfg, sets, fac, ctx, states, s_ref_state, timer))
     except Exception as e:  # noqa: BLE001
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     errs_txt = " ".join(f"err {k[4:]} {v:.1e}" for k, v in res.items() if k.startswith("err_"))
@@ -811,10 +833,14 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         jax.block_until_ready(ts(parents_d))
     point["tree_structure_wall_us"] = (time.perf_counter() - t0) / 10 * 1e6  # once per step
 
+    # The decode step hands every layer's commit the accepted path that acceptance
+    # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
+    path_rows, path_count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
+    ctx = step_args(parents_d, num_nodes, tree, accepted, path_rows, path_count)
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents_d, num_nodes, tree=tree)
     point["bole"], best = sweep(
         "bole", resolve_bole(bole_cfgs, b, n),
-        lambda cfg: timed_verify(cfg, parents_d, num_nodes, tree),
+        lambda cfg: timed_verify(cfg, ctx),
         lambda out, o_ref=o_ref, f_ref=f_ref: dict(o=(rel(out[0], o_ref), TOL["o"]),
                                                    u=(rel(out[1].u, f_ref.u), TOL["u"])),
         sets, timer)
@@ -824,7 +850,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     # Bole commit: factors of the best config for every input set.
     if best:
         cfg = best[1]
-        fac = [bole_verify(cfg, parents_d, num_nodes, tree)(*s)[1] for s in sets]
+        fac = [bole_verify(cfg, ctx)(*s)[1] for s in sets]
         point["bole_commit"] = []
         # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
         # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
@@ -839,14 +865,11 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                     dict(pallas, block_v=32, fold="unroll"),
                     dict(pallas, block_v=64, fold="unroll"),
                     dict(backend="reference", precision="highest")]
-        # The decode step hands every layer's commit the accepted path that acceptance
-        # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
-        path_rows, path_count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
         for kw in variants:
             try:
-                t = timer_in_place(lambda s, f, kw=kw: commit_state(
-                    s, f, parents_d, accepted, interpret=INTERPRET, path=path_rows,
-                    count=path_count, **kw), [st[5] for st in sets], fac, timer)
+                t = timer_in_place(lambda s, f, c, kw=kw: commit_state(
+                    s, f, c["parents"], c["accepted"], interpret=INTERPRET, path=c["path"],
+                    count=c["count"], **kw), [st[5] for st in sets], fac, timer, ctx)
             except Exception as e:  # noqa: BLE001
                 t = dict(us=float("inf"), error=f"{type(e).__name__}: {str(e)[:300]}")
             t.update(kw)
@@ -856,8 +879,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # donation (XLA copies the state before the aliased kernel writes it) and walking the
         # path up the parents inside the call.
         kw = variants[0]
-        fn = jax.jit(lambda s, f: commit_state(s, f, parents_d, accepted, interpret=INTERPRET,
-                                               **kw))
+        fn = bind(lambda c, s, f: commit_state(s, f, c["parents"], c["accepted"],
+                                               interpret=INTERPRET, **kw), ctx)
         point["bole_commit_copied"] = dict(timer(fn, [(s[5], f) for s, f in zip(sets, fac)]),
                                            **kw)
         # Lazy commit with the rows folded by the rank-1 loop, the dot and unrolled;
@@ -869,7 +892,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                      [dataclasses.replace(base, fold=fold) for fold in ("loop", "dot", "unroll")]
                      + ([cfg] if isinstance(cfg, MosaicLaunch) else []))
         point["bole_lazy_variants"] = [
-            bench_lazy(c, sets, fac, parents_d, num_nodes, tree, accepted, timer)
+            bench_lazy(c, sets, fac, ctx, timer)
             for c in lazy_cfgs]
         ok = [r for r in point["bole_lazy_variants"] if r.get("ok")]
         point["bole_lazy"] = (min(ok, key=lambda r: r["sum_us"]) if ok
@@ -888,10 +911,12 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     point["reloads"] = dict(index=reloads(parents), dfs=reloads(parents, np.asarray(order)))
     print(f"    pernode reloads per request: {point['reloads']['index']:.1f} in index order, "
           f"{point['reloads']['dfs']:.1f} depth-first", flush=True)
+    ctx_pn = dict(ctx, order=order)
     point["pernode"], best_pn = sweep(
-        "pernode", pernode_cfgs, lambda cfg: jax.jit(lambda *a: tree_pernode.tree_pernode_verify(
-            *a, parents_d, num_nodes, backend="pallas", interpret=INTERPRET, config=cfg,
-            order=order)),
+        "pernode", pernode_cfgs, lambda cfg: bind(
+            lambda c, *a: tree_pernode.tree_pernode_verify(
+                *a, c["parents"], c["num_nodes"], backend="pallas", interpret=INTERPRET,
+                config=cfg, order=c["order"]), ctx_pn),
         lambda out, o_ref=o_ref: dict(o=(rel(out[0], o_ref), TOL["o"])), sets[:r_pn], timer)
     del o_ref
     point["pernode_best"] = best_pn[0] if best_pn else None
@@ -902,13 +927,13 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
                                                 interpret=INTERPRET, config=cfg, order=order)[1]
                for s in sets[:r_c]]
         point["pernode_commit"] = timer_in_place(
-            lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout),
-            [st[5] for st in sets], scr, timer)
+            lambda s, sc, c: tree_pernode.commit_pernode_state(s, sc, c["accepted"], cfg.layout),
+            [st[5] for st in sets], scr, timer, ctx)
         if cfg.layout == "vk":  # the same commit by XLA (gather + transpose + select)
             point["pernode_commit_xla"] = timer_in_place(
-                lambda s, c: tree_pernode.commit_pernode_state(s, c, accepted, cfg.layout,
-                                                               backend="reference"),
-                [st[5] for st in sets], scr, timer)
+                lambda s, sc, c: tree_pernode.commit_pernode_state(
+                    s, sc, c["accepted"], cfg.layout, backend="reference"),
+                [st[5] for st in sets], scr, timer, ctx)
         print(f"    pernode commit [{cfg_str(cfg)}]  {point['pernode_commit']['us']:8.1f} us"
               + (f" (XLA {point['pernode_commit_xla']['us']:.1f})"
                  if "pernode_commit_xla" in point else ""), flush=True)

@@ -62,7 +62,8 @@ def main(argv=None):
 
     cfgs = btg.resolve_bole([btg.parse_bole(s) for s in args.bole_configs.split(";")], b, n)
     for cfg in cfgs:
-        verify = btg.bole_verify(cfg, parents_d, num_nodes, tree)
+        verify = btg.bole_verify(cfg, btg.step_args(parents_d, num_nodes, tree, None, None,
+                                                    None))
         add(f"verify {btg.cfg_str(cfg)}", lambda *a, verify=verify: btg.without_keys(verify(*a)),
             q, k, v, g, beta, state)
     # the commit's factors and the lazy folds: the first Triton launch (Mosaic has no folds here)

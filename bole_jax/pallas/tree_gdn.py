@@ -203,7 +203,7 @@ def _l2norm_scale(x):
 
 def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
                      *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0,
-                     pend_path=False):
+                     pend_path=False, pend_nodes=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; ks [Np]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
@@ -213,14 +213,18 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # pend_rows rows present, or (fold "dot") a power of two >= 16 of them, rows past
     # pend_rows touched only through masks.
     # pend_path (a `PendingPath`: the previous verify's factors, read at the path's rows) adds
-    # instead: count [], sel [], path [Lb] (node ids in bounds), pg [Mp, hg] (gamma), pk
-    # [Mp, dk] (keys as that verify took them), pks [Mp] (their k_scale), pu [Mp, hg, tpp*bv];
-    # Mp = M rounded up to a power of two, only rows named by the path are read.
+    # instead: count [], sel [], path [Lb] (node ids), pg [Mp, hg] (gamma), pk [Mp, dk] (keys as
+    # that verify took them), pks [Mp] (their k_scale), pu [Mp, hg, tpp*bv]; Mp = the
+    # pend_nodes = M rows rounded up to a power of two, only rows named by the path are read.
+    # The caller's count, sel and path are used as given (no XLA ops before the launch):
+    # sanitised here (sel < 0 -> nothing pending; ids clipped into [0, M)).
     if pend_path:
         (cnt_ref, sel_ref, path_ref, pg_ref, pk_ref, pks_ref, pu_ref,
          o_ref, u_ref, gamma_ref, ks_ref, sn_ref) = refs
-        pend = (jnp.minimum(cnt_ref[...], pend_rows), sel_ref[...], path_ref, pg_ref, pk_ref,
-                pks_ref, pu_ref)
+        sel = sel_ref[...]
+        pend = (jnp.where(sel >= 0, jnp.clip(cnt_ref[...], 0, pend_rows), 0),
+                jnp.clip(sel, 0, pend_nodes - 1), (path_ref, pend_rows, pend_nodes), pg_ref,
+                pk_ref, pks_ref, pu_ref)
     elif has_pending:
         cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, ks_ref, sn_ref = refs
         # The loop bound is clamped to the rows present, so a bad count cannot read past them.
@@ -377,10 +381,11 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     weights formed here from gamma as `_commit_kernel` forms them. Independent of the state,
     so a kernel may issue them before anything else (`TreeGDNConfig.prefetch_fold`)."""
     if pend_path:
-        count, sel, path_ref, pg_ref, pk_ref, pks_ref, pu_ref = pend
+        count, sel, (path_ref, length, nodes), pg_ref, pk_ref, pks_ref, pu_ref = pend
         g_sel = pg_ref[sel, j]
 
         def row(node):
+            node = jnp.clip(node, 0, nodes - 1)
             key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
@@ -388,7 +393,10 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
         if fold == "unroll":
             return scale, [row(path_ref[m]) for m in range(rows)]
         if fold == "dot":
-            path = path_ref[...]  # [Lb], padded with in-bounds ids past count (not live)
+            lb = path_ref.shape[0]  # ids past the L present are masked to 0 (not live)
+            idx = jnp.arange(lb, dtype=jnp.int32)
+            path = jnp.clip(_load(path_ref, None if lb == length else idx < length), 0,
+                            nodes - 1)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
             return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
                            jnp.arange(path.shape[0]) < count)
@@ -539,17 +547,16 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     pend_path = isinstance(pending, PendingPath)
     if pend_path:
         # The previous verify's factors as blocks of Mp rows (a power of two; rows past M lie
-        # past the arrays' end and are never named by the path); the path as Lb ids, padded
-        # for fold "dot" with the first id (past count: not live). Nothing is copied but the
-        # path and a dv padding of u when dv is not a power of two.
+        # past the arrays' end and are never named by the path); the path as a block of Lb ids
+        # (fold "dot": a power of two, ids past L masked). count, sel and path go in as the
+        # caller holds them (the kernel sanitises them): no XLA op runs before the launch
+        # (each would be a kernel of its own, ~0.8 us at B = 1), nothing is copied but a dv
+        # padding of u when dv is not a power of two.
         f = pending.factors
         m = f.u.shape[1]
         mp = next_pow2(m, minimum=1)
         length = pending.path.shape[1]
         lb = length if cfg.fold != "dot" else next_pow2(length)
-        path = jnp.clip(jnp.asarray(pending.path, jnp.int32), 0, m - 1)
-        if lb != length:
-            path = jnp.concatenate([path, jnp.broadcast_to(path[:, :1], (b, lb - length))], 1)
         in_specs += [
             per_req, per_req,
             pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
@@ -560,8 +567,9 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         ]
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
-        args += [pending.live_count(), jnp.clip(jnp.asarray(pending.sel, jnp.int32), 0, m - 1),
-                 path, f.gamma.astype(jnp.float32), pad_axis(f.k, 3, dkp),
+        args += [jnp.asarray(pending.count, jnp.int32), jnp.asarray(pending.sel, jnp.int32),
+                 jnp.asarray(pending.path, jnp.int32), f.gamma.astype(jnp.float32),
+                 pad_axis(f.k, 3, dkp),
                  f.k_scale.astype(jnp.float32), pad_axis(f.u.astype(jnp.float32), 3, dvp)]
         aliases = {8: 4}  # state -> folded state
     elif pending is not None:
@@ -590,7 +598,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
                           interpret=interpret, has_pending=pending is not None,
                           pend_rows=(0 if pending is None else pending.path.shape[1]
                                      if pend_path else pending.k.shape[1]),
-                          pend_path=pend_path),
+                          pend_path=pend_path,
+                          pend_nodes=pending.factors.u.shape[1] if pend_path else 0),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -716,8 +725,29 @@ def _path_scale(count, g_sel):
     return jnp.where(count > 0, jnp.exp(g_sel), 1.0)
 
 
+def _path_inputs(count_ref, sel_ref, path_ref, length: int, nodes: int):
+    """(count, sel, node(m), path()) of a commit kernel's accepted-path inputs, sanitised in the
+    kernel (the caller's arrays go in as it holds them, with no XLA op before the launch):
+    count 0 where sel < 0 (nothing accepted), at most `length`; sel and every id clipped into
+    [0, nodes); path() the ids as one block (a power of two >= length: ids past the `length`
+    present are masked to 0, past count anyway)."""
+    sel_raw = sel_ref[...]
+    count = jnp.where(sel_raw >= 0, jnp.clip(count_ref[...], 0, length), 0)
+    sel = jnp.clip(sel_raw, 0, nodes - 1)
+
+    def node(m):
+        return jnp.clip(path_ref[m], 0, nodes - 1)
+
+    def path():
+        lb = path_ref.shape[0]
+        idx = jnp.arange(lb, dtype=jnp.int32)
+        return jnp.clip(_load(path_ref, None if lb == length else idx < length), 0, nodes - 1)
+
+    return count, sel, node, path
+
+
 def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision):
+                   fold, precision, length, nodes):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
@@ -729,25 +759,26 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
     # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
-    # no shared-memory staging as the dot needs), rows past count zeroed.
+    # no shared-memory staging as the dot needs), rows past count zeroed. count, sel and path
+    # arrive raw (`_path_inputs`: sel < 0 = nothing accepted).
+    count, sel, node_at, path_ids = _path_inputs(count_ref, sel_ref, path_ref, length, nodes)
+
     def key(node):
         return k_ref[node].astype(jnp.float32) * ks_ref[node]
 
     if fold == "unroll":
-        nodes = [path_ref[m] for m in range(path_ref.shape[0])]
-        sel, count = sel_ref[...], count_ref[...]
+        ids = [node_at(m) for m in range(length)]
         s = s_ref[...]
-        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in nodes]
+        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in ids]
         g_sel = gamma_ref[sel]
         init = _path_scale(count, g_sel) * s
         o_ref[...] = _unrolled_fold(count, init, [
             (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
         return
-    count = count_ref[...]
-    g_sel = gamma_ref[sel_ref[...]]
+    g_sel = gamma_ref[sel]
     init = _path_scale(count, g_sel) * s_ref[...]
     if fold == "dot":
-        path = path_ref[...]
+        path = path_ids()
         w = _path_weight(g_sel, gamma_ref[path])
         live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
         keys = k_ref[path, :].astype(jnp.float32) * ks_ref[path][:, None]
@@ -755,7 +786,7 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
         return
 
     def row(m):
-        node = path_ref[m]
+        node = node_at(m)
         return _path_weight(g_sel, gamma_ref[node]), key(node), u_ref[node]
 
     o_ref[...] = _rank1_fold(count, init, row)
@@ -804,6 +835,16 @@ def _path_rows(parents, accepted, length, path, count, n):
     return path, jnp.where(accepted >= 0, jnp.asarray(count, jnp.int32), 0)
 
 
+def _raw_path(parents, accepted, length, path, count):
+    """(path, count) for a kernel that sanitises them itself (`_path_inputs`): the caller's as
+    given (int32), or walked from parents (`accepted_rows`)."""
+    if (path is None) != (count is None):
+        raise ValueError("pass the accepted path and its count together, or neither")
+    if path is None:
+        return accepted_rows(parents, accepted, length)
+    return jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
+
+
 def _key_rows(factors: TreeFactors, rows, path):
     """The normalised keys of nodes `path` [B, L] (fp32, [B, L, Hk, dk]), as
     `TreeFactors.keys()` forms them, without scaling all N rows."""
@@ -831,7 +872,7 @@ def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=No
         path = jnp.pad(jnp.asarray(path, jnp.int32), ((0, 0), (0, length - path.shape[1])))
     if backend == "pallas":
         accepted = jnp.asarray(accepted, jnp.int32)
-        path, count = _path_rows(parents, accepted, length, path, count, factors.k.shape[1])
+        path, count = _raw_path(parents, accepted, length, path, count)
         return _pending_gather_pallas(factors, accepted, path, count, interpret=interpret)
     path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length, path, count)
     rows = jnp.arange(path.shape[0])[:, None]
@@ -851,14 +892,15 @@ def gather_pending_path(pending: PendingPath, *, backend: str = "auto",
 
 
 def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, pk_ref,
-                           pu_ref, pw_ref, ps_ref, *, ratio, rows):
-    # Blocks: count, sel []; path [Lp] (Lp a power of two >= rows; entries past rows are 0 and
-    # never stored); gamma [N]; k [N, dk], ks [N] (the keys and their normalising factors);
-    # u [N, dv]; out pk [Lp, dk] (this value head's key head, normalised: written by the first
-    # value head of the group), pu [Lp, dv], pw [Lp], ps [].
-    path = path_ref[...]
-    count = count_ref[...]
-    g_sel = gamma_ref[sel_ref[...]]
+                           pu_ref, pw_ref, ps_ref, *, ratio, rows, nodes):
+    # Blocks: count, sel [] and path [Lp] as the caller holds them (`_path_inputs`; Lp a power
+    # of two >= rows, ids past rows masked and never stored); gamma [N]; k [N, dk], ks [N] (the
+    # keys and their normalising factors); u [N, dv]; out pk [Lp, dk] (this value head's key
+    # head, normalised: written by the first value head of the group), pu [Lp, dv], pw [Lp],
+    # ps [].
+    count, sel, _, path_ids = _path_inputs(count_ref, sel_ref, path_ref, rows, nodes)
+    path = path_ids()
+    g_sel = gamma_ref[sel]
     idx = jnp.arange(path.shape[0], dtype=jnp.int32)
     keep = None if rows == path.shape[0] else idx < rows
     col = None if keep is None else keep[:, None]
@@ -877,7 +919,9 @@ def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_re
 def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, interpret=False):
     """`pending_commit`'s gathers as one Pallas launch: grid (HV, B), each program gathers its
     value head's u rows, weights and p_sel, and (first head of a key-head group) the key rows.
-    path [B, L] (clipped in bounds), count [B] (0 where accepted is -1)."""
+    accepted [B], path [B, L], count [B] as the caller holds them (the kernel clips the ids and
+    takes count 0 where accepted is -1: no XLA op before the launch). The returned count is
+    that sanitised count (an XLA op, dropped when the caller does not read it)."""
     b, n, hk, dk = factors.k.shape
     hv, dv = factors.u.shape[2:]
     ratio = hv // hk
@@ -886,11 +930,9 @@ def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, inter
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
-    pathp = jnp.pad(path, ((0, 0), (0, lp - length)))
-    sel = jnp.clip(accepted, 0, n - 1)
     per_req = pl.BlockSpec((None,), lambda h, i: (i,))
     pk, pu, pw, ps = pl.pallas_call(
-        functools.partial(_pending_gather_kernel, ratio=ratio, rows=length),
+        functools.partial(_pending_gather_kernel, ratio=ratio, rows=length, nodes=n),
         grid=(hv, b),
         in_specs=[per_req, per_req,
                   pl.BlockSpec((None, lp), lambda h, i: (i, 0)),
@@ -909,7 +951,8 @@ def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, inter
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="bole_pending_gather",
-    )(count, sel, pathp, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf)
+    )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf)
+    count = jnp.where(accepted >= 0, jnp.clip(count, 0, length), 0)
     return PendingCommit(k=pk[..., :dk], u=pu[..., :dv], w=pw, p_sel=ps, count=count)
 
 
@@ -986,27 +1029,25 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     accepted = jnp.asarray(accepted, jnp.int32)
-    path, count = _path_rows(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
-                             path, count, n)  # power-of-two blocks when walked here
+    path, count = _raw_path(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
+                            path, count)  # power-of-two blocks when walked here
     if fold not in _FOLDS + ("auto",):
         raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
-    fold, block_v = commit_launch(b, path.shape[1], fold, block_v)
-    bv = min(block_v, dvp)
-    if fold == "dot" and path.shape[1] < next_pow2(path.shape[1]):
-        # dot blocks: a power of two >= 16 rows; the extra entries lie past count (zeroed)
-        path = jnp.pad(path, ((0, 0), (0, next_pow2(path.shape[1]) - path.shape[1])))
     length = path.shape[1]
-    sel = jnp.clip(accepted, 0, n - 1)
+    fold, block_v = commit_launch(b, length, fold, block_v)
+    bv = min(block_v, dvp)
+    # dot blocks: a power of two >= 16 rows; ids past the L present are masked in the kernel
+    lb = next_pow2(length) if fold == "dot" else length
     kf = pad_axis(factors.k, 3, dkp)
     uf = pad_axis(factors.u, 3, dvp)
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold,
+        functools.partial(_commit_kernel, fold=fold, length=length, nodes=n,
                           precision=None if interpret else _PRECISIONS["tf32x3"]),
         grid=(dvp // bv, hv, b),
         in_specs=[per_req, per_req,
-                  pl.BlockSpec((None, length), lambda t, h, i: (i, 0)),
+                  pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
                   pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
                   pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
                   pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
@@ -1023,5 +1064,5 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="bole_commit_state",
-    )(count, sel, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
+    )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new
