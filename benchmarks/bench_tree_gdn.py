@@ -21,8 +21,9 @@ What it does, in order:
    eligible as "best"), times both commits and Bole's lazy commit ("bole-lazy": the best
    config's verify folding the previous verify's accepted path rows, plus the `pending_commit`
    gathers; "direct": the same verify reading those rows from the previous factors itself, a
-   `PendingPath`, so the lazy step is that one launch), and reports verify / commit / sum, speedups, the bytes floor, transient memory and
-   SGLang's measured numbers (03-targets.md) side by side;
+   `PendingPath`, so the lazy step is that one launch), and reports verify / commit / sum,
+   speedups, the bytes floor, transient memory and SGLang's measured numbers (03-targets.md)
+   side by side;
 4. prints a table, writes <out>/bench_tree_gdn.json (command, git commit, GPU, jax version, every
    number) and <out>/bench_tree_gdn.png (if matplotlib imports).
 

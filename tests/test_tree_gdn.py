@@ -604,9 +604,11 @@ def test_kernel_lowers_to_triton(n, cfg):
                             bf16_state=True, fold="dot")),
     (8, 128, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                            bf16_state=True, fold="unroll")),
-    # the measured table's lazy launches: the dot fold at B <= 4, the loop above
+    # the measured table's lazy launches (unrolled folds with a depth bound, the loop at B > 4
+    # with 8 nodes, the dot and the loop without a bound)
     (8, 128, TreeGDNConfig.auto(1, 8, 9)), (32, 128, TreeGDNConfig.auto(4, 32, 9)),
-    (16, 128, TreeGDNConfig.auto(16, 16, 9)),
+    (16, 128, TreeGDNConfig.auto(16, 16, 9)), (8, 128, TreeGDNConfig.auto(16, 8, 9)),
+    (32, 128, TreeGDNConfig.auto(4, 32)), (16, 128, TreeGDNConfig.auto(16, 16)),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit
@@ -685,9 +687,16 @@ def test_auto_operand_dtype_switch(monkeypatch):
         monkeypatch.setattr(tg, "BF16_OPERANDS", True)
         assert not strict.bf16_qk and not strict.bf16_state
         assert dataclasses.replace(strict, bf16_qk=True, bf16_state=True) == fast
-    # the lazy fold session 10 measured fastest: the TF32x3 dot at B <= 4, the loop above
+    # the lazy folds measured fastest. Without a depth bound (session 10): the TF32x3 dot at
+    # B <= 4, the loop above. With a decode step's (session 18): unrolled, its loads issued
+    # first at B <= 4; the loop above B = 4 at 8 nodes.
     assert [TreeGDNConfig.auto(b, 16).fold for b in (1, 4, 16, 64)] == ["dot", "dot", "loop",
                                                                          "loop"]
+    got = [(TreeGDNConfig.auto(b, n, 9).fold, TreeGDNConfig.auto(b, n, 9).prefetch_fold)
+           for b, n in ((1, 8), (4, 32), (16, 8), (16, 16), (64, 64), (1, 128))]
+    assert got == [("unroll", True), ("unroll", True), ("loop", False), ("unroll", False),
+                   ("unroll", False), ("unroll", False)]
+    assert TreeGDNConfig.auto(4, 16, 17).fold == "dot"  # too many rows to unroll
 
 
 def test_mosaic_launch_where_measured_faster(monkeypatch):

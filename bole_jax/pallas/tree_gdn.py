@@ -136,16 +136,30 @@ class TreeGDNConfig:
         tile loaded before the N x N work (`prefetch_state`, 4.9 -> 4.5 us). The environment
         variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same launch shapes).
 
-        The fold of a pending lazy commit (only the lazy verify uses it): the TF32x3 dot at
-        B <= 4, the rank-1 loop above. Session 10 timed the three folds side by side with
-        these launches (tree_gdn_h200_s10/grid_n8_64/, grid_n16_32/; lazy verify + gather, us):
+        The fold of a pending lazy commit (only the lazy verify uses it). Until session 17 the
+        TF32x3 dot at B <= 4, the rank-1 loop above (both kept without a depth bound).
+        Session 10 timed the three folds side by side with these launches
+        (tree_gdn_h200_s10/grid_n8_64/, grid_n16_32/; lazy verify + gather, us):
         B = 1 N = 8 / 16 / 32: dot 9.7 / 10.0 / 12.3 against loop 10.4 / 12.7 / 14.9; B = 4:
         15.9 / 16.4 / 21.7 against 16.8 / 16.8 / 22.1; B = 16 / 64 the loop by 4-95 us. (At 64
-        nodes the engine's lazy verify is the Mosaic kernel's fold.)"""
+        nodes the engine's lazy verify is the Mosaic kernel's fold.)
+        Session 18 (tree_gdn_h200_s18/b1_4/, b16/, b64/; a decode step's 9-row path, the rows
+        read from the previous factors, `PendingPath`): with a depth bound of <= 16 rows the
+        unrolled fold, at B <= 4 with its rows' loads issued first (`prefetch_fold`): B = 1
+        N = 8 / 16 / 32 5.9 / 6.6 / 8.9 us against the dot's 6.8 / 6.9 / 9.3, B = 4 10.4 /
+        10.8 / 14.8 against 12.1 / 12.1 / 16.8; above B = 4 from 16 nodes: B = 16 N = 16 / 32
+        37.1 / 50.1 against the loop's 38.1 / 67.1, B = 64 134.5 / 193.1 against 140.8 /
+        205.5; at 8 nodes the loop stays (B = 16 34.4 against 35.9, B = 64 122.7 against
+        128.8)."""
+        short = depth_bound is not None and depth_bound <= UNROLL_MAX_ROWS  # rows to unroll
+        if batch <= 4:
+            fold = "unroll" if short else "dot" if nodes <= 64 else "loop"
+        else:
+            fold = "unroll" if short and nodes > 8 else "loop"
         kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound,
-                  fold="dot" if batch <= 4 and nodes <= 64 else "loop")
+                  fold=fold, prefetch_fold=batch <= 4 and fold != "loop")
         if nodes > 64:
-            return cls(block_v=32, num_warps=8, **kw)
+            return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
             # <= 8 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8; no
             # change at N = 64, not measured at N = 16; tree_gdn_h200_s9/prefetch_state/)
