@@ -467,7 +467,8 @@ def _derive_state(base, mode: str, spec, cfg: ModelConfig, oracle=None):
   the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
   its first call)."""
   length = spec.pending_length if spec is not None else None
-  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length))
+  nodes = spec.pending_nodes if spec is not None else None
+  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
   if mode == "ar":
     ds = None
   else:

@@ -296,7 +296,8 @@ class LLM:
     tok0 = loop.first_token(self.params, h_last, sp, sub, cfg=cfg)
     # The GDN caches in this mode's layout: an empty pending commit per layer for lazy bole
     # (the loop carry keeps one structure), none otherwise.
-    cache = with_pending(cache, cfg, spec.pending_length if spec else None)
+    cache = with_pending(cache, cfg, spec.pending_length if spec else None,
+                         spec.pending_nodes if spec else None)
     extra = None
     if spec:
       p = spec.shape.path_nodes

@@ -58,7 +58,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.params import key_path
-from bole_jax.pallas.tree_utils import PendingCommit
+from bole_jax.pallas.tree_utils import PendingCommit, PendingPath, TreeFactors
 
 log = logging.getLogger(__name__)
 
@@ -331,19 +331,26 @@ def _permute(cfg, path, x):
 # ----------------------------------------------------------------------------- caches, states
 
 
-def pending_specs(cfg: ModelConfig) -> PendingCommit:
-  """A lazy commit's rows split like the heads they belong to: k [B, L, Hk, dk] on Hk; u
-  [B, L, HV, dv], w [B, L, HV] and p_sel [B, HV] on HV; count [B] replicated."""
+def pending_specs(cfg: ModelConfig, form: str = "rows") -> PendingCommit | PendingPath:
+  """A lazy commit split like the heads it belongs to. form "rows" (`PendingCommit`): k
+  [B, L, Hk, dk] on Hk; u [B, L, HV, dv], w [B, L, HV] and p_sel [B, HV] on HV; count [B]
+  replicated. form "path" (`PendingPath`): the factors as a verify returns them (k, k_scale on
+  Hk, u, gamma on HV: axis 2), path, sel and count replicated."""
+  heads = P() if gdn_shards(cfg) == 1 else split_at(2)
+  if form == "path":
+    return PendingPath(factors=TreeFactors(k=heads, u=heads, gamma=heads, k_scale=heads),
+                       path=P(), sel=P(), count=P())
   if gdn_shards(cfg) == 1:
     return PendingCommit(k=P(), u=P(), w=P(), p_sel=P(), count=P())
-  heads = split_at(2)
   return PendingCommit(k=heads, u=heads, w=heads, p_sel=split_at(1), count=P())
 
 
-def gdn_cache_specs(cfg: ModelConfig, pending: bool = False) -> GDNCache:
+def gdn_cache_specs(cfg: ModelConfig, pending=None) -> GDNCache:
   """conv [B, K-1, C] split on C (shard-major), state [B, HV, dk, dv] split on HV; pending: the
-  cache carries a lazy commit (`pending_specs`; else its pending is None)."""
-  rows = pending_specs(cfg) if pending else None
+  cache's lazy commit (a `PendingPath` or `PendingCommit`, or True for the latter:
+  `pending_specs`; None / False: no pending)."""
+  rows = (None if pending is None or pending is False else
+          pending_specs(cfg, "path" if isinstance(pending, PendingPath) else "rows"))
   if gdn_shards(cfg) == 1:
     return GDNCache(conv=P(), state=P(), pending=rows)
   return GDNCache(conv=split_at(2), state=split_at(1), pending=rows)
@@ -360,7 +367,7 @@ def state_specs(tree, cfg: ModelConfig):
   attention cache entries as above, every other leaf replicated."""
   def spec(x):
     if isinstance(x, GDNCache):
-      return gdn_cache_specs(cfg, pending=x.pending is not None)
+      return gdn_cache_specs(cfg, pending=x.pending)
     if isinstance(x, AttnCache):
       return attn_cache_specs(cfg)
     return P()

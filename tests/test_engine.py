@@ -17,9 +17,11 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
-from bole_jax.model.cache import GDNCache, committed_state, with_pending
+from bole_jax.model.cache import (GDNCache, committed_state, pending_nodes, pending_rows,
+                                  with_pending)
 from bole_jax.model import logits as lm_logits
-from bole_jax.spec_decode import tree as tree_mod, verify
+from bole_jax.pallas.tree_utils import PendingCommit, PendingPath
+from bole_jax.spec_decode import step as step_mod, tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept_greedy
 from bole_jax.spec_decode.step import spec_step
 
@@ -157,7 +159,9 @@ def test_lazy_commit_matches_eager_each_step(model, bole_llms):
     np.testing.assert_array_equal(lazy_st.cache.lengths, eager_st.cache.lengths)
     for c_l, c_e in zip(lazy_st.cache.layers, eager_st.cache.layers):
       if isinstance(c_l, GDNCache):
-        assert c_e.pending is None and c_l.pending.k.shape[1] == 7
+        assert c_e.pending is None and pending_rows(c_l.pending) == 7
+        assert pending_nodes(c_l.pending) == (spec.shape.num_nodes
+                                              if step_mod.LAZY_ROWS == "path" else None)
         pending_seen += int(np.sum(c_l.pending.count))
         np.testing.assert_allclose(committed_state(c_l), c_e.state, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c_l.conv, c_e.conv, rtol=1e-5, atol=1e-6)
@@ -166,7 +170,7 @@ def test_lazy_commit_matches_eager_each_step(model, bole_llms):
   assert bool(jnp.all(lazy_st.done)) and pending_seen > 0
   for i, want in enumerate(oracle):
     assert np.asarray(lazy_st.out[i, :len(want)]).tolist() == want
-  with pytest.raises(ValueError, match="pending commits of 7 rows"):  # layouts do not mix
+  with pytest.raises(ValueError, match="pending commits of"):  # layouts do not mix
     jax.eval_shape(functools.partial(spec_step, cfg=cfg, spec=bole_llms[False]._spec_config(
         "bole", b)), params, lazy_st)
 
@@ -198,11 +202,13 @@ _accept = jax.jit(accept_greedy, static_argnums=2)
 _commit = jax.jit(verify.commit, static_argnames=("mode",))
 
 
-@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode"])
+@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "bole-lazy-gather", "pernode"])
 def test_commit_equals_ar_cache(mode):
   """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
-  its committed states, apply_pending(state, pending))."""
-  lazy = mode == "bole-lazy"
+  its committed states; the pending commit kept as the step's factors and accepted path, or
+  -gather, as the path's gathered rows)."""
+  lazy = mode.startswith("bole-lazy")
+  gather = mode == "bole-lazy-gather"
   mode = "bole" if lazy else mode
   cfg = _cfg("qwen3_next")
   params = init_params(cfg, jax.random.key(2), "float32")
@@ -244,8 +250,8 @@ def test_commit_equals_ar_cache(mode):
   tree = tree_mod.Tree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents),
                        depth=tree_mod.depths(jnp.asarray(parents), num_nodes), num_nodes=num_nodes,
                        score=jnp.zeros((b, n)))
-  if lazy:  # a step's pending: 9 rows (depth 8 + 1); here nothing pending yet
-    cache = with_pending(cache, cfg, 9)
+  if lazy:  # a step's pending: 9 rows (depth 8 + 1) of n nodes; here nothing pending yet
+    cache = with_pending(cache, cfg, 9, None if gather else n)
   hid, vcache, auxs = _verify(params, cfg, tree, cache, mode=mode)
   acc = _accept(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
   np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
@@ -255,6 +261,7 @@ def test_commit_equals_ar_cache(mode):
       if isinstance(c_new, GDNCache):
         np.testing.assert_array_equal(c_new.pending.count, np.array(depth_ok) + 1)
         np.testing.assert_array_equal(c_new.state, c_old.state)
+        assert isinstance(c_new.pending, PendingCommit if gather else PendingPath)
     new = dataclasses.replace(new, layers=tuple(
         GDNCache(conv=c.conv, state=committed_state(c)) if isinstance(c, GDNCache) else c
         for c in new.layers))

@@ -126,9 +126,9 @@ def _tree(b: int, n: int, vocab: int, chain: bool = False, seed: int = 0):
 def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int = 6) -> str:
   """Prefill, one decode step, then per GDN mode the tree verify and the commit of a greedy
   accepted path, at tp vs on one device: fp32 logits and committed caches close. "bole-lazy":
-  the lazy commit (its pending rows split over the heads), compared by the committed state
-  apply_pending(state, pending), and a second verify that folds those rows in. n: tree nodes
-  per request."""
+  the lazy commit as gathered rows, "bole-lazy-path" as the step's factors and accepted path
+  (split over the heads either way), compared by the committed state, and a second verify that
+  folds the pending commit in. n: tree nodes per request."""
   tcfg = dataclasses.replace(cfg, tp=tp)
   tparams = parallel.shard_params(params, tcfg)
   b, t = 2, 8
@@ -149,10 +149,12 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
       layers.DECODE_BACKEND = prev
     outs = [logits(p, c, h1), logits(p, c, h2)]
     for name in modes:
-      mode = "bole" if name == "bole-lazy" else name
+      lazy = name.startswith("bole-lazy")
+      mode = "bole" if lazy else name
       start = cache
-      if name == "bole-lazy":  # the lazy layout: rows for accept_greedy's n + 1 path nodes
-        start = parallel.place(with_pending(cache, c, n + 1), c)
+      if lazy:  # the lazy layout: rows for accept_greedy's n + 1 path nodes (of n-node factors)
+        start = parallel.place(with_pending(cache, c, n + 1, n if name == "bole-lazy-path"
+                                            else None), c)
       tree = _tree(b, n, c.vocab_size, chain=mode == "chain")
       ver = jax.jit(lambda p, tr, cache: verify.verify_forward(
           p, c, tr, cache, mode=mode, backend=verify_backend))
@@ -162,7 +164,7 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
       new = jax.jit(lambda cache, auxs, tr, acc: verify.commit(
           cache, auxs, tr, acc, jnp.ones((b,), bool), mode=mode, cfg=c))(vcache, auxs, tree, acc)
       outs += [lg, committed_state(new.layers[0]), new.layers[0].conv, new.layers[1].k]
-      if name == "bole-lazy":  # the next verify starts from the pending-applied state
+      if lazy:  # the next verify starts from the pending-applied state
         assert new.layers[0].pending is not None
         hv2, vcache2, _ = ver(p, tree, new)
         outs += [logits(p, c, hv2), vcache2.layers[0].state]
@@ -173,7 +175,7 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
   names = ["prefill", "decode"] + [
       f"{m} {w}" for m in modes
       for w in ("verify", "GDN state", "conv state", "KV")
-      + (("verify 2", "GDN state after verify 2") if m == "bole-lazy" else ())]
+      + (("verify 2", "GDN state after verify 2") if m.startswith("bole-lazy") else ())]
   order = parallel.qkv_channel_order(tcfg)  # the conv cache's channels are stored shard-major
   ref = [r[..., order] if "conv" in name and order is not None else r
          for r, name in zip(ref, names)]
@@ -487,7 +489,7 @@ def group_next():
   yield "errors", lambda: check_errors(cfg, params)
   yield "save tp=2", lambda: check_save(cfg, params, 2)
   yield "pallas verify tp=2", lambda: check_logits_commit_local(
-      cfg, params, 2, modes=("bole", "bole-lazy", "pernode", "chain"))
+      cfg, params, 2, modes=("bole", "bole-lazy", "bole-lazy-path", "pernode", "chain"))
   yield "generate tp=2", lambda: check_generate(cfg, params, 2, ("ar", "bole", "pernode", "chain"))
   yield "bench lazy tp=2", lambda: check_bench_lazy(2)
   yield "embed lookup tp=2", lambda: check_embed_lookup(cfg, params, 2)
@@ -515,7 +517,8 @@ def group_q35():
   params = init_params(cfg, jax.random.key(3), "float32")
   assert not parallel.replicated_groups(dataclasses.replace(cfg, tp=8))
   yield "layout tp=8", lambda: check_layout(cfg, params, 8)
-  yield "logits tp=8", lambda: check_logits(cfg, params, 8, modes=("bole", "bole-lazy", "chain"))
+  yield "logits tp=8", lambda: check_logits(cfg, params, 8, modes=("bole", "bole-lazy",
+                                                                    "bole-lazy-path", "chain"))
   yield "generate tp=8", lambda: check_generate(cfg, params, 8, ("bole",))
 
 

@@ -14,8 +14,10 @@ Design
   (a paged cache can replace this later behind the same `Cache` type).
 - `lengths` [B] int32 is the number of committed tokens of each request (its next position).
   Slots >= lengths[b] hold garbage and are never read (attention masks them).
-- Lazy commit (bole decode states only). A GDN layer may also hold `pending`: the accepted path's
-  factor rows of the last step (`PendingCommit`), not yet folded into `state`. INVARIANT: the
+- Lazy commit (bole decode states only). A GDN layer may also hold `pending`: the last step's
+  accepted commit, not yet folded into `state`: its factors and accepted path (`PendingPath`,
+  the default: the next verify reads the path's rows from them, no gather launch) or the path's
+  factor rows gathered (`PendingCommit`, `BOLE_LAZY_ROWS=gather`). INVARIANT: the
   committed recurrent state is always
       apply_pending(state, pending)          (just `state` when pending is None),
   so every reader of a GDN state goes through `committed_state` / `settle` (the model forward,
@@ -23,8 +25,9 @@ Design
   the rows into the state tile it loads anyway (`tree_gdn_verify(pending=...)`), which saves
   the commit's separate read + write of the whole fp32 state. `pending` is None in prefill
   caches and in the ar / pernode / chain (and eager bole) decode states; in a lazy bole decode
-  state it is always a PendingCommit of depth + 1 rows, "nothing pending" being count 0 and
-  p_sel 1 (`PendingCommit.empty`), so a while-loop carry keeps one pytree structure.
+  state it is always a PendingPath of N nodes and depth + 1 path rows (or a PendingCommit of
+  depth + 1 rows), "nothing pending" being its `empty` (accepted node -1; count 0 and p_sel 1),
+  so a while-loop carry keeps one pytree structure.
 
 All three are pytrees (`jax.tree_util.register_dataclass`), so a `Cache` can be passed through
 `jax.jit` and donated (`donate_argnames=("cache",)`).
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model.config import LINEAR, ModelConfig
-from bole_jax.pallas.tree_utils import PendingCommit  # tree_utils imports no model code
+from bole_jax.pallas.tree_utils import PendingCommit, PendingPath  # (imports no model code)
 
 
 @jax.tree_util.register_dataclass
@@ -46,9 +49,9 @@ from bole_jax.pallas.tree_utils import PendingCommit  # tree_utils imports no mo
 class GDNCache:
     conv: jax.Array  # [B, K-1, C] model dtype: last K-1 pre-conv inputs, row K-2 newest
     state: jax.Array  # [B, HV, dk, dv] fp32: recurrent state S ("K, V" layout)
-    # Lazy commit (see the module docstring): rows k [B, L, Hk, dk], u [B, L, HV, dv], w, p_sel,
-    # count not yet folded into `state`; the committed state is apply_pending(state, pending).
-    pending: PendingCommit | None = None
+    # Lazy commit (see the module docstring): the last step's factors + accepted path, or its
+    # gathered rows, not yet folded into `state`; the committed state is `committed_state`.
+    pending: PendingPath | PendingCommit | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -79,17 +82,34 @@ class Cache:
 
 def committed_state(c: GDNCache) -> jax.Array:
     """[B, HV, dk, dv] fp32: the layer's committed recurrent state, apply_pending(state, pending)
-    (`state` itself when nothing is pending)."""
+    (a `PendingPath`'s rows gathered first; `state` itself when nothing is pending)."""
     if c.pending is None:
         return c.state
     # Imported here: pallas.tree_gdn imports model code (tree_gdn_ref -> model.gdn).
-    from bole_jax.pallas.tree_gdn import apply_pending
+    from bole_jax.pallas.tree_gdn import apply_pending, gather_pending_path
 
-    return apply_pending(c.state, c.pending)
+    pending = c.pending
+    if isinstance(pending, PendingPath):
+        pending = gather_pending_path(pending, backend="reference")
+    return apply_pending(c.state, pending)
 
 
-def empty_pending_like(p: PendingCommit) -> PendingCommit:
-    """Nothing pending (count 0, p_sel 1, zero rows), with the shapes of `p`."""
+def pending_rows(p: PendingCommit | PendingPath) -> int:
+    """L, the most accepted-path nodes a pending commit holds."""
+    return p.path.shape[1] if isinstance(p, PendingPath) else p.k.shape[1]
+
+
+def pending_nodes(p: PendingCommit | PendingPath | None) -> int | None:
+    """M, the nodes of the factors a `PendingPath` keeps (None for gathered rows or nothing)."""
+    return p.factors.u.shape[1] if isinstance(p, PendingPath) else None
+
+
+def empty_pending_like(p: PendingCommit | PendingPath) -> PendingCommit | PendingPath:
+    """Nothing pending, with the shapes (and type) of `p`."""
+    if isinstance(p, PendingPath):
+        b, m, hk, dk = p.factors.k.shape
+        hv, dv = p.factors.u.shape[2:]
+        return PendingPath.empty(b, m, pending_rows(p), hk, dk, hv, dv, k_dtype=p.factors.k.dtype)
     b, length, hk, dk = p.k.shape
     hv, dv = p.u.shape[2:]
     return PendingCommit.empty(b, length, hk, dk, hv, dv)
@@ -109,18 +129,23 @@ def settle_cache(cache: Cache) -> Cache:
         settle(c) if isinstance(c, GDNCache) else c for c in cache.layers))
 
 
-def with_pending(cache: Cache, cfg: ModelConfig, length: int | None) -> Cache:
+def with_pending(cache: Cache, cfg: ModelConfig, length: int | None,
+                 nodes: int | None = None) -> Cache:
     """The cache laid out for a decode mode, committed states unchanged: any pending commit is
     folded in, then every GDN layer gets `pending` None (length None: ar, pernode, chain, eager
-    bole) or an empty PendingCommit of `length` rows (lazy bole: spec depth + 1, the most nodes
-    an accepted path has)."""
+    bole) or, for lazy bole (length: spec depth + 1, the most nodes an accepted path has), an
+    empty PendingPath of `nodes` tree nodes (the step's N; keys in the model dtype) or, nodes
+    None, an empty PendingCommit of `length` rows."""
     layers = []
     for c in cache.layers:
         if isinstance(c, GDNCache):
             state = committed_state(c)
             b, hv, dk, dv = state.shape
-            c = GDNCache(conv=c.conv, state=state, pending=None if length is None else
-                         PendingCommit.empty(b, length, cfg.gdn_num_key_heads, dk, hv, dv))
+            hk = cfg.gdn_num_key_heads
+            pending = (None if length is None else
+                       PendingCommit.empty(b, length, hk, dk, hv, dv) if nodes is None else
+                       PendingPath.empty(b, nodes, length, hk, dk, hv, dv, k_dtype=c.conv.dtype))
+            c = GDNCache(conv=c.conv, state=state, pending=pending)
         layers.append(c)
     return dataclasses.replace(cache, layers=tuple(layers))
 

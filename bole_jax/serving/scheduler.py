@@ -102,8 +102,10 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
 
   attention_kv: K and V of every full-attention layer, `capacity` tokens.
   gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer,
-                and with the lazy bole commit its pending rows (depth + 1 path nodes: k, u, w,
-                and p_sel; the count is one of the per-row scalars).
+                and with the lazy bole commit its pending commit: the step's factors of N
+                nodes (keys in the model dtype, k_scale, u, gamma) and its accepted path
+                (`PendingPath`), or with BOLE_LAZY_ROWS=gather the path's depth + 1 rows (k, u,
+                w, and p_sel); the count and accepted node are among the per-row scalars.
   drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
   output:       the [max_context] int32 output row and per-row scalars.
   step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
@@ -122,8 +124,13 @@ def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig |
   pending = 0
   if spec is not None and spec.pending_length:
     hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
-    pending = (spec.pending_length * (hk * cfg.gdn_key_dim + hv * (cfg.gdn_value_dim + 1))
-               + hv) * 4 // gdn_shards
+    if spec.pending_nodes:
+      pending = (spec.pending_nodes * (hk * (cfg.gdn_key_dim * it + 4)
+                                       + hv * (cfg.gdn_value_dim + 1) * 4) // gdn_shards
+                 + spec.pending_length * 4)
+    else:
+      pending = (spec.pending_length * (hk * cfg.gdn_key_dim + hv * (cfg.gdn_value_dim + 1))
+                 + hv) * 4 // gdn_shards
   parts = {
       "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
       "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state + pending),

@@ -3,9 +3,8 @@
 Modes share everything but the GDN state handling and the tree shape:
   bole     top-k tree, closed-form tree verify from one state, factor commit (the method);
            the commit rebuilds each GDN state at the accepted node right away (default), or
-           with lazy_commit only gathers the accepted path's factor rows and the next verify
-           folds them into the state it loads (verify.py; measured no faster on the H200 yet:
-           README "Lazy commit")
+           with lazy_commit keeps the step's factors and accepted path and the next verify
+           folds the path's rows into the state it loads (verify.py; README "Lazy commit")
   pernode  same tree, per-node full states in a scratch buffer + copy commit (SGLang "tree")
   chain    top-1 chain, one state snapshot per position (vLLM style)
 """
@@ -13,12 +12,13 @@ Modes share everything but the GDN state handling and the tree shape:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from bole_jax.model import logits as lm_logits
-from bole_jax.model.cache import Cache, GDNCache
+from bole_jax.model.cache import Cache, GDNCache, pending_nodes, pending_rows
 from bole_jax.model.config import ModelConfig
 from bole_jax.spec_decode import budget as budget_mod, drafter, tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept
@@ -26,6 +26,13 @@ from bole_jax.spec_decode.drafter import TreeShape
 from bole_jax.spec_decode.loop import DecodeState, emit
 
 SPEC_MODES = ("bole", "pernode", "chain")
+# How the lazy bole commit keeps its pending commit (read at import, for A/B runs): "path" (the
+# default: the step's factors and accepted path, `PendingPath`; the next verify reads the rows
+# itself, no launch in the commit) or "gather" (the path's rows gathered by one launch per GDN
+# layer, `PendingCommit`: sessions 13-17).
+LAZY_ROWS = os.environ.get("BOLE_LAZY_ROWS", "path")
+if LAZY_ROWS not in ("path", "gather"):
+  raise ValueError(f"BOLE_LAZY_ROWS must be 'path' or 'gather', got {LAZY_ROWS!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +79,27 @@ class SpecConfig:
     depth + 1, the most nodes on an accepted path, for lazy bole; None otherwise."""
     return self.shape.path_nodes if self.mode == "bole" and self.lazy_commit else None
 
+  @property
+  def pending_nodes(self) -> int | None:
+    """Tree nodes of the factors a lazy bole commit keeps (`PendingPath`, the default
+    `LAZY_ROWS`): N; None for gathered rows or no lazy commit."""
+    return self.shape.num_nodes if self.pending_length and LAZY_ROWS == "path" else None
+
 
 def check_cache_layout(spec: SpecConfig, cache: Cache) -> None:
   """Static check (at trace time) that the cache is laid out for this spec's commit: a pending
-  commit of `spec.pending_length` rows in every GDN layer, or none."""
+  commit of `spec.pending_length` rows (of `spec.pending_nodes` nodes' factors) in every GDN
+  layer, or none."""
+  want = (spec.pending_length, spec.pending_nodes)
   for c in cache.layers:
     if isinstance(c, GDNCache):
-      have = None if c.pending is None else c.pending.k.shape[1]
-      if have != spec.pending_length:
-        raise ValueError(f"the decode state's GDN caches carry pending commits of {have} rows, "
-                         f"this {spec.mode} spec (lazy_commit={spec.lazy_commit}) needs "
-                         f"{spec.pending_length}: lay the state out with "
-                         "model.cache.with_pending (LLM.state_after_prefill does)")
+      have = (None, None) if c.pending is None else (pending_rows(c.pending),
+                                                     pending_nodes(c.pending))
+      if have != want:
+        raise ValueError(f"the decode state's GDN caches carry pending commits of (rows, nodes) "
+                         f"{have}, this {spec.mode} spec (lazy_commit={spec.lazy_commit}) needs "
+                         f"{want}: lay the state out with model.cache.with_pending "
+                         "(LLM.state_after_prefill does)")
 
 
 def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):

@@ -12,11 +12,12 @@ the accepted path: GDN state and conv state at the last accepted node, KV rows o
 to consecutive slots, lengths advanced.
 
 Lazy commit (bole, when the cache's GDN layers carry a `pending`: model/cache.py). The commit
-does not rebuild the state: it only gathers the accepted path's factor rows into the cache
-(`tree_gdn.pending_commit`), and the next step's verify folds them into the state tile it loads
-anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending then
-being cleared: one read + write of the fp32 state per step instead of the eager commit's read +
-write plus the verify's read. The committed state is apply_pending(state, pending) throughout.
+does not rebuild the state: it keeps the step's factors and accepted path in the cache
+(`PendingPath`: no kernel at all; or, `BOLE_LAZY_ROWS=gather`, the path's rows gathered by
+`tree_gdn.pending_commit`), and the next step's verify folds the path's rows into the state tile
+it loads anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending
+then being cleared: one read + write of the fp32 state per step instead of the eager commit's
+read + write plus the verify's read. The committed state is `committed_state` throughout.
 Without a pending (eager bole, pernode, chain) everything is as before.
 """
 
@@ -31,12 +32,13 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax import parallel
-from bole_jax.model.cache import AttnCache, Cache, GDNCache, committed_state, empty_pending_like
+from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state, empty_pending_like,
+                                  pending_rows)
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
 from bole_jax.pallas import tree_conv, tree_gdn, tree_pernode
-from bole_jax.pallas.tree_utils import TreeFactors, TreeStructure, tree_structure
+from bole_jax.pallas.tree_utils import PendingPath, TreeFactors, TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
 from bole_jax.spec_decode.tree import Tree
@@ -131,7 +133,7 @@ def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: M
       functools.partial(_gdn_tree_core, cfg=parallel.gdn_local_cfg(cfg), mode=mode,
                         backend=backend, depth_bound=depth_bound), cfg,
       in_specs=(parallel.split_at(1), heads, heads, heads,
-                parallel.gdn_cache_specs(cfg, pending=lazy), parallel.REPLICATED,
+                parallel.gdn_cache_specs(cfg, pending=cache.pending), parallel.REPLICATED,
                 parallel.REPLICATED),
       out_specs=(heads, aux_specs, parallel.split_at(1) if lazy else None))
   o, aux, state = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
@@ -235,9 +237,10 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
   """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
 
   GDN: the state at the last accepted node (bole eager: rebuilt from factors, one gather +
-  matmul; bole lazy, when the cache's layer carries a `pending`: only the accepted path's factor
-  rows are gathered into it, for the next verify to fold in (module docstring); baselines: a
-  copy of that node's scratch state) and the conv state along the accepted path.
+  matmul; bole lazy, when the cache's layer carries a `pending`: the step's factors and accepted
+  path kept in it (`PendingPath`; or the path's rows gathered into a `PendingCommit`), for the
+  next verify to fold in (module docstring); baselines: a copy of that node's scratch state) and
+  the conv state along the accepted path.
   Attention: the path's KV rows move from slot L + path[j] to slot L + j.
   cfg: read only under tensor parallelism (cfg.tp > 1: the state commit runs per device).
   """
@@ -260,10 +263,16 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
         # per layer; inactive requests (last -1) get count 0 and keep their state.
         if pending is None:
           state = _commit_state(c.state, aux.factors, tree.parents, last, acc.path, num, cfg)
-        else:  # lazy: inactive requests get count 0, p_sel 1: nothing pending
-          length = pending.k.shape[1]
+        else:  # lazy: inactive requests (last -1, count 0) leave nothing pending
+          length = pending_rows(pending)
           assert length >= d1, f"pending rows ({length}) < nodes on an accepted path ({d1})"
-          pending = _pending_rows(aux.factors, tree.parents, last, acc.path, num, length, cfg)
+          if isinstance(pending, PendingPath):  # the factors themselves: no kernel here
+            path = jnp.pad(acc.path.astype(jnp.int32), ((0, 0), (0, length - d1)))
+            pending = PendingPath(factors=aux.factors, path=path, sel=last.astype(jnp.int32),
+                                  count=num.astype(jnp.int32))
+          else:
+            pending = _pending_rows(aux.factors, tree.parents, last, acc.path, num, length,
+                                    cfg)
       layers.append(GDNCache(conv=conv, state=state, pending=pending))
     else:
       b = jnp.arange(c.k.shape[0])[:, None]
