@@ -266,9 +266,10 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
   What "verify" and "commit" hold depends on the bole commit (`commit_kind`): eager, the commit
   rebuilds every GDN state (read + write of the fp32 state) besides the conv-state and KV
   commits, and the verify only reads the states; lazy (SpecConfig.lazy_commit), the commit only
-  gathers the accepted path's factor rows (+ the conv-state and KV commits), and the verify
-  folds the previous step's rows into the states and writes them back (the state write moves
-  from the commit into the verify)."""
+  keeps the step's factors and accepted path (`PendingPath`; BOLE_LAZY_ROWS=gather: gathers the
+  path's factor rows) besides the conv-state and KV commits, and the verify folds the previous
+  step's path rows into the states and writes them back (the state write moves from the commit
+  into the verify)."""
   from bole_jax.model import logits as lm_logits
   from bole_jax.spec_decode import drafter, loop, step, verify
   from bole_jax.spec_decode.acceptance import accept
@@ -808,7 +809,8 @@ def run_e2e(a) -> dict:
                            "verify_state_mib", "verify_conv_mib"])
   if breakdown:
     print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
-          "commit lazy: pending-row gathers + conv + KV, the GDN state write is in the verify; "
+          "commit lazy: conv + KV (+ the pending-row gathers with BOLE_LAZY_ROWS=gather), the "
+          "GDN state write is in the verify; "
           "eager: state rebuild + conv + KV)")
     print_table(breakdown, ["mode", "commit_kind"] + [f"{s}_ms" for s in STAGES] +
                 ["sum_ms", "step_ms", "commit_pct_of_step"])

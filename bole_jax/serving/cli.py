@@ -182,8 +182,8 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--accept-prob", type=float, help="synthetic drafter: p itself")
   ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"])
   ap.add_argument("--lazy-commit", action="store_true",
-                  help="bole: the commit only gathers the accepted path's factor rows, which the "
-                  "next verify folds into the state (default: rebuild each GDN state in the "
+                  help="bole: the commit keeps the step's factors and accepted path, whose rows "
+                  "the next verify folds into the state (default: rebuild each GDN state in the "
                   "commit); run both to compare them")
   ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                   help="weights dtype (default: bfloat16 for presets, the checkpoint's for "
