@@ -385,15 +385,19 @@ def test_pending_gather_kernel_lowers_to_triton():
     assert "bole_pending_gather" in text
 
 
-def test_lazy_commit_equals_commit_then_verify():
+@pytest.mark.parametrize("form", ["rows", "path"])
+def test_lazy_commit_equals_commit_then_verify(form):
     """Two decode steps through one jitted verify that donates the state (the fold writes it in
-    place): step 1 with nothing pending returns the state untouched; step 2 folds
-    pending_commit(step 1's factors, accepted) and gives what commit_state followed by a plain
-    verify gives (GQA 2, two heads per program, ragged trees, the deepest node, accepted -1)."""
+    place): step 1 with nothing pending returns the state untouched; step 2 folds step 1's
+    commit and gives what commit_state followed by a plain verify gives (GQA 2, two heads per
+    program, ragged trees, the deepest node, accepted -1). form "rows": the commit gathered
+    (`pending_commit`, the rank-1 loop folds it); "path": kept as step 1's own factors and
+    accepted paths (`PendingPath`, the unrolled fold reads them)."""
     seed = RUN_SEED
     rng = np.random.default_rng(seed)
     b, n, hk, hv, dk, dv = 3, 12, 1, 2, 16, 32
-    cfg = TreeGDNConfig(block_v=16, heads_per_program=2)
+    cfg = TreeGDNConfig(block_v=16, heads_per_program=2,
+                        fold="loop" if form == "rows" else "unroll")
     x1, parents1, nn1 = _inputs(seed, b, n, hk, hv, dk, dv, ("deep", "random"), ragged=True)
     x2, parents2, nn2 = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "forest"),
                                 ragged=True)
@@ -403,9 +407,10 @@ def test_lazy_commit_equals_commit_then_verify():
         return tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, backend="pallas",
                                interpret=True, config=cfg, pending=pending)
 
-    msg = f"seed {seed}"
-    o1, f1, s1 = step(*_args(x1)[:5], jnp.array(x1["state"]), parents1, nn1,
-                      PendingCommit.empty(b, n, hk, dk, hv, dv))
+    msg = f"seed {seed} form {form}"
+    empty = (PendingCommit.empty(b, n, hk, dk, hv, dv) if form == "rows" else
+             PendingPath.empty(b, n, n, hk, dk, hv, dv, k_dtype=jnp.float32))
+    o1, f1, s1 = step(*_args(x1)[:5], jnp.array(x1["state"]), parents1, nn1, empty)
     np.testing.assert_array_equal(np.asarray(s1), x1["state"], err_msg=msg)
     o1_ref, f1_ref = closed_form(*_args(x1), parents1, nn1)
     assert rel(o1, o1_ref) <= 1e-5 and rel(f1.u, f1_ref.u) <= 2e-5, msg
@@ -414,7 +419,11 @@ def test_lazy_commit_equals_commit_then_verify():
     accepted = np.array([int(np.argmax(depth[0, :nn1[0]])), -1,
                          int(rng.integers(0, nn1[2]))], np.int32)
     msg += f" accepted {accepted}"
-    pend = pending_commit(f1, parents1, accepted, n)  # L = N: any path, uncut
+    if form == "rows":
+        pend = pending_commit(f1, parents1, accepted, n)  # L = N: any path, uncut
+    else:
+        path, count = accepted_rows(parents1, accepted, n)
+        pend = PendingPath(factors=f1, path=path, sel=jnp.asarray(accepted), count=count)
     committed = commit_state(x1["state"], f1, parents1, accepted, backend="reference")
     o, f, s = step(*_args(x2)[:5], s1, parents2, nn2, pend)
     assert rel(s, committed) <= 1e-6, msg
@@ -522,40 +531,6 @@ def test_pending_path_gather_kernel_matches_reference():
     np.testing.assert_array_equal(np.asarray(got.p_sel)[1], 1.0)
 
 
-def test_lazy_path_commit_equals_commit_then_verify():
-    """Two steps through one jitted, state-donating verify with the lazy commit kept as a
-    `PendingPath`: step 1 from `PendingPath.empty` returns the state untouched; step 2 folds step
-    1's own factors at its accepted paths and equals commit_state followed by a plain verify."""
-    seed = RUN_SEED
-    rng = np.random.default_rng(seed)
-    b, n, hk, hv, dk, dv, length = 3, 12, 1, 2, 16, 32, 5
-    cfg = TreeGDNConfig(block_v=16, heads_per_program=2, fold="unroll")
-    x1, parents1, nn1 = _inputs(seed, b, n, hk, hv, dk, dv, ("deep", "random"), ragged=True)
-    x2, parents2, nn2 = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "forest"),
-                                ragged=True)
-
-    @functools.partial(jax.jit, donate_argnums=5)
-    def step(q, k, v, g, beta, state, parents, num_nodes, pending):
-        return tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes, backend="pallas",
-                               interpret=True, config=cfg, pending=pending)
-
-    empty = PendingPath.empty(b, n, length, hk, dk, hv, dv, k_dtype=jnp.float32)
-    o1, f1, s1 = step(*_args(x1)[:5], jnp.array(x1["state"]), parents1, nn1, empty)
-    np.testing.assert_array_equal(np.asarray(s1), x1["state"], err_msg=f"seed {seed}")
-    depth = np.asarray(tree_structure(parents1, nn1).depth)
-    accepted = np.array([int(np.argmax(depth[0, :nn1[0]])), -1,
-                         int(rng.integers(0, nn1[2]))], np.int32)
-    msg = f"seed {seed} accepted {accepted}"
-    path, count = accepted_rows(parents1, accepted, length)
-    pend = PendingPath(factors=f1, path=path, sel=jnp.asarray(accepted), count=count)
-    committed = commit_state(x1["state"], f1, parents1, accepted, backend="reference",
-                             max_path=length)
-    o, f, s = step(*_args(x2)[:5], s1, parents2, nn2, pend)
-    assert rel(s, committed) <= 1e-6, msg
-    o_ref, f_ref = closed_form(*_args(x2)[:5], committed, parents2, nn2)
-    assert rel(o, o_ref) <= 1e-5, msg
-
-
 def test_bad_shapes_raise():
     x, parents, _ = _inputs(0, 1, 4, 2, 3, 16, 16, ("random",))
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -613,19 +588,7 @@ def test_kernel_lowers_to_triton(n, cfg):
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit
     that donates the state hands that buffer to the output (the in-place fold)."""
-    b, hk, hv = 2, 2, 4
-    q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
-    v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
-    gate = jnp.zeros((b, n, hv), jnp.float32)
-    state = jnp.zeros((b, hv, d, d), jnp.float32)
-    parents = jnp.zeros((b, n), jnp.int32)
-    pend = PendingCommit.empty(b, 5, hk, d, hv, d)
-    fn = jax.jit(lambda *a: tree_gdn_verify(*a[:7], backend="pallas", interpret=False,
-                                            config=cfg, pending=a[7]), donate_argnums=5)
-    text = fn.trace(q, q, v, gate, gate, state, parents, pend).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "bole_tree_gdn" in text and "output_operand_alias" in text
-    assert "tf.aliasing_output = 5" in text  # outputs: o, k, u, gamma, k_scale, state
+    _lowered_with_pending(n, d, cfg, PendingCommit.empty(2, 5, 2, d, 4, d))
 
 
 @pytest.mark.parametrize("n,cfg", [
@@ -638,20 +601,28 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
 ])
 def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
     """The variant that reads a `PendingPath` (indirect row loads at the path's node ids)
-    lowers for cuda at Qwen3-Next head dims, its state output aliased to the donated state."""
-    b, hk, hv, d = 2, 2, 4, 128
+    lowers for cuda at Qwen3-Next head dims, its state output aliased to the donated state, and
+    no gather launch beside it."""
+    text = _lowered_with_pending(n, 128, cfg, PendingPath.empty(2, n, 9, 2, 128, 4, 128))
+    assert "bole_pending_gather" not in text
+
+
+def _lowered_with_pending(n, d, cfg, pend):
+    """The cuda lowering text of a state-donating jitted verify (B 2, Hk 2, HV 4, bf16 q/k/v)
+    folding `pend`; checks the kernel's state output aliases the donated state."""
+    b, hk, hv = 2, 2, 4
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
     v = jnp.zeros((b, n, hv, d), jnp.bfloat16)
     gate = jnp.zeros((b, n, hv), jnp.float32)
     state = jnp.zeros((b, hv, d, d), jnp.float32)
     parents = jnp.zeros((b, n), jnp.int32)
-    pend = PendingPath.empty(b, n, 9, hk, d, hv, d)
     fn = jax.jit(lambda *a: tree_gdn_verify(*a[:7], backend="pallas", interpret=False,
                                             config=cfg, pending=a[7]), donate_argnums=5)
     text = fn.trace(q, q, v, gate, gate, state, parents, pend).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "bole_tree_gdn" in text and "tf.aliasing_output = 5" in text
-    assert "bole_pending_gather" not in text  # no gather launch
+    assert "bole_tree_gdn" in text and "output_operand_alias" in text
+    assert "tf.aliasing_output = 5" in text  # outputs: o, k, u, gamma, k_scale, state
+    return text
 
 
 def test_prefetch_state_needs_one_tile():
