@@ -7,7 +7,7 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
 
     python benchmarks/offline_compile.py --triton-python /path/to/venv/bin/python \\
         --B 16 --N 64 --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix",
-        "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending] [--out DIR]
+        "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending [path]] [--out DIR]
 
 `--kernel commit` compiles the selected-state commit (`tree_gdn.commit_state_pallas`) instead,
 with the accepted path handed in as the decode step does; --config then takes its launch
@@ -49,7 +49,7 @@ print(bin_dir)
 """
 
 
-def triton_modules(b: int, n: int, cfg, pending: bool) -> list[str]:
+def triton_modules(b: int, n: int, cfg, pending) -> list[str]:
     """The verify's Triton modules as text, as pallas_call(debug=True) prints them (one per
     launch)."""
     return _lower(b, n, cfg, pending)[0]
@@ -80,15 +80,17 @@ def _pallas_call_replaced(wrap):
         tg.pl.pallas_call = orig
 
 
-def _lower(b: int, n: int, cfg, pending: bool):
+def _lower(b: int, n: int, cfg, pending):
     """(Triton module texts, launches): each launch's grid and its operands' and outputs'
-    [shape, dtype], in the kernel's parameter order."""
+    [shape, dtype], in the kernel's parameter order. pending: False, True / "rows" (gathered
+    rows, `PendingCommit`) or "path" (the previous factors + accepted path, `PendingPath`)."""
     import jax
     import jax.numpy as jnp
 
     import bole_jax.pallas.tree_gdn as tg
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
-    from bole_jax.pallas.tree_utils import PendingCommit, tree_structure
+    from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors,
+                                            tree_structure)
 
     sd = jax.ShapeDtypeStruct
     q, v = sd((b, n, HK, DK), jnp.bfloat16), sd((b, n, HV, DV), jnp.bfloat16)
@@ -99,6 +101,13 @@ def _lower(b: int, n: int, cfg, pending: bool):
                          u=sd((b, MAX_DEPTH, HV, DV), jnp.float32),
                          w=sd((b, MAX_DEPTH, HV), jnp.float32), p_sel=sd((b, HV), jnp.float32),
                          count=sd((b,), jnp.int32)) if pending else None
+    if pending == "path":  # the previous step's factors of n nodes and its accepted path
+        pend = PendingPath(factors=TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16),
+                                               u=sd((b, n, HV, DV), jnp.float32),
+                                               gamma=sd((b, n, HV), jnp.float32),
+                                               k_scale=sd((b, n, HK), jnp.float32)),
+                           path=sd((b, MAX_DEPTH), jnp.int32), sel=sd((b,), jnp.int32),
+                           count=sd((b,), jnp.int32))
 
     def f(q, k, v, g, beta, s, parents, pend):
         tree = tree_structure(parents, None)
@@ -324,7 +333,9 @@ def main(argv=None):
     ap.add_argument("--config", default="{}",
                     help="TreeGDNConfig fields as JSON (--kernel commit: block_v, num_warps, "
                          "fold; --kernel pernode: PernodeConfig fields)")
-    ap.add_argument("--pending", action="store_true", help="the lazy-commit (folding) variant")
+    ap.add_argument("--pending", nargs="?", const="rows", default=None, choices=("rows", "path"),
+                    help="the lazy-commit (folding) variant: gathered rows (the default) or "
+                         "'path', the previous factors + accepted path (`PendingPath`)")
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
     ap.add_argument("--lineinfo", action="store_true",
                     help="line info for Nsight Compute's source view (through "
@@ -354,7 +365,8 @@ def main(argv=None):
                  "in tree_pernode.py")
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
-    print(f"{args.kernel} B={args.B} N={args.N} {cfg}{' (pending)' if args.pending else ''}")
+    print(f"{args.kernel} B={args.B} N={args.N} {cfg}"
+          f"{f' (pending {args.pending})' if args.pending else ''}")
     if args.lineinfo:
         _attribute_helpers_to_callers()
     if args.kernel == "commit":

@@ -26,6 +26,20 @@ def test_triton_module_text_without_locations():
     assert text.count("tt.dot") >= 8  # K K^T, Q K^T, 2 x inverse steps, K S, Q S, T rhs, output
 
 
+def test_pending_path_module_has_no_gather_launch():
+    """--pending path: one module (the verify reading the previous factors at the path's ids;
+    no gather kernel beside it), whose launch takes the factors of N nodes and the path."""
+    cfg = TreeGDNConfig(block_v=64, inverse="matrix", bf16_qk=True, bf16_state=True,
+                        depth_bound=8, fold="unroll", prefetch_fold=True)
+    (raw,), (launch,) = offline_compile._lower(2, 16, cfg, pending="path")
+    assert offline_compile.strip_locations(raw).startswith("module @bole_tree_gdn")
+    # after the verify's 9 inputs: count, sel, path, then the factors' gamma, k, k_scale, u
+    assert launch["inputs"][9:] == [
+        [[2], "int32"], [[2], "int32"], [[2, 8], "int32"], [[2, 16, 32], "float32"],
+        [[2, 16, 16, 128], "bfloat16"], [[2, 16, 16], "float32"], [[2, 16, 32, 128], "float32"]]
+    assert launch["outputs"][-1] == [[2, 32, 128, 128], "float32"]  # the folded state
+
+
 def test_pernode_module_lowers_with_its_launch():
     """`--kernel pernode`: the baseline's verify lowered for cuda, one module, its launch
     record the scratch [B, N, HV, dv, dk] ("vk") among the outputs; the held committed tile
