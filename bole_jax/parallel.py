@@ -345,11 +345,11 @@ def pending_specs(cfg: ModelConfig, form: str = "rows") -> PendingCommit | Pendi
   return PendingCommit(k=heads, u=heads, w=heads, p_sel=split_at(1), count=P())
 
 
-def gdn_cache_specs(cfg: ModelConfig, pending=None) -> GDNCache:
+def gdn_cache_specs(cfg: ModelConfig, pending: PendingCommit | PendingPath | None = None
+                    ) -> GDNCache:
   """conv [B, K-1, C] split on C (shard-major), state [B, HV, dk, dv] split on HV; pending: the
-  cache's lazy commit (a `PendingPath` or `PendingCommit`, or True for the latter:
-  `pending_specs`; None / False: no pending)."""
-  rows = (None if pending is None or pending is False else
+  cache's lazy commit, whose specs (`pending_specs`) follow its form, or None."""
+  rows = (None if pending is None else
           pending_specs(cfg, "path" if isinstance(pending, PendingPath) else "rows"))
   if gdn_shards(cfg) == 1:
     return GDNCache(conv=P(), state=P(), pending=rows)

@@ -128,7 +128,8 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
   accepted path, at tp vs on one device: fp32 logits and committed caches close. "bole-lazy":
   the lazy commit as gathered rows, "bole-lazy-path" as the step's factors and accepted path
   (split over the heads either way), compared by the committed state, and a second verify that
-  folds the pending commit in. n: tree nodes per request."""
+  folds the pending commit in, and a model forward (one decode token) on the cache with the
+  commit still pending, which folds it too. n: tree nodes per request."""
   tcfg = dataclasses.replace(cfg, tp=tp)
   tparams = parallel.shard_params(params, tcfg)
   b, t = 2, 8
@@ -164,10 +165,12 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
       new = jax.jit(lambda cache, auxs, tr, acc: verify.commit(
           cache, auxs, tr, acc, jnp.ones((b,), bool), mode=mode, cfg=c))(vcache, auxs, tree, acc)
       outs += [lg, committed_state(new.layers[0]), new.layers[0].conv, new.layers[1].k]
-      if lazy:  # the next verify starts from the pending-applied state
+      if lazy:  # the next verify starts from the pending-applied state, as does a forward
         assert new.layers[0].pending is not None
         hv2, vcache2, _ = ver(p, tree, new)
-        outs += [logits(p, c, hv2), vcache2.layers[0].state]
+        h3, fcache = fwd(p, toks[:, :1], new, jnp.ones((b,), jnp.int32))
+        outs += [logits(p, c, hv2), vcache2.layers[0].state, logits(p, c, h3),
+                 fcache.layers[0].state]
     return outs
 
   ref = run(cfg, params, "reference")
@@ -175,7 +178,8 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
   names = ["prefill", "decode"] + [
       f"{m} {w}" for m in modes
       for w in ("verify", "GDN state", "conv state", "KV")
-      + (("verify 2", "GDN state after verify 2") if m.startswith("bole-lazy") else ())]
+      + (("verify 2", "GDN state after verify 2", "forward on the pending cache",
+          "GDN state after that forward") if m.startswith("bole-lazy") else ())]
   order = parallel.qkv_channel_order(tcfg)  # the conv cache's channels are stored shard-major
   ref = [r[..., order] if "conv" in name and order is not None else r
          for r, name in zip(ref, names)]

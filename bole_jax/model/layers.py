@@ -184,7 +184,7 @@ def _gdn_core(rule, conv_w, qkv, g, beta, cache: GDNCache, num_new, cfg):
 def _gdn_core_per_shard(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig):
     """`_gdn_core` on each device's own heads under tensor parallelism (parallel.py), else as is."""
     heads = parallel.split_at(2)
-    cache_specs = parallel.gdn_cache_specs(cfg, pending=cache.pending is not None)
+    cache_specs = parallel.gdn_cache_specs(cfg, pending=cache.pending)
     core = parallel.over_gdn_heads(
         functools.partial(_gdn_core, rule, cfg=parallel.gdn_local_cfg(cfg)), cfg,
         in_specs=(parallel.split_at(1), heads, heads, heads, cache_specs, parallel.REPLICATED),
