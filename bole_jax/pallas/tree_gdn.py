@@ -230,14 +230,12 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # instead: count [], sel [], path [Lb] (node ids), pg [Mp, hg] (gamma), pk [Mp, dk] (keys as
     # that verify took them), pks [Mp] (their k_scale), pu [Mp, hg, tpp*bv]; Mp = the
     # pend_nodes = M rows rounded up to a power of two, only rows named by the path are read.
-    # The caller's count, sel and path are used as given (no XLA ops before the launch):
-    # sanitised here (sel < 0 -> nothing pending; ids clipped into [0, M)).
+    # The caller's count, sel and path are used as given (no XLA ops before the launch),
+    # sanitised here as the commit kernel sanitises them (`_path_inputs`).
     if pend_path:
         (cnt_ref, sel_ref, path_ref, pg_ref, pk_ref, pks_ref, pu_ref,
          o_ref, u_ref, gamma_ref, ks_ref, sn_ref) = refs
-        sel = sel_ref[...]
-        pend = (jnp.where(sel >= 0, jnp.clip(cnt_ref[...], 0, pend_rows), 0),
-                jnp.clip(sel, 0, pend_nodes - 1), (path_ref, pend_rows, pend_nodes), pg_ref,
+        pend = (*_path_inputs(cnt_ref, sel_ref, path_ref, pend_rows, pend_nodes), pg_ref,
                 pk_ref, pks_ref, pu_ref)
     elif has_pending:
         cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, ks_ref, sn_ref = refs
@@ -395,26 +393,22 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     weights formed here from gamma as `_commit_kernel` forms them. Independent of the state,
     so a kernel may issue them before anything else (`TreeGDNConfig.prefetch_fold`)."""
     if pend_path:
-        count, sel, (path_ref, length, nodes), pg_ref, pk_ref, pks_ref, pu_ref = pend
+        count, sel, node_at, path_ids, pg_ref, pk_ref, pks_ref, pu_ref = pend
         g_sel = pg_ref[sel, j]
 
         def row(node):
-            node = jnp.clip(node, 0, nodes - 1)
             key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
         scale = _path_scale(count, g_sel)
         if fold == "unroll":
-            return scale, [row(path_ref[m]) for m in range(rows)]
+            return scale, [row(node_at(m)) for m in range(rows)]
         if fold == "dot":
-            lb = path_ref.shape[0]  # ids past the L present are masked to 0 (not live)
-            idx = jnp.arange(lb, dtype=jnp.int32)
-            path = jnp.clip(_load(path_ref, None if lb == length else idx < length), 0,
-                            nodes - 1)
+            path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
             return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
                            jnp.arange(path.shape[0]) < count)
-        return scale, lambda m: row(path_ref[m])
+        return scale, lambda m: row(node_at(m))
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     scale = ps_ref[j]
     if fold == "unroll":
@@ -559,6 +553,7 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             beta.astype(jnp.float32), state]  # bytes, not i1
     aliases = {}
     pend_path = isinstance(pending, PendingPath)
+    pend_rows = pend_nodes = 0  # (the kernel's pending path rows / factor nodes, or gathered rows)
     if pend_path:
         # The previous verify's factors as blocks of Mp rows (a power of two; rows past M lie
         # past the arrays' end and are never named by the path); the path as a block of Lb ids
@@ -567,10 +562,9 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         # (each would be a kernel of its own, ~0.8 us at B = 1), nothing is copied but a dv
         # padding of u when dv is not a power of two.
         f = pending.factors
-        m = f.u.shape[1]
-        mp = next_pow2(m, minimum=1)
-        length = pending.path.shape[1]
-        lb = length if cfg.fold != "dot" else next_pow2(length)
+        pend_nodes, pend_rows = f.u.shape[1], pending.path.shape[1]
+        mp = next_pow2(pend_nodes, minimum=1)
+        lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req, per_req,
             pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
@@ -579,20 +573,17 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             pl.BlockSpec((None, mp, None), lambda t, h, i: (i, 0, key_head(h))),
             pl.BlockSpec((None, mp, hg, bw), lambda t, h, i: (i, 0, h, t)),
         ]
-        out_specs.append(state_spec)
-        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
         args += [jnp.asarray(pending.count, jnp.int32), jnp.asarray(pending.sel, jnp.int32),
                  jnp.asarray(pending.path, jnp.int32), f.gamma.astype(jnp.float32),
                  pad_axis(f.k, 3, dkp),
                  f.k_scale.astype(jnp.float32), pad_axis(f.u.astype(jnp.float32), 3, dvp)]
-        aliases = {8: 4}  # state -> folded state
     elif pending is not None:
         # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need
         # not be a power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows,
         # those past L masked. Either way no padding copy along L, only along dk / dv when those
         # are padded.
-        length = pending.k.shape[1]
-        lb = length if cfg.fold != "dot" else next_pow2(length)
+        pend_rows = pending.k.shape[1]
+        lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req,
             pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
@@ -600,20 +591,18 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
             pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
         ]
-        out_specs.append(state_spec)
-        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
         args += [jnp.asarray(pending.count, jnp.int32),
                  pad_axis(pending.k.astype(jnp.float32), 3, dkp),
                  pad_axis(pending.u.astype(jnp.float32), 3, dvp),
                  pending.w.astype(jnp.float32), pending.p_sel.astype(jnp.float32)]
-        aliases = {8: 4}  # state -> folded state
+    if pending is not None:  # the folded state, written over the state input
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        aliases = {8: 4}
     outs = pl.pallas_call(
         functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
                           interpret=interpret, has_pending=pending is not None,
-                          pend_rows=(0 if pending is None else pending.path.shape[1]
-                                     if pend_path else pending.k.shape[1]),
-                          pend_path=pend_path,
-                          pend_nodes=pending.factors.u.shape[1] if pend_path else 0),
+                          pend_rows=pend_rows, pend_path=pend_path, pend_nodes=pend_nodes),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -840,13 +829,9 @@ def commit_path_weights(factors: TreeFactors, parents, accepted, length: int, pa
 
 def _path_rows(parents, accepted, length, path, count, n):
     """(path, count) walked from parents, or the caller's, clipped in bounds; count 0 where
-    accepted is -1."""
-    if (path is None) != (count is None):
-        raise ValueError("pass the accepted path and its count together, or neither")
-    if path is None:
-        return accepted_rows(parents, accepted, length)
-    path = jnp.clip(jnp.asarray(path, jnp.int32), 0, n - 1)
-    return path, jnp.where(accepted >= 0, jnp.asarray(count, jnp.int32), 0)
+    accepted is -1 (`_raw_path` sanitised outside a kernel, as `_path_inputs` does inside)."""
+    path, count = _raw_path(parents, accepted, length, path, count)
+    return jnp.clip(path, 0, n - 1), jnp.where(accepted >= 0, count, 0)
 
 
 def _raw_path(parents, accepted, length, path, count):
