@@ -207,8 +207,12 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
                       mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH))
             cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
                                                          else [])
-        elif isinstance(c, tuple):  # ("auto", fields)
-            cs = [dataclasses.replace(TreeGDNConfig.auto(b, n, MAX_DEPTH), **c[1])]
+        elif isinstance(c, tuple):  # ("auto", fields); a fold as `TreeGDNConfig.with_fold`
+            auto = TreeGDNConfig.auto(b, n, MAX_DEPTH)
+            fields = dict(c[1])
+            if "fold" in fields:
+                auto = auto.with_fold(fields.pop("fold"))
+            cs = [dataclasses.replace(auto, **fields)]
         elif isinstance(c, MosaicLaunch):
             cs = [c] if n <= tree_gdn_mgpu.NP else []
         else:
@@ -591,7 +595,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             for fold in ("loop", "dot", "unroll"):
                 o2, _, s2 = tree_gdn_verify(*args[:5], args[5], parents, num_nodes, tree=tree,
                                             backend="pallas", interpret=INTERPRET,
-                                            config=dataclasses.replace(cfg, fold=fold),
+                                            config=cfg.with_fold(fold),
                                             pending=pend)
                 record(f"{tag} lazy (fold {fold}): folded state vs sequential",
                        rel(s2, want_state), TOL["state"])
@@ -762,7 +766,8 @@ def bench_lazy(cfg, sets, fac, ctx, timer) -> dict:
                                            c["count"], backend=backend)
 
     try:
-        pend = [bind(gather_fn(), ctx)(f) for f in fac]
+        gather = bind(gather_fn(), ctx)  # (one jit for every set)
+        pend = [gather(f) for f in fac]
         # (the Mosaic fold writes the state in place too: a mutable ref inside its call)
         verify = bind(lambda c, q, k, v, g, beta, state, pending: without_keys(bole_verify(
             cfg, c)(q, k, v, g, beta, state, pending=pending)), ctx, donate_argnums=6)
@@ -777,7 +782,6 @@ def bench_lazy(cfg, sets, fac, ctx, timer) -> dict:
         # form's from that state.
         s_ref = commit_state(sets[0][5], fac[0], parents, accepted, backend="reference",
                              max_path=length, precision="highest")
-        s_ref_state = s_ref
         t0 = time.perf_counter()
         out = call(0)
         jax.block_until_ready(out)
@@ -798,7 +802,7 @@ def bench_lazy(cfg, sets, fac, ctx, timer) -> dict:
         gather_xla = bind(lambda c, f: _rows_of(gather_fn("reference")(c, f)), ctx)
         res["commit_xla"] = timer(gather_xla, [(f,) for f in fac])
         res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
-        res.update(bench_direct(cfg, sets, fac, ctx, states, s_ref_state, timer))
+        res.update(bench_direct(cfg, sets, fac, ctx, states, s_ref, timer))
     except Exception as e:  # noqa: BLE001
         res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     errs_txt = " ".join(f"err {k[4:]} {v:.1e}" for k, v in res.items() if k.startswith("err_"))
@@ -890,7 +894,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # (after a Mosaic best: the Triton auto launch's three folds, then the Mosaic fold)
         base = cfg if isinstance(cfg, TreeGDNConfig) else TreeGDNConfig.auto(b, n, MAX_DEPTH)
         lazy_cfgs = (resolve_bole(LAZY_CFGS, b, n) if LAZY_CFGS else
-                     [dataclasses.replace(base, fold=fold) for fold in ("loop", "dot", "unroll")]
+                     [base.with_fold(fold) for fold in ("loop", "dot", "unroll")]
                      + ([cfg] if isinstance(cfg, MosaicLaunch) else []))
         point["bole_lazy_variants"] = [
             bench_lazy(c, sets, fac, ctx, timer)

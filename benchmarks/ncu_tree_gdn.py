@@ -78,7 +78,7 @@ def main(argv=None):
         add(f"commit bv32 w4 fold={fold}", commit, jnp.copy(state), fac, donate=(0,))
     pend = pending_commit(fac, parents_d, accepted, length, path, count)
     for fold in ("loop", "dot", "unroll"):
-        lcfg = dataclasses.replace(cfg, fold=fold)
+        lcfg = cfg.with_fold(fold)
 
         def lazy(q, k, v, g, beta, s, p, lcfg=lcfg):
             return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,

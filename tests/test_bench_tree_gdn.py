@@ -54,6 +54,11 @@ def test_auto_with_fields():
     for b, n in ((1, 32), (16, 64)):
         assert btg.resolve_bole([spec], b, n) == [dataclasses.replace(
             TreeGDNConfig.auto(b, n, btg.MAX_DEPTH), fold="unroll", num_warps=2)]
+    # a fold the auto launch's prefetch_fold does not allow drops it (`with_fold`)
+    (loop,) = btg.resolve_bole([btg.parse_bole("auto,fold=loop")], 1, 32)
+    assert TreeGDNConfig.auto(1, 32, btg.MAX_DEPTH).prefetch_fold
+    assert loop.fold == "loop" and not loop.prefetch_fold
+    assert TreeGDNConfig(fold="dot", prefetch_fold=True).with_fold("unroll").prefetch_fold
 
 
 def test_pernode_specs_and_reload_count():

@@ -308,6 +308,9 @@ PENDING_CASES = [
      TreeGDNConfig(block_v=32, fold="unroll", prefetch_fold=True)),
     (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 16, (16, 3, 0),
      TreeGDNConfig(block_v=64, fold="dot", prefetch_fold=True, prefetch_state=True)),
+    # ... and by the dot from a block wider than the rows present (masked loads)
+    (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
+     TreeGDNConfig(block_v=32, fold="dot", prefetch_fold=True)),
 ]
 
 

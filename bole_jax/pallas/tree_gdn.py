@@ -116,6 +116,12 @@ class TreeGDNConfig:
     prefetch_state: bool = False
     prefetch_fold: bool = False
 
+    def with_fold(self, fold: str) -> "TreeGDNConfig":
+        """This launch with another fold; `prefetch_fold` kept only where the fold allows it
+        (not with "loop", which loads its rows trip by trip)."""
+        return dataclasses.replace(self, fold=fold,
+                                   prefetch_fold=self.prefetch_fold and fold != "loop")
+
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
         """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
@@ -257,7 +263,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # A pending commit's rows (a `PendingPath`'s after their dependent id loads) and the [dk, bv]
     # committed state tile (fp32), issued ahead of everything else when asked (one value head
     # and tile per program).
-    early_rows = (_pending_rows(pend, pend_path, 0, slice(None), cfg.fold, pend_rows)
+    # (j as a traced int, as value_head gets it: interpret mode's masked loads need one)
+    early_rows = (_pending_rows(pend, pend_path, jnp.int32(0), slice(None), cfg.fold, pend_rows)
                   if pend is not None and cfg.prefetch_fold else None)
     early_s = s_ref[0, :, :] if cfg.prefetch_state else None
     idx = jnp.arange(n, dtype=jnp.int32)
