@@ -311,13 +311,6 @@ PENDING_CASES = [
     # ... and by the dot from a block wider than the rows present (masked loads)
     (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
      TreeGDNConfig(block_v=32, fold="dot", prefetch_fold=True)),
-    # the split fold: outputs from the unfolded tile plus the rows' low-rank term
-    (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
-     TreeGDNConfig(block_v=16, heads_per_program=2, fold="split")),
-    (20, 1, 2, 24, 40, ("random", "deep", "bushy"), 16, (16, 3, 0),
-     TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", fold="split")),
-    (9, 2, 4, 16, 32, ("chain", "random"), 5, (5, 0, 2),
-     TreeGDNConfig(block_v=32, fold="split", prefetch_fold=True, prefetch_state=True)),
 ]
 
 
@@ -461,10 +454,6 @@ PATH_CASES = [
     (12, 9, 1, 2, 16, 32, 5, True, TreeGDNConfig(block_v=32, fold="unroll", prefetch_fold=True,
                                                  prefetch_state=True)),
     (20, 12, 2, 4, 24, 40, 9, False, TreeGDNConfig(block_v=64, fold="dot", prefetch_fold=True)),
-    (12, 12, 2, 4, 16, 32, 5, True, TreeGDNConfig(block_v=16, heads_per_program=2,
-                                                  fold="split")),
-    (20, 9, 1, 2, 24, 40, 9, False, TreeGDNConfig(block_v=32, fold="split", prefetch_fold=True,
-                                                  prefetch_state=True)),
 ]
 
 
@@ -612,8 +601,6 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
                       bf16_state=True, fold="unroll")),
     (32, dataclasses.replace(TreeGDNConfig.auto(1, 32, 9), prefetch_fold=True)),
     (16, dataclasses.replace(TreeGDNConfig.auto(4, 16, 9), fold="unroll", prefetch_fold=True)),
-    (16, TreeGDNConfig.auto(1, 16, 9).with_fold("split")),
-    (8, TreeGDNConfig.auto(16, 8, 9).with_fold("split")),
 ])
 def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
     """The variant that reads a `PendingPath` (indirect row loads at the path's node ids)

@@ -64,8 +64,6 @@ BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
 MOSAIC = os.environ.get("BOLE_TREE_GDN_MOSAIC", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
 _FOLDS = ("loop", "dot", "unroll")  # the lazy verify's and the commit's
-_VERIFY_FOLDS = _FOLDS + ("split",)  # "split": the lazy verify's only
-_BLOCK_FOLDS = ("dot", "split")  # folds reading their rows as blocks of a power of two >= 16
 _PRECISIONS = PRECISIONS
 
 
@@ -94,15 +92,12 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips), "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`) or "unroll" (fp32 rank-1 updates of all L
-      rows, unrolled, rows past count zeroed: every row load in flight at once); the lazy
-      verify also takes "split": its outputs from the unfolded tile plus the rows' low-rank
-      term (K S' = P K S + (K Kw^T) U, two small dots independent of the state), the folded
-      tile formed and stored (the "dot" fold) after the outputs, off their dependency chain.
+      rows, unrolled, rows past count zeroed: every row load in flight at once).
     prefetch_state: with one value tile per program (tiles_per_program = 1, one value head),
       load the state tile first, before the tree mask and q/k, so its latency overlaps the
       N x N work (in program order it is issued after the inverse, then waited for at once).
       Holds the tile in registers through the N x N work.
-    prefetch_fold: the same for a pending lazy commit's rows (folds "unroll", "dot", "split"; one
+    prefetch_fold: the same for a pending lazy commit's rows (folds "unroll" and "dot"; one
       value tile per program, one value head): their loads, a `PendingPath`'s dependent ones
       included, issue before the N x N work instead of at the fold.
     """
@@ -235,7 +230,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # has_pending adds, after s: count [] (rows to fold), pk [Lb, dk], pu [Lb, hg, tpp*bv],
     # pw [Lb, hg], ps [hg] (p_sel); and the output sn [hg, dk, tpp*bv], the folded state (it may
     # alias s: each tile is read before its own store and by no other program). Lb = the
-    # pend_rows rows present, or (folds "dot", "split") a power of two >= 16 of them, rows past
+    # pend_rows rows present, or (fold "dot") a power of two >= 16 of them, rows past
     # pend_rows touched only through masks.
     # pend_path (a `PendingPath`: the previous verify's factors, read at the path's rows) adds
     # instead: count [], sel [], path [Lb] (node ids), pg [Mp, hg] (gamma), pk [Mp, dk] (keys as
@@ -327,22 +322,14 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
-            s0 = low = loaded = None
             if pend is not None:
                 loaded = (early_rows if early_rows is not None else
                           _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
-                if cfg.fold == "split":
-                    # the outputs from the unfolded tile: K S' = P K S + (K Kw^T) U
-                    s0, low = s, _split_terms(kb, qb, loaded, s_dtype, prec)
-                else:
-                    s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
-                    sn_ref[j, :, cols] = s
+                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
+                sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
             qs = _dot(qb, s, prec)
-            if low is not None:
-                p_sel, (k_low, q_low) = loaded[0], low
-                ks, qs = p_sel * ks + k_low, p_sel * qs + q_low
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if cfg.inverse == "matrix":
@@ -354,8 +341,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
                 o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
             _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)
             _store(u_ref.at[:, j, cols], u, inb)
-            if s0 is not None:  # "split": the folded tile, after the outputs
-                sn_ref[j, :, cols] = _fold_rows(s0, pend[0], loaded, "dot", prec_fold)
             return c
 
         if tpp == 1:
@@ -408,8 +393,7 @@ def _unrolled_fold(count, init, rows):
 def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     """The loads of a pending lazy commit's fold for value head j (columns cols): (scale, rows)
     with scale the state's decay p_sel and rows, by fold, "unroll": [(w_m [], k_m [dk],
-    u_m [bv])] for every row present; "dot" and "split": (w [Lb], k [Lb, dk], u [Lb, bv],
-    live [Lb]);
+    u_m [bv])] for every row present; "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
     "loop": a function m -> (w_m, k_m, u_m) (loaded inside the loop). Gathered rows
     (`PendingCommit`) come as the caller gathered them; a `PendingPath`'s are read from the
     previous verify's factors at the path's node ids (a dependent load of the id first), the
@@ -426,7 +410,7 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
         scale = _path_scale(count, g_sel)
         if fold == "unroll":
             return scale, [row(node_at(m)) for m in range(rows)]
-        if fold in _BLOCK_FOLDS:
+        if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
             return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
@@ -436,7 +420,7 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     scale = ps_ref[j]
     if fold == "unroll":
         return scale, [(pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]) for m in range(rows)]
-    if fold in _BLOCK_FOLDS:
+    if fold == "dot":
         lp = pk_ref.shape[0]
         idx = jnp.arange(lp, dtype=jnp.int32)
         inb = None if lp == rows else idx < rows
@@ -457,18 +441,6 @@ def _fold_rows(s, count, loaded, fold: str, precision):
     if fold == "dot":
         return _dot_fold(init, *rows, precision)
     return _rank1_fold(count, init, rows)
-
-
-def _split_terms(kb, qb, loaded, s_dtype, prec):
-    """The low-rank terms of the "split" fold: (K Kw^T) U and (Q Kw^T) U [Np, bv] for the rows
-    of `_pending_rows`' "dot" form (w, k, u, live; rows not live zeroed), with Kw = w k: what
-    the rows add to K S' and Q S' beyond P K S (operands in the state dots' dtype)."""
-    _, (w, key, u, live) = loaded
-    kw = jnp.where(live[:, None], w[:, None] * key, 0.0).astype(s_dtype)  # [Lb, dk]
-    ur = jnp.where(live[:, None], u, 0.0).astype(s_dtype)  # [Lb, bv]
-    k_low = _dot(_dot(kb, kw, prec, trans_b=True).astype(s_dtype), ur, prec)
-    q_low = _dot(_dot(qb, kw, prec, trans_b=True).astype(s_dtype), ur, prec)
-    return k_low, q_low
 
 
 def _inverse_matrix(gmat, path_len, prec):
@@ -552,8 +524,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         raise ValueError("prefetch_state / prefetch_fold need tiles_per_program=1 and "
                          "heads_per_program=1")
     if cfg.prefetch_fold and cfg.fold == "loop":
-        raise ValueError("prefetch_fold needs fold 'unroll', 'dot' or 'split' (the loop loads "
-                         "its rows trip by trip)")
+        raise ValueError("prefetch_fold needs fold 'unroll' or 'dot' (the loop loads its rows "
+                         "trip by trip)")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
@@ -599,7 +571,7 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         f = pending.factors
         pend_nodes, pend_rows = f.u.shape[1], pending.path.shape[1]
         mp = next_pow2(pend_nodes, minimum=1)
-        lb = next_pow2(pend_rows) if cfg.fold in _BLOCK_FOLDS else pend_rows
+        lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req, per_req,
             pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
@@ -618,7 +590,7 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         # those past L masked. Either way no padding copy along L, only along dk / dv when those
         # are padded.
         pend_rows = pending.k.shape[1]
-        lb = next_pow2(pend_rows) if cfg.fold in _BLOCK_FOLDS else pend_rows
+        lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req,
             pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
@@ -738,10 +710,9 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     cfg = config or (TreeGDNConfig(depth_bound=depth_bound) if interpret
                      else TreeGDNConfig.auto(b, n, depth_bound))
     if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
-            or cfg.fold not in _VERIFY_FOLDS):
+            or cfg.fold not in _FOLDS):
         raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "
-                         f"{tuple(_PRECISIONS)} and fold one of {_VERIFY_FOLDS}, got "
-                         f"{cfg.inverse!r}, "
+                         f"{tuple(_PRECISIONS)} and fold one of {_FOLDS}, got {cfg.inverse!r}, "
                          f"{cfg.precision!r}, {cfg.fold!r}")
     return with_keys(k, _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
                                           jnp.asarray(num_nodes, jnp.int32),
