@@ -138,9 +138,10 @@ class TreeGDNConfig:
         tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
         tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
         issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
-        against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 8 nodes: the state
-        tile loaded before the N x N work (`prefetch_state`, 4.9 -> 4.5 us). The environment
-        variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same launch shapes).
+        against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 16 nodes: the state
+        tile loaded before the N x N work (`prefetch_state`; N = 8 4.9 -> 4.5 us, N = 16
+        5.0 -> 4.5). The environment variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same
+        launch shapes).
 
         The fold of a pending lazy commit (only the lazy verify uses it). Until session 17 the
         TF32x3 dot at B <= 4, the rank-1 loop above (both kept without a depth bound).
@@ -167,9 +168,10 @@ class TreeGDNConfig:
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
-            # <= 8 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8; no
-            # change at N = 64, not measured at N = 16; tree_gdn_h200_s9/prefetch_state/)
-            return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 8, **kw)
+            # <= 16 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8, no
+            # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: verify
+            # 5.0 -> 4.5 us, one-launch lazy step 6.7 -> 5.9, tree_gdn_h200_s19/b1shape/)
+            return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 16, **kw)
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 16:
