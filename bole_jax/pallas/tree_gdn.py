@@ -139,9 +139,9 @@ class TreeGDNConfig:
         tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
         issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
         against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 16 nodes: the state
-        tile loaded before the N x N work (`prefetch_state`; N = 8 4.9 -> 4.5 us, N = 16
-        5.0 -> 4.5). The environment variable BOLE_TREE_GDN_BF16=0 keeps fp32 operands (same
-        launch shapes).
+        tile loaded before the N x N work (`prefetch_state`; N = 8 4.9 -> 4.5 us; at N = 16
+        the one-launch lazy step 6.7 -> 5.9). The environment variable BOLE_TREE_GDN_BF16=0
+        keeps fp32 operands (same launch shapes).
 
         The fold of a pending lazy commit (only the lazy verify uses it). Until session 17 the
         TF32x3 dot at B <= 4, the rank-1 loop above (both kept without a depth bound).
@@ -169,8 +169,9 @@ class TreeGDNConfig:
             return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
             # <= 16 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8, no
-            # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: verify
-            # 5.0 -> 4.5 us, one-launch lazy step 6.7 -> 5.9, tree_gdn_h200_s19/b1shape/)
+            # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: the
+            # one-launch lazy step 6.7 -> 5.9 us in two runs, the verify 5.0 -> 4.5 and 4.9 ->
+            # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/)
             return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 16, **kw)
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
