@@ -596,6 +596,7 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
 
 @pytest.mark.parametrize("n,cfg", [
     (32, TreeGDNConfig.auto(1, 32, 9)), (16, TreeGDNConfig.auto(4, 16, 9)),
+    (16, TreeGDNConfig.auto(1, 16, 9)),  # the state prefetched as well (session 19)
     (16, TreeGDNConfig.auto(16, 16, 9)), (32, TreeGDNConfig.auto(16, 32, 9)),
     (8, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                       bf16_state=True, fold="unroll")),
@@ -671,6 +672,10 @@ def test_auto_operand_dtype_switch(monkeypatch):
     assert got == [("unroll", True), ("unroll", True), ("loop", False), ("unroll", False),
                    ("unroll", False), ("unroll", False)]
     assert TreeGDNConfig.auto(4, 16, 17).fold == "dot"  # too many rows to unroll
+    # the state tile loaded first: measured faster at B = 1 up to 16 nodes only (session 19)
+    assert [TreeGDNConfig.auto(b, n, 9).prefetch_state
+            for b, n in ((1, 8), (1, 16), (1, 32), (4, 8), (4, 16))] == [True, True, False,
+                                                                        False, False]
 
 
 def test_mosaic_launch_where_measured_faster(monkeypatch):
