@@ -92,7 +92,8 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips), "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`) or "unroll" (fp32 rank-1 updates of all L
-      rows, unrolled, rows past count zeroed: every row load in flight at once).
+      rows, unrolled: every row load in flight at once; gathered rows past count zeroed, an
+      accepted path's read at the accepted node with weight 0, `_live_path_rows`).
     prefetch_state: with one value tile per program (tiles_per_program = 1, one value head),
       load the state tile first, before the tree mask and q/k, so its latency overlaps the
       N x N work (in program order it is issued after the inverse, then waited for at once).
@@ -328,7 +329,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             if pend is not None:
                 loaded = (early_rows if early_rows is not None else
                           _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
-                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
+                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold, pend_path)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -385,12 +386,38 @@ def _unrolled_fold(count, init, rows):
     """init + sum_{m < count} w_m k_m u_m^T over rows = [(w_m [], k_m [dk], u_m [bv])], already
     loaded (so every row's loads issue before any update; no shared memory, unlike the dot):
     exact fp32 rank-1 updates, unrolled; rows past count are zeroed on both factors, so even
-    NaN there cannot leak."""
+    NaN there cannot leak. For gathered rows, whose contents past count are the caller's;
+    an accepted path read from the factors takes `_path_unrolled_fold`."""
     acc = init
     for m, (w, k, u) in enumerate(rows):
         live = m < count
         acc = acc + jnp.where(live, w * k, 0.0)[:, None] * jnp.where(live, u, 0.0)[None, :]
     return acc
+
+
+def _live_path_rows(count, sel, node_at, rows: int, row):
+    """The rows of an accepted path's unrolled fold, as [(k_m [dk], w_m u_m [bv])] for m < rows:
+    row(node) -> (w [] the row's whole scalar weight, k_scale included; k [dk] the key as the
+    verify took it; u [bv]). A row past count reads the accepted node's own row (on the path,
+    so a real node's finite factors) with weight 0: it adds exact zeros, with no select on the
+    key or value vectors. The scalar weight goes onto the thread's u values (a value tile has
+    fewer columns per thread than key rows), not onto the keys."""
+    out = []
+    for m in range(rows):
+        live = m < count
+        w, k, u = row(jnp.where(live, node_at(m), sel))
+        out.append((k, jnp.where(live, w, 0.0) * u))
+    return out
+
+
+def _path_unrolled_fold(count, init, rows):
+    """init + sum_m k_m (w_m u_m)^T over `_live_path_rows`' rows: fp32 rank-1 updates, unrolled.
+    With count 0 (nothing accepted) no row is on a path, so its factors may be anything (NaN
+    even): the result is then init itself, one select of the tile instead of one per row."""
+    acc = init
+    for k, wu in rows:
+        acc = acc + k[:, None] * wu[None, :]
+    return jnp.where(count > 0, acc, init)
 
 
 def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
@@ -410,9 +437,13 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
             key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
+        def scaled_row(node):  # k_scale in the scalar weight (`_live_path_rows`)
+            return (_path_weight(g_sel, pg_ref[node, j]) * pks_ref[node],
+                    pk_ref[node].astype(jnp.float32), pu_ref[node, j, cols])
+
         scale = _path_scale(count, g_sel)
         if fold == "unroll":
-            return scale, [row(node_at(m)) for m in range(rows)]
+            return scale, _live_path_rows(count, sel, node_at, rows, scaled_row)
         if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
@@ -433,14 +464,15 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     return scale, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
 
 
-def _fold_rows(s, count, loaded, fold: str, precision):
+def _fold_rows(s, count, loaded, fold: str, precision, path: bool = False):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv], from
     `_pending_rows`' (scale, rows): the rows added as `_commit_kernel` adds them, by a loop of
-    fp32 rank-1 updates, unrolled ones (`_unrolled_fold`) or one dot (`_dot_fold`)."""
+    fp32 rank-1 updates, unrolled ones (`_unrolled_fold`, or `_path_unrolled_fold` for the rows
+    of a `PendingPath`: path=True) or one dot (`_dot_fold`)."""
     scale, rows = loaded
     init = scale * s
     if fold == "unroll":
-        return _unrolled_fold(count, init, rows)
+        return (_path_unrolled_fold if path else _unrolled_fold)(count, init, rows)
     if fold == "dot":
         return _dot_fold(init, *rows, precision)
     return _rank1_fold(count, init, rows)
@@ -772,7 +804,8 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
     # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
-    # no shared-memory staging as the dot needs), rows past count zeroed. count, sel and path
+    # no shared-memory staging as the dot needs), rows past count the accepted node's own with
+    # weight 0 (`_live_path_rows`), the tile kept as it is when count is 0. count, sel and path
     # arrive raw (`_path_inputs`: sel < 0 = nothing accepted).
     count, sel, node_at, path_ids = _path_inputs(count_ref, sel_ref, path_ref, length, nodes)
 
@@ -780,13 +813,12 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
         return k_ref[node].astype(jnp.float32) * ks_ref[node]
 
     if fold == "unroll":
-        ids = [node_at(m) for m in range(length)]
         s = s_ref[...]
-        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in ids]
         g_sel = gamma_ref[sel]
-        init = _path_scale(count, g_sel) * s
-        o_ref[...] = _unrolled_fold(count, init, [
-            (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
+        rows = _live_path_rows(count, sel, node_at, length, lambda nd: (
+            _path_weight(g_sel, gamma_ref[nd]) * ks_ref[nd], k_ref[nd].astype(jnp.float32),
+            u_ref[nd]))
+        o_ref[...] = _path_unrolled_fold(count, _path_scale(count, g_sel) * s, rows)
         return
     g_sel = gamma_ref[sel]
     init = _path_scale(count, g_sel) * s_ref[...]
