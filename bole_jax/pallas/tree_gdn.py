@@ -395,35 +395,35 @@ def _unrolled_fold(count, init, rows):
     return acc
 
 
-def _live_path_rows(count, sel, node_at, rows: int, row):
-    """The rows of an accepted path's unrolled fold, as [(k_m [dk], w_m u_m [bv])] for m < rows:
-    row(node) -> (w [] the row's whole scalar weight, k_scale included; k [dk] the key as the
-    verify took it; u [bv]). A row past count reads the accepted node's own row (on the path,
-    so a real node's finite factors) with weight 0: it adds exact zeros, with no select on the
-    key or value vectors. The scalar weight goes onto the thread's u values (a value tile has
-    fewer columns per thread than key rows), not onto the keys."""
-    out = []
-    for m in range(rows):
-        live = m < count
-        w, k, u = row(jnp.where(live, node_at(m), sel))
-        out.append((k, jnp.where(live, w, 0.0) * u))
-    return out
+def _live_path_rows(count, sel, node_at, rows: int, load):
+    """The row loads of an accepted path's unrolled fold: [(live_m, load(node_m))] for m < rows,
+    where a row past count (live_m False) reads the accepted node's own row (on the path: a
+    real node's finite factors), so that `_path_unrolled_fold` adds it with weight 0 as exact
+    zeros, with no select on its key or value vectors. Loads only: every use of a loaded value
+    is in the fold, so a kernel that issues these early (`TreeGDNConfig.prefetch_fold`) does
+    not wait for them there."""
+    return [(m < count, load(jnp.where(m < count, node_at(m), sel))) for m in range(rows)]
 
 
-def _path_unrolled_fold(count, init, rows):
-    """init + sum_m k_m (w_m u_m)^T over `_live_path_rows`' rows: fp32 rank-1 updates, unrolled.
-    With count 0 (nothing accepted) no row is on a path, so its factors may be anything (NaN
-    even): the result is then init itself, one select of the tile instead of one per row."""
+def _path_unrolled_fold(count, init, g_sel, rows):
+    """init + sum_{m < count} w_m k_m u_m^T over `_live_path_rows`' rows, each loaded as
+    (gamma [], k_scale [], k [dk] as the verify took it, u [bv]): fp32 rank-1 updates, unrolled,
+    w_m = exp(gamma_sel - gamma_m) k_scale_m, the scalar weight put on the thread's u values
+    (a value tile has fewer columns per thread than key rows). With count 0 (nothing accepted)
+    no row is on a path and its factors may be anything (NaN even): the result is then init,
+    one select of the tile instead of one per row and factor."""
     acc = init
-    for k, wu in rows:
-        acc = acc + k[:, None] * wu[None, :]
+    for live, (g, ks, k, u) in rows:
+        w = jnp.where(live, _path_weight(g_sel, g) * ks, 0.0)
+        acc = acc + k.astype(jnp.float32)[:, None] * (w * u)[None, :]
     return jnp.where(count > 0, acc, init)
 
 
 def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     """The loads of a pending lazy commit's fold for value head j (columns cols): (scale, rows)
     with scale the state's decay p_sel and rows, by fold, "unroll": [(w_m [], k_m [dk],
-    u_m [bv])] for every row present; "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
+    u_m [bv])] for every row present (a `PendingPath`'s: (gamma_sel, `_live_path_rows`), loads
+    only); "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
     "loop": a function m -> (w_m, k_m, u_m) (loaded inside the loop). Gathered rows
     (`PendingCommit`) come as the caller gathered them; a `PendingPath`'s are read from the
     previous verify's factors at the path's node ids (a dependent load of the id first), the
@@ -437,13 +437,10 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
             key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
-        def scaled_row(node):  # k_scale in the scalar weight (`_live_path_rows`)
-            return (_path_weight(g_sel, pg_ref[node, j]) * pks_ref[node],
-                    pk_ref[node].astype(jnp.float32), pu_ref[node, j, cols])
-
+        if fold == "unroll":  # loads only (`_path_unrolled_fold` computes from them)
+            return g_sel, _live_path_rows(count, sel, node_at, rows, lambda node: (
+                pg_ref[node, j], pks_ref[node], pk_ref[node], pu_ref[node, j, cols]))
         scale = _path_scale(count, g_sel)
-        if fold == "unroll":
-            return scale, _live_path_rows(count, sel, node_at, rows, scaled_row)
         if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
@@ -469,10 +466,13 @@ def _fold_rows(s, count, loaded, fold: str, precision, path: bool = False):
     `_pending_rows`' (scale, rows): the rows added as `_commit_kernel` adds them, by a loop of
     fp32 rank-1 updates, unrolled ones (`_unrolled_fold`, or `_path_unrolled_fold` for the rows
     of a `PendingPath`: path=True) or one dot (`_dot_fold`)."""
+    if fold == "unroll" and path:
+        g_sel, rows = loaded
+        return _path_unrolled_fold(count, _path_scale(count, g_sel) * s, g_sel, rows)
     scale, rows = loaded
     init = scale * s
     if fold == "unroll":
-        return (_path_unrolled_fold if path else _unrolled_fold)(count, init, rows)
+        return _unrolled_fold(count, init, rows)
     if fold == "dot":
         return _dot_fold(init, *rows, precision)
     return _rank1_fold(count, init, rows)
@@ -815,10 +815,9 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
     if fold == "unroll":
         s = s_ref[...]
         g_sel = gamma_ref[sel]
-        rows = _live_path_rows(count, sel, node_at, length, lambda nd: (
-            _path_weight(g_sel, gamma_ref[nd]) * ks_ref[nd], k_ref[nd].astype(jnp.float32),
-            u_ref[nd]))
-        o_ref[...] = _path_unrolled_fold(count, _path_scale(count, g_sel) * s, rows)
+        rows = _live_path_rows(count, sel, node_at, length,
+                               lambda nd: (gamma_ref[nd], ks_ref[nd], k_ref[nd], u_ref[nd]))
+        o_ref[...] = _path_unrolled_fold(count, _path_scale(count, g_sel) * s, g_sel, rows)
         return
     g_sel = gamma_ref[sel]
     init = _path_scale(count, g_sel) * s_ref[...]
