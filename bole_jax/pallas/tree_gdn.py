@@ -127,7 +127,8 @@ class TreeGDNConfig:
         """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
         benchmarks/results/tree_gdn_h200_s6/): bf16 q/k/state operands everywhere (verify
         1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
-        2e-5). B = 1: many small programs (32 columns, squaring per tile). B > 1: the matrix
+        2e-5). B = 1: many small programs (32 columns, squaring per tile; the matrix inverse
+        with the state prefetch up to 16 nodes, session 20). B > 1: the matrix
         inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
         64 columns on 2 warps for N <= 16 (<= 32 until session 17) and a whole value head on
         4 warps above (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57
@@ -171,8 +172,15 @@ class TreeGDNConfig:
             # <= 16 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8, no
             # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: the
             # one-launch lazy step 6.7 -> 5.9 us in two runs, the verify 5.0 -> 4.5 and 4.9 ->
-            # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/)
-            return cls(block_v=32, num_warps=4, prefetch_state=nodes <= 16, **kw)
+            # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/). With
+            # them the matrix inverse (session 20, tree_gdn_h200_s20/: T = (I + G)^-1 formed
+            # while the state tile is in flight, then one T @ rhs dot after it arrives, against
+            # four dependent squaring steps): verify N = 8 / 16 4.8 / 4.8 -> 4.4 / 4.7 us,
+            # one-launch lazy step 5.8 / 6.0 -> 5.6 / 5.9, the gathered-rows lazy verify 6.0 /
+            # 6.3 -> 5.6 / 6.0 (6.2 / 6.3 -> 5.7 / 6.0 in a second run); at N = 32 0.2 us slower.
+            small = nodes <= 16
+            return cls(block_v=32, num_warps=4, prefetch_state=small,
+                       inverse="matrix" if small else "squaring", **kw)
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 16:
