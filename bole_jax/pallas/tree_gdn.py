@@ -92,8 +92,7 @@ class TreeGDNConfig:
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips), "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`) or "unroll" (fp32 rank-1 updates of all L
-      rows, unrolled: every row load in flight at once; gathered rows past count zeroed, an
-      accepted path's read at the accepted node with weight 0, `_live_path_rows`).
+      rows, unrolled, rows past count zeroed: every row load in flight at once).
     prefetch_state: with one value tile per program (tiles_per_program = 1, one value head),
       load the state tile first, before the tree mask and q/k, so its latency overlaps the
       N x N work (in program order it is issued after the inverse, then waited for at once).
@@ -337,7 +336,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             if pend is not None:
                 loaded = (early_rows if early_rows is not None else
                           _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
-                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold, pend_path)
+                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
             ks = _dot(kb, s, prec)  # [Np, bv]
@@ -394,8 +393,7 @@ def _unrolled_fold(count, init, rows):
     """init + sum_{m < count} w_m k_m u_m^T over rows = [(w_m [], k_m [dk], u_m [bv])], already
     loaded (so every row's loads issue before any update; no shared memory, unlike the dot):
     exact fp32 rank-1 updates, unrolled; rows past count are zeroed on both factors, so even
-    NaN there cannot leak. For gathered rows, whose contents past count are the caller's;
-    an accepted path read from the factors takes `_path_unrolled_fold`."""
+    NaN there cannot leak."""
     acc = init
     for m, (w, k, u) in enumerate(rows):
         live = m < count
@@ -403,37 +401,10 @@ def _unrolled_fold(count, init, rows):
     return acc
 
 
-def _live_path_rows(count, sel, node_at, rows: int, load):
-    """The row loads of an accepted path's unrolled fold: [(live_m, load(node_m))] for m < rows,
-    where a row past count (live_m False) reads the accepted node's own row (on the path: a
-    real node's finite factors), so that `_path_unrolled_fold` adds it with weight 0 as exact
-    zeros, with no select on its key or value vectors. Loads only: every use of a loaded value
-    is in the fold, so a kernel that issues these early (`TreeGDNConfig.prefetch_fold`) does
-    not wait for them there."""
-    return [(m < count, load(jnp.where(m < count, node_at(m), sel))) for m in range(rows)]
-
-
-def _path_unrolled_fold(count, init, g_sel, rows):
-    """init + sum_{m < count} w_m k_m u_m^T over `_live_path_rows`' rows, each loaded as
-    (gamma [], k_scale [], k [dk] as the verify took it, u [bv]): fp32 rank-1 updates, unrolled,
-    w_m = exp(gamma_sel - gamma_m) k_scale_m, the scalar weight put on the thread's u values
-    (a value tile has fewer columns per thread than key rows). With count 0 (nothing accepted)
-    no row is on a path and its factors may be anything (NaN even): the fold is then skipped,
-    one branch on a scalar (no select of the tile, which would keep init live beside acc)."""
-    def fold(acc):
-        for live, (g, ks, k, u) in rows:
-            w = jnp.where(live, _path_weight(g_sel, g) * ks, 0.0)
-            acc = acc + k.astype(jnp.float32)[:, None] * (w * u)[None, :]
-        return acc
-
-    return jax.lax.cond(count > 0, fold, lambda acc: acc, init)
-
-
 def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     """The loads of a pending lazy commit's fold for value head j (columns cols): (scale, rows)
     with scale the state's decay p_sel and rows, by fold, "unroll": [(w_m [], k_m [dk],
-    u_m [bv])] for every row present (a `PendingPath`'s: (gamma_sel, `_live_path_rows`), loads
-    only); "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
+    u_m [bv])] for every row present; "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
     "loop": a function m -> (w_m, k_m, u_m) (loaded inside the loop). Gathered rows
     (`PendingCommit`) come as the caller gathered them; a `PendingPath`'s are read from the
     previous verify's factors at the path's node ids (a dependent load of the id first), the
@@ -447,10 +418,9 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
             key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
-        if fold == "unroll":  # loads only (`_path_unrolled_fold` computes from them)
-            return g_sel, _live_path_rows(count, sel, node_at, rows, lambda node: (
-                pg_ref[node, j], pks_ref[node], pk_ref[node], pu_ref[node, j, cols]))
         scale = _path_scale(count, g_sel)
+        if fold == "unroll":
+            return scale, [row(node_at(m)) for m in range(rows)]
         if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
@@ -471,14 +441,10 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     return scale, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
 
 
-def _fold_rows(s, count, loaded, fold: str, precision, path: bool = False):
+def _fold_rows(s, count, loaded, fold: str, precision):
     """p_sel S + sum_{m < count} w_m k_m u_m^T on one fp32 state tile s [dk, bv], from
     `_pending_rows`' (scale, rows): the rows added as `_commit_kernel` adds them, by a loop of
-    fp32 rank-1 updates, unrolled ones (`_unrolled_fold`, or `_path_unrolled_fold` for the rows
-    of a `PendingPath`: path=True) or one dot (`_dot_fold`)."""
-    if fold == "unroll" and path:
-        g_sel, rows = loaded
-        return _path_unrolled_fold(count, _path_scale(count, g_sel) * s, g_sel, rows)
+    fp32 rank-1 updates, unrolled ones (`_unrolled_fold`) or one dot (`_dot_fold`)."""
     scale, rows = loaded
     init = scale * s
     if fold == "unroll":
@@ -814,8 +780,7 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
     # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
     # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
     # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
-    # no shared-memory staging as the dot needs), rows past count the accepted node's own with
-    # weight 0 (`_live_path_rows`), the tile kept as it is when count is 0. count, sel and path
+    # no shared-memory staging as the dot needs), rows past count zeroed. count, sel and path
     # arrive raw (`_path_inputs`: sel < 0 = nothing accepted).
     count, sel, node_at, path_ids = _path_inputs(count_ref, sel_ref, path_ref, length, nodes)
 
@@ -823,11 +788,13 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
         return k_ref[node].astype(jnp.float32) * ks_ref[node]
 
     if fold == "unroll":
+        ids = [node_at(m) for m in range(length)]
         s = s_ref[...]
+        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in ids]
         g_sel = gamma_ref[sel]
-        rows = _live_path_rows(count, sel, node_at, length,
-                               lambda nd: (gamma_ref[nd], ks_ref[nd], k_ref[nd], u_ref[nd]))
-        o_ref[...] = _path_unrolled_fold(count, _path_scale(count, g_sel) * s, g_sel, rows)
+        init = _path_scale(count, g_sel) * s
+        o_ref[...] = _unrolled_fold(count, init, [
+            (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
         return
     g_sel = gamma_ref[sel]
     init = _path_scale(count, g_sel) * s_ref[...]
