@@ -175,9 +175,11 @@ class TreeGDNConfig:
             # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/). With
             # them the matrix inverse (session 20, tree_gdn_h200_s20/: T = (I + G)^-1 formed
             # while the state tile is in flight, then one T @ rhs dot after it arrives, against
-            # four dependent squaring steps): verify N = 8 / 16 4.8 / 4.8 -> 4.4 / 4.7 us,
-            # one-launch lazy step 5.8 / 6.0 -> 5.6 / 5.9, the gathered-rows lazy verify 6.0 /
-            # 6.3 -> 5.6 / 6.0 (6.2 / 6.3 -> 5.7 / 6.0 in a second run); at N = 32 0.2 us slower.
+            # four dependent squaring steps), same-run A/Bs at N = 8 / 16: the gathered-rows
+            # lazy verify 6.2 / 6.3 -> 5.7 / 6.0 us (diet1/) and 6.1 / 6.3 -> 5.6 / 6.0
+            # (base2/), the one-launch lazy step 5.8 / 6.0 -> 5.6 / 5.9 (base2/); the eager
+            # verify 4.8 / 4.8 -> 4.4 / 4.7 in diet2/ but 4.8 / 4.9 in the grid/ run with it
+            # (noise-level there). At N = 32 the lazy verify 0.2 us slower: squaring kept.
             small = nodes <= 16
             return cls(block_v=32, num_warps=4, prefetch_state=small,
                        inverse="matrix" if small else "squaring", **kw)
