@@ -475,8 +475,8 @@ def _pending_path(seed, b, m, hk, hv, dk, dv, length, callers_path):
     on_path = np.zeros((b, m), bool)
     for r in range(b):
         on_path[r, walk[r, :count[r]]] = True
-    # Nothing accepted (-1, request 1) reads no row: every row of that request is NaN, node 0
-    # too, which a clipped -1 names (the unrolled fold reads it with weight 0 and discards it).
+    # Nothing accepted (-1, request 1): every row of that request is NaN, node 0 too, which a
+    # clipped -1 names (each fold must zero or skip the rows past count 0, not weigh them by 0).
     nan = lambda a: jnp.where(on_path.reshape(on_path.shape + (1,) * (a.ndim - 2)),  # noqa
                               a, jnp.nan).astype(a.dtype)
     f = TreeFactors(k=nan(f.k), u=nan(f.u), gamma=nan(f.gamma), k_scale=nan(f.k_scale))
