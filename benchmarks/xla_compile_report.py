@@ -1,0 +1,238 @@
+"""Registers, spills, shared memory and SASS of the Triton kernels as the GPU image's JAX builds them.
+
+`offline_compile.py` compiles the kernels with a separately installed Triton, which is another
+version than the one inside jaxlib, and its numbers misled the session-20 choices. On a GPU
+with jaxlib > 0.10.2, Pallas compiles each Triton kernel in Python at lowering time, through
+`jax._src.lib.triton.compile` (the CUDA plugin's handler), and hands XLA the PTX it returns.
+This script wraps that call, lowers the bench's launches (nothing runs), keeps each kernel's
+PTX, and runs `ptxas -v` and `cuobjdump -sass` on it:
+
+    python benchmarks/xla_compile_report.py --points 1x8,16x8,64x8 --out DIR
+
+Variants per point (`--variants`): "verify" (the eager verify), "direct" (the one-launch lazy
+step: the verify folding a `PendingPath`), "commit" (the selected-state commit), all with the
+auto launches the bench times (`TreeGDNConfig.auto(B, N, MAX_DEPTH)`, `tree_gdn.commit_launch`) or
+the `--bole-configs` given. Prints one table row per kernel and writes DIR/report.json; the
+.ptx / .cubin / .sass stay in DIR. Qwen3-Next dims (bench_tree_gdn.py's).
+
+ptxas: the one jaxlib would use (the `nvidia/cuda_nvcc` package's, else the PATH's); its
+version goes in the report. XLA assembles the PTX itself, with its own ptxas or the driver,
+so the counts are those of the same PTX, not necessarily of the very same cubin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+VARIANTS = ("verify", "direct", "commit")
+
+
+def _ptxas():
+    """(ptxas path, cuobjdump path or None, ptxas version line)."""
+    cands = []
+    try:
+        import nvidia.cuda_nvcc as nv  # jaxlib's own CUDA toolchain package, where present
+        for base in nv.__path__:
+            cands.append(os.path.join(base, "bin", "ptxas"))
+    except ImportError:
+        pass
+    cands.append(shutil.which("ptxas") or "")
+    cands.append("/usr/local/cuda/bin/ptxas")
+    ptxas = next((c for c in cands if c and os.path.exists(c)), None)
+    if ptxas is None:
+        sys.exit("no ptxas found (nvidia/cuda_nvcc, PATH, /usr/local/cuda/bin)")
+    cuobjdump = (shutil.which("cuobjdump") or
+                 next((p for p in ("/usr/local/cuda/bin/cuobjdump",
+                                   os.path.join(os.path.dirname(ptxas), "cuobjdump"))
+                       if os.path.exists(p)), None))
+    ver = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    return ptxas, cuobjdump, (ver.strip().splitlines() or ["?"])[-1]
+
+
+class _Capture:
+    """Wraps pallas_call_registration's `triton.compile`: every kernel it compiles, in order."""
+
+    def __init__(self):
+        from jax._src.pallas.triton import pallas_call_registration as pcr
+        self.pcr, self.kernels, self.orig = pcr, [], pcr.triton.compile
+        if not hasattr(pcr, "triton") or not hasattr(pcr.triton, "compile"):
+            sys.exit("this jax has no Python-side Triton compile (jaxlib <= 0.10.2 hands the "
+                     "module to XLA): run this on the GPU image")
+
+    def __enter__(self):
+        orig, kernels = self.orig, self.kernels
+
+        def compile_(platform, module, arch, *, num_warps, num_ctas, num_stages):
+            res = orig(platform, module, arch, num_warps=num_warps, num_ctas=num_ctas,
+                       num_stages=num_stages)
+            kernels.append(dict(arch=arch, num_warps=num_warps, num_stages=num_stages,
+                                smem_bytes=int(res.smem_bytes), ptx=res.asm))
+            return res
+
+        self.pcr.triton.compile = compile_
+        return self
+
+    def __exit__(self, *exc):
+        self.pcr.triton.compile = self.orig
+
+
+def _inputs(b, n, seed=0):
+    from benchmarks import bench_tree_gdn as btg
+    from bole_jax.pallas.tree_gdn import accepted_rows
+    from bole_jax.pallas.tree_utils import tree_structure
+    import numpy as np
+    parents = btg.make_trees(np.random.default_rng(seed), b, n)
+    parents_d = jnp.asarray(parents)
+    num_nodes = jnp.full((b,), n, jnp.int32)
+    tree = tree_structure(parents_d, num_nodes)
+    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
+    accepted = jnp.asarray(btg.deepest_nodes(parents))
+    path, count = accepted_rows(parents_d, accepted, min(btg.MAX_DEPTH, n))
+    return dict(parents=parents_d, num_nodes=num_nodes, tree=tree, qkvgbs=(q, k, v, g, beta,
+                state), accepted=accepted, path=path, count=count)
+
+
+def _lowerings(b, n, variants, cfgs):
+    """[(label, thunk lowering it)] for the point's variants."""
+    from benchmarks import bench_tree_gdn as btg
+    from bole_jax.pallas.tree_gdn import commit_launch, tree_gdn_verify
+    from bole_jax.pallas.tree_utils import PendingPath, TreeFactors
+    from bole_jax.spec_decode.state_factors import commit_state
+
+    x = _inputs(b, n)
+    q, k, v, g, beta, state = x["qkvgbs"]
+    sd = jax.ShapeDtypeStruct
+    fac = TreeFactors(k=k, u=sd(v.shape, jnp.float32), gamma=sd(g.shape, jnp.float32),
+                      k_scale=sd(k.shape[:3], jnp.float32))
+    out = []
+    for cfg in cfgs:
+        def verify(q, k, v, g, beta, s, pending=None, cfg=cfg):
+            return tree_gdn_verify(q, k, v, g, beta, s, x["parents"], x["num_nodes"],
+                                   tree=x["tree"], backend="pallas", config=cfg,
+                                   pending=pending)
+        if "verify" in variants:
+            out.append((f"verify {btg.cfg_str(cfg)}",
+                        lambda verify=verify: jax.jit(verify).lower(q, k, v, g, beta, state)))
+        if "direct" in variants:
+            pend = PendingPath(factors=fac, path=x["path"], sel=x["accepted"], count=x["count"])
+            out.append((f"direct {btg.cfg_str(cfg)}",
+                        lambda verify=verify, pend=pend: jax.jit(verify).lower(
+                            q, k, v, g, beta, state, pend)))
+    if "commit" in variants:
+        fold, block_v = commit_launch(b, min(btg.MAX_DEPTH, n))  # as the engine's commit
+
+        def commit(s, f):
+            return commit_state(s, f, x["parents"], x["accepted"], backend="pallas",
+                                path=x["path"], count=x["count"])
+        out.append((f"commit fold={fold},bv={block_v}", lambda: jax.jit(commit).lower(state, fac)))
+    return out
+
+
+def _assemble(ptxas, cuobjdump, ptx_path):
+    cubin = ptx_path[:-4] + ".cubin"
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", cubin],
+                         capture_output=True, text=True)
+    if res.returncode:
+        return dict(error=res.stderr[-2000:])
+    info = res.stderr
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
+    rep = dict(registers=num(r"Used (\d+) registers"),
+               spill_stores=num(r"(\d+) bytes spill stores"),
+               spill_loads=num(r"(\d+) bytes spill loads"),
+               stack_frame=num(r"(\d+) bytes stack frame"), ptxas_info=info.strip())
+    if cuobjdump:
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+        with open(ptx_path[:-4] + ".sass", "w") as f:
+            f.write(sass)
+        ops = [m.group(1).split(".")[0] for m in re.finditer(
+            r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
+        rep.update(sass_instructions=len(ops),
+                   sass_top=collections.Counter(ops).most_common(12))
+    return rep
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", default="1x8,1x16,4x8,16x8,64x8",
+                    help="comma-separated BxN points (default: the issue-3 points under 5x)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)}")
+    ap.add_argument("--bole-configs", default="auto",
+                    help="';'-separated bench_tree_gdn config specs (Triton launches only)")
+    ap.add_argument("--out", required=True, help="directory for the PTX / cubin / SASS / JSON")
+    args = ap.parse_args(argv)
+    from benchmarks import bench_tree_gdn as btg
+    from bole_jax.pallas.tree_gdn import TreeGDNConfig
+
+    variants = [v for v in args.variants.split(",") if v]
+    bad = set(variants) - set(VARIANTS)
+    if bad:
+        ap.error(f"--variants: unknown {sorted(bad)}; choose from {VARIANTS}")
+    try:
+        points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points.split(",")]
+    except ValueError:
+        ap.error(f"--points: expected e.g. 1x8,16x8, got {args.points!r}")
+    os.makedirs(args.out, exist_ok=True)
+    ptxas, cuobjdump, ptxas_version = _ptxas()
+    print(f"jax {jax.__version__}, devices {jax.devices()}; ptxas {ptxas} ({ptxas_version})")
+    rows = []
+    for b, n in points:
+        cfgs = [c for c in btg.resolve_bole([btg.parse_bole(s) for s in
+                                             args.bole_configs.split(";")], b, n)
+                if isinstance(c, TreeGDNConfig)]
+        for label, lower in _lowerings(b, n, variants, cfgs):
+            with _Capture() as cap:
+                lower()
+            if not cap.kernels:
+                print(f"B={b} N={n} {label}: no Triton kernel compiled (a Mosaic route?)")
+            for i, kern in enumerate(cap.kernels):
+                entry = re.search(r"\.entry\s+(\w+)", kern["ptx"])
+                stem = f"b{b}_n{n}_{label.split()[0]}_{i}"
+                ptx_path = os.path.join(args.out, stem + ".ptx")
+                with open(ptx_path, "w") as f:
+                    f.write(kern["ptx"])
+                rep = dict(B=b, N=n, variant=label, kernel=entry.group(1) if entry else None,
+                           file=stem, arch=kern["arch"], num_warps=kern["num_warps"],
+                           num_stages=kern["num_stages"], smem_bytes=kern["smem_bytes"],
+                           **_assemble(ptxas, cuobjdump, ptx_path))
+                rows.append(rep)
+                regs = rep.get("registers")
+                occ = (65536 // (max(regs, 1) * 32 * kern["num_warps"])
+                       if regs else None)  # programs per SM by registers alone
+                print(f"B={b:<3} N={n:<3} {label:<70} w={kern['num_warps']} "
+                      f"ns={kern['num_stages']} regs={regs} spill={rep.get('spill_stores')}/"
+                      f"{rep.get('spill_loads')} smem={kern['smem_bytes']} "
+                      f"sass={rep.get('sass_instructions')} programs/SM(regs)={occ}",
+                      flush=True)
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(dict(command="xla_compile_report.py " + " ".join(argv or sys.argv[1:]),
+                       git_commit=os.environ.get("BOLE_GIT_COMMIT") or _git_commit(),
+                       jax_version=jax.__version__, device=str(jax.devices()[0]),
+                       ptxas=ptxas, ptxas_version=ptxas_version, rows=rows), f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'report.json')}")
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
