@@ -67,19 +67,20 @@ class _Capture:
 
     def __init__(self):
         from jax._src.pallas.triton import pallas_call_registration as pcr
+        if not hasattr(getattr(pcr, "triton", None), "compile"):
+            raise RuntimeError("this jax has no Python-side Triton compile: run this on the "
+                               "GPU image (jaxlib > 0.10.2)")
         self.pcr, self.kernels, self.orig = pcr, [], pcr.triton.compile
-        if not hasattr(pcr, "triton") or not hasattr(pcr.triton, "compile"):
-            sys.exit("this jax has no Python-side Triton compile (jaxlib <= 0.10.2 hands the "
-                     "module to XLA): run this on the GPU image")
 
     def __enter__(self):
         orig, kernels = self.orig, self.kernels
 
-        def compile_(platform, module, arch, *, num_warps, num_ctas, num_stages):
-            res = orig(platform, module, arch, num_warps=num_warps, num_ctas=num_ctas,
-                       num_stages=num_stages)
-            kernels.append(dict(arch=arch, num_warps=num_warps, num_stages=num_stages,
-                                smem_bytes=int(res.smem_bytes), ptx=res.asm))
+        def compile_(*a, **kw):  # (platform, module bytes, arch, num_warps=, num_ctas=, ...)
+            res = orig(*a, **kw)
+            kernels.append(dict(arch=a[2] if len(a) > 2 else kw.get("arch_name"),
+                                num_warps=kw.get("num_warps"), num_stages=kw.get("num_stages"),
+                                smem_bytes=int(getattr(res, "smem_bytes", -1)),
+                                ptx=getattr(res, "asm", "")))
             return res
 
         self.pcr.triton.compile = compile_
@@ -106,8 +107,9 @@ def _inputs(b, n, seed=0):
                 state), accepted=accepted, path=path, count=count)
 
 
-def _lowerings(b, n, variants, cfgs):
-    """[(label, thunk lowering it)] for the point's variants."""
+def _lowerings(b, n, variants, cfgs, platforms=None):
+    """[(label, thunk lowering it)] for the point's variants; platforms: jax's
+    `lowering_platforms` (None: the default device's)."""
     from benchmarks import bench_tree_gdn as btg
     from bole_jax.pallas.tree_gdn import commit_launch, tree_gdn_verify
     from bole_jax.pallas.tree_utils import PendingPath, TreeFactors
@@ -118,28 +120,41 @@ def _lowerings(b, n, variants, cfgs):
     sd = jax.ShapeDtypeStruct
     fac = TreeFactors(k=k, u=sd(v.shape, jnp.float32), gamma=sd(g.shape, jnp.float32),
                       k_scale=sd(k.shape[:3], jnp.float32))
+
+    def lower(f, *args):
+        return lambda: jax.jit(f).trace(*args).lower(lowering_platforms=platforms)
+
     out = []
     for cfg in cfgs:
         def verify(q, k, v, g, beta, s, pending=None, cfg=cfg):
             return tree_gdn_verify(q, k, v, g, beta, s, x["parents"], x["num_nodes"],
-                                   tree=x["tree"], backend="pallas", config=cfg,
-                                   pending=pending)
+                                   tree=x["tree"], backend="pallas", interpret=False,
+                                   config=cfg, pending=pending)
         if "verify" in variants:
-            out.append((f"verify {btg.cfg_str(cfg)}",
-                        lambda verify=verify: jax.jit(verify).lower(q, k, v, g, beta, state)))
+            out.append((f"verify {btg.cfg_str(cfg)}", lower(verify, q, k, v, g, beta, state)))
         if "direct" in variants:
             pend = PendingPath(factors=fac, path=x["path"], sel=x["accepted"], count=x["count"])
             out.append((f"direct {btg.cfg_str(cfg)}",
-                        lambda verify=verify, pend=pend: jax.jit(verify).lower(
-                            q, k, v, g, beta, state, pend)))
+                        lower(verify, q, k, v, g, beta, state, pend)))
     if "commit" in variants:
         fold, block_v = commit_launch(b, min(btg.MAX_DEPTH, n))  # as the engine's commit
 
         def commit(s, f):
             return commit_state(s, f, x["parents"], x["accepted"], backend="pallas",
-                                path=x["path"], count=x["count"])
-        out.append((f"commit fold={fold},bv={block_v}", lambda: jax.jit(commit).lower(state, fac)))
+                                interpret=False, path=x["path"], count=x["count"])
+        out.append((f"commit fold={fold},bv={block_v}", lower(commit, state, fac)))
     return out
+
+
+def parse_ptxas(info: str) -> dict:
+    """Registers, spill bytes and stack frame from `ptxas -v`'s report (None where absent)."""
+    def num(pat):
+        m = re.search(pat, info)
+        return int(m.group(1)) if m else None
+    return dict(registers=num(r"Used (\d+) registers"),
+                spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"),
+                stack_frame=num(r"(\d+) bytes stack frame"))
 
 
 def _assemble(ptxas, cuobjdump, ptx_path):
@@ -148,12 +163,7 @@ def _assemble(ptxas, cuobjdump, ptx_path):
                          capture_output=True, text=True)
     if res.returncode:
         return dict(error=res.stderr[-2000:])
-    info = res.stderr
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, info)) else None  # noqa: E731
-    rep = dict(registers=num(r"Used (\d+) registers"),
-               spill_stores=num(r"(\d+) bytes spill stores"),
-               spill_loads=num(r"(\d+) bytes spill loads"),
-               stack_frame=num(r"(\d+) bytes stack frame"), ptxas_info=info.strip())
+    rep = dict(parse_ptxas(res.stderr), ptxas_info=res.stderr.strip())
     if cuobjdump:
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
         with open(ptx_path[:-4] + ".sass", "w") as f:
@@ -186,6 +196,10 @@ def main(argv=None):
         points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points.split(",")]
     except ValueError:
         ap.error(f"--points: expected e.g. 1x8,16x8, got {args.points!r}")
+    if jax.default_backend() != "gpu":
+        sys.exit(f"no GPU here (jax {jax.__version__}, backend {jax.default_backend()}): the "
+                 "kernels are compiled by the GPU image's jaxlib; run this on the GPU "
+                 "(offline_compile.py is the CPU-side proxy)")
     os.makedirs(args.out, exist_ok=True)
     ptxas, cuobjdump, ptxas_version = _ptxas()
     print(f"jax {jax.__version__}, devices {jax.devices()}; ptxas {ptxas} ({ptxas_version})")
@@ -198,7 +212,10 @@ def main(argv=None):
             with _Capture() as cap:
                 lower()
             if not cap.kernels:
-                print(f"B={b} N={n} {label}: no Triton kernel compiled (a Mosaic route?)")
+                sys.exit(f"B={b} N={n} {label}: no Triton kernel went through "
+                         "triton.compile (jaxlib <= 0.10.2 hands the module to XLA instead; "
+                         "on a CPU the kernels run in interpret mode): run this on the GPU "
+                         f"image (here: jax {jax.__version__}, {jax.devices()[0].platform})")
             for i, kern in enumerate(cap.kernels):
                 entry = re.search(r"\.entry\s+(\w+)", kern["ptx"])
                 stem = f"b{b}_n{n}_{label.split()[0]}_{i}"
