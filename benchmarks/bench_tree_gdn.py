@@ -175,7 +175,8 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
 
 def _config_fields(items) -> dict:
     """TreeGDNConfig fields of "key=value" items (bv=32, w=4, inv=squaring, ...)."""
-    keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
+    keys = dict(bv="block_v", tpp="tiles_per_program", rpp="requests_per_program",
+                hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
                 prec="precision", fold="fold", pf="prefetch_state", pff="prefetch_fold")
@@ -199,7 +200,8 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
     """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n, MAX_DEPTH)` (the
     trees' depth bound, as a decode step passes its tree shape's) and the engine's Mosaic
     launch where it takes one (never in interpret mode: too slow); Mosaic launches only at
-    N <= 64; duplicates dropped."""
+    N <= 64; launches of several requests per program only where they divide b; duplicates
+    dropped."""
     out = []
     for c in cfgs:
         if c == "auto":
@@ -217,7 +219,9 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
             cs = [c] if n <= tree_gdn_mgpu.NP else []
         else:
             cs = [c]
-        out += [x for x in cs if x not in out]
+        # a launch of several requests per program only where they divide the batch
+        out += [x for x in cs if x not in out
+                and (not isinstance(x, TreeGDNConfig) or b % x.requests_per_program == 0)]
     return out
 
 
@@ -293,6 +297,8 @@ def cfg_str(cfg) -> str:
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"
+    if cfg.requests_per_program != 1:
+        s += f",rpp={cfg.requests_per_program}"
     if cfg.num_stages != 1:
         s += f",ns={cfg.num_stages}"
     if cfg.depth_bound is not None:
@@ -553,18 +559,19 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
               flush=True)
 
     rng = np.random.default_rng(seed)
-    b, n = 3, 24
+    b, n = 4, 24  # 4 requests: launches of 2 or 4 requests per program check too
     parents = make_trees(rng, b, n)
-    num_nodes = np.array([n, 17, 9], np.int32)
+    num_nodes = np.array([n, 17, 9, 20], np.int32)
     parents[1, 17:] = -1
     parents[2, 9:] = 5  # garbage in padding
+    parents[3, 20:] = -1
     args = make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
     tree = tree_structure(parents, num_nodes)
     o_seq, states = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes, tree=tree)
     record("reference: closed form vs sequential (o)", rel(o_ref, o_seq), TOL["o"])
     mask = np.arange(n)[None, :] < num_nodes[:, None]
-    acc = np.array([n - 1, 16, 0], np.int32)
+    acc = np.array([n - 1, 16, 0, 19], np.int32)
     want_state = np.asarray(states)[np.arange(b), acc]
     for cfg in resolve_bole(bole_cfgs, b, n):
         try:

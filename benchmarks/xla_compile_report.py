@@ -1,4 +1,4 @@
-"""Registers, spills, shared memory and SASS of the Triton kernels as the GPU image's JAX builds them.
+"""The Triton kernels as the GPU image's jaxlib builds them: registers, spills, smem, SASS.
 
 `offline_compile.py` compiles the kernels with a separately installed Triton, which is another
 version than the one inside jaxlib, and its numbers misled the session-20 choices. On a GPU
