@@ -9,10 +9,11 @@ dims (H = 16, HV = 32, dk = dv = 128), bench_tree_gdn.py's random trees and inpu
     ncu --import /tmp/r.ncu-rep --page details > details.txt
 
 Variants: the verify (`--bole-configs`, default `auto`), the commit kernel (folds loop, dot,
-unroll), the lazy verify (the same folds, gathered rows), the one-launch lazy step (the auto
-launch reading a `PendingPath`, the bench's "direct") and TREE-PERNODE. It prints each
-variant's name in launch order, so the report's kernels can be matched to them. Without ncu it
-is a smoke test of the kernels (it checks nothing: bench_tree_gdn.py does).
+unroll), the lazy verify (the same folds, gathered rows), the one-launch lazy step (each
+Triton launch of `--bole-configs` reading a `PendingPath`, the bench's "direct") and
+TREE-PERNODE. It prints each variant's name in launch order, so the report's kernels can be
+matched to them. Without ncu it is a smoke test of the kernels (it checks nothing:
+bench_tree_gdn.py does).
 """
 
 from __future__ import annotations
@@ -87,16 +88,15 @@ def main(argv=None):
         add(f"lazy verify {btg.cfg_str(lcfg)}", lazy, q, k, v, g, beta, jnp.copy(state), pend,
             donate=(5,))
     # the one-launch lazy step (the bench's "direct"): the verify reads the accepted path's
-    # rows from the previous factors itself (`PendingPath`)
-    lcfg = TreeGDNConfig.auto(b, n, btg.MAX_DEPTH)
+    # rows from the previous factors itself (`PendingPath`); each Triton launch given
     ppath = PendingPath(factors=fac, path=path, sel=accepted, count=count)
-
-    def direct(q, k, v, g, beta, s, p):
-        return btg.without_keys(tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes,
-                                                tree=tree, backend="pallas", config=lcfg,
-                                                pending=p))
-    add(f"direct verify {btg.cfg_str(lcfg)}", direct, q, k, v, g, beta, jnp.copy(state), ppath,
-        donate=(5,))
+    for lcfg in [c for c in cfgs if isinstance(c, TreeGDNConfig)]:
+        def direct(q, k, v, g, beta, s, p, lcfg=lcfg):
+            return btg.without_keys(tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes,
+                                                    tree=tree, backend="pallas", config=lcfg,
+                                                    pending=p))
+        add(f"direct verify {btg.cfg_str(lcfg)}", direct, q, k, v, g, beta, jnp.copy(state),
+            ppath, donate=(5,))
     if not args.no_pernode:
         def pernode(q, k, v, g, beta, s):
             return tree_pernode.tree_pernode_verify(q, k, v, g, beta, s, parents_d, num_nodes,
