@@ -146,6 +146,18 @@ def _lowerings(b, n, variants, cfgs, platforms=None):
     return out
 
 
+def programs_per_sm(registers, num_warps, smem_bytes):
+    """Resident programs per H100/H200 SM by registers (64K, allocated per warp in units of
+    256), shared memory (228 KiB, 1 KiB reserved per block) and the 32-block / 64-warp limits;
+    None without a register count."""
+    if not registers:
+        return None
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * num_warps)
+    by_smem = (228 * 1024) // (max(smem_bytes, 0) + 1024)
+    return min(by_regs, by_smem, 32, 64 // num_warps)
+
+
 def parse_ptxas(info: str) -> dict:
     """Registers, spill bytes and stack frame from `ptxas -v`'s report (None where absent)."""
     def num(pat):
@@ -227,14 +239,13 @@ def main(argv=None):
                            num_stages=kern["num_stages"], smem_bytes=kern["smem_bytes"],
                            **_assemble(ptxas, cuobjdump, ptx_path))
                 rows.append(rep)
-                regs = rep.get("registers")
-                occ = (65536 // (max(regs, 1) * 32 * kern["num_warps"])
-                       if regs else None)  # programs per SM by registers alone
+                rep["programs_per_sm"] = occ = programs_per_sm(
+                    rep.get("registers"), kern["num_warps"], kern["smem_bytes"])
                 print(f"B={b:<3} N={n:<3} {label:<70} w={kern['num_warps']} "
-                      f"ns={kern['num_stages']} regs={regs} spill={rep.get('spill_stores')}/"
-                      f"{rep.get('spill_loads')} smem={kern['smem_bytes']} "
-                      f"sass={rep.get('sass_instructions')} programs/SM(regs)={occ}",
-                      flush=True)
+                      f"ns={kern['num_stages']} regs={rep.get('registers')} "
+                      f"spill={rep.get('spill_stores')}/{rep.get('spill_loads')} "
+                      f"smem={kern['smem_bytes']} sass={rep.get('sass_instructions')} "
+                      f"programs/SM={occ}", flush=True)
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(dict(command="xla_compile_report.py " + " ".join(argv or sys.argv[1:]),
                        git_commit=os.environ.get("BOLE_GIT_COMMIT") or _git_commit(),

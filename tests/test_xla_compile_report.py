@@ -85,3 +85,12 @@ def test_refuses_without_a_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="run this on the GPU"):
         xcr.main(["--points", "1x8", "--variants", "verify", "--out", "/tmp/xcr_test"])
+
+
+def test_programs_per_sm():
+    assert xcr.programs_per_sm(254, 2, 18432) == 4  # registers bind: 8128 per warp
+    assert xcr.programs_per_sm(166, 4, 34816) == 3
+    assert xcr.programs_per_sm(64, 4, 100 * 1024) == 2  # shared memory binds
+    assert xcr.programs_per_sm(32, 1, 0) == 32  # the block limit
+    assert xcr.programs_per_sm(None, 4, 0) is None
+
