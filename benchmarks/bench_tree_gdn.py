@@ -1098,7 +1098,8 @@ def main(argv=None):
                     help="Bole/pernode launch configs per point (none = first of each list)")
     ap.add_argument("--bole-configs", default=None,
                     help='";"-separated, e.g. "bv=64,w=8,inv=squaring,qk=1;bv=32,w=4" '
-                         "(keys: bv tpp rpp hg w ns inv db qk st prec fold pf pff); replaces the sweep list")
+                         "(keys: bv tpp rpp hg w ns inv db qk st prec fold pf pff); replaces "
+                         "the sweep list")
     ap.add_argument("--pernode-configs", default=None, help='e.g. "bv=32,w=4;bv=64,w=8"')
     ap.add_argument("--lazy-configs", default=None,
                     help='";"-separated launches of the lazy verify, each with its fold, e.g. '
