@@ -122,6 +122,8 @@ def _lowerings(b, n, variants, cfgs, platforms=None):
                       k_scale=sd(k.shape[:3], jnp.float32))
 
     def lower(f, *args):
+        if platforms is None:  # the device's own lowering, the plain API
+            return lambda: jax.jit(f).lower(*args)
         return lambda: jax.jit(f).trace(*args).lower(lowering_platforms=platforms)
 
     out = []
