@@ -63,14 +63,18 @@ def _ptxas():
 
 
 class _Capture:
-    """Wraps pallas_call_registration's `triton.compile`: every kernel it compiles, in order."""
+    """Wraps `jax._src.lib.triton.compile`, and any name pallas_call_registration holds for
+    that same function: every kernel it compiles, in order."""
 
     def __init__(self):
+        from jax._src.lib import triton
         from jax._src.pallas.triton import pallas_call_registration as pcr
-        if not hasattr(getattr(pcr, "triton", None), "compile"):
+        if not hasattr(triton, "compile"):
             raise RuntimeError("this jax has no Python-side Triton compile: run this on the "
                                "GPU image (jaxlib > 0.10.2)")
-        self.pcr, self.kernels, self.orig = pcr, [], pcr.triton.compile
+        self.kernels, self.orig = [], triton.compile
+        self.slots = [(triton, "compile")] + [
+            (pcr, name) for name, val in vars(pcr).items() if val is triton.compile]
 
     def __enter__(self):
         orig, kernels = self.orig, self.kernels
@@ -83,11 +87,13 @@ class _Capture:
                                 ptx=getattr(res, "asm", "")))
             return res
 
-        self.pcr.triton.compile = compile_
+        for mod, name in self.slots:
+            setattr(mod, name, compile_)
         return self
 
     def __exit__(self, *exc):
-        self.pcr.triton.compile = self.orig
+        for mod, name in self.slots:
+            setattr(mod, name, self.orig)
 
 
 def _inputs(b, n, seed=0):
