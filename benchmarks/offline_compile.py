@@ -438,12 +438,18 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
                           capture_output=True, text=True).stdout
     with open(f"{stem}.sass", "w") as f:
         f.write(sass)
-    ops = [m.group(1).split(".")[0] for m in
-           re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
+    ops = sass_opcodes(sass)
     print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
     print(f"SASS {len(ops)} instructions; top: "
           + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
     return int(shared), params, int(scratch)
+
+
+def sass_opcodes(sass: str) -> list[str]:
+    """The opcode of each instruction of a `cuobjdump -sass` listing (predicates and modifier
+    suffixes dropped), in order."""
+    return [m.group(1).split(".")[0] for m in
+            re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
 
 
 if __name__ == "__main__":

@@ -4,16 +4,17 @@
 version than the one inside jaxlib, and its numbers misled the session-20 choices. On a GPU
 with jaxlib > 0.10.2, Pallas compiles each Triton kernel in Python at lowering time, through
 `jax._src.lib.triton.compile` (the CUDA plugin's handler), and hands XLA the PTX it returns.
-This script wraps that call, lowers the bench's launches (nothing runs), keeps each kernel's
-PTX, and runs `ptxas -v` and `cuobjdump -sass` on it:
+This script wraps that call, lowers the launches for cuda as `offline_compile.py` does (shapes
+only, nothing runs), keeps each kernel's PTX, and runs `ptxas -v` and `cuobjdump -sass` on it:
 
     python benchmarks/xla_compile_report.py --points 1x8,16x8,64x8 --out DIR
 
 Variants per point (`--variants`): "verify" (the eager verify), "direct" (the one-launch lazy
 step: the verify folding a `PendingPath`), "commit" (the selected-state commit), all with the
-auto launches the bench times (`TreeGDNConfig.auto(B, N, MAX_DEPTH)`, `tree_gdn.commit_launch`) or
-the `--bole-configs` given. Prints one table row per kernel and writes DIR/report.json; the
-.ptx / .cubin / .sass stay in DIR. Qwen3-Next dims (bench_tree_gdn.py's).
+auto launches the bench times (`TreeGDNConfig.auto(B, N, MAX_DEPTH)`,
+`tree_gdn.commit_launch`) or the `--bole-configs` given. Prints one table row per kernel and
+writes DIR/report.json; the .ptx / .cubin / .sass stay in DIR. Qwen3-Next dims
+(bench_tree_gdn.py's).
 
 ptxas: the one jaxlib would use (the `nvidia/cuda_nvcc` package's, else the PATH's); its
 version goes in the report. XLA assembles the PTX itself, with its own ptxas or the driver,
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -35,7 +35,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import offline_compile as oc  # noqa: E402
 
 VARIANTS = ("verify", "direct", "commit")
 
@@ -96,61 +97,23 @@ class _Capture:
             setattr(mod, name, self.orig)
 
 
-def _inputs(b, n, seed=0):
+def _lowerings(b, n, variants, cfgs):
+    """[(label, thunk lowering it for cuda)] for the point's variants: offline_compile's
+    lowerings (bench_tree_gdn's dims, shapes only)."""
     from benchmarks import bench_tree_gdn as btg
-    from bole_jax.pallas.tree_gdn import accepted_rows
-    from bole_jax.pallas.tree_utils import tree_structure
-    import numpy as np
-    parents = btg.make_trees(np.random.default_rng(seed), b, n)
-    parents_d = jnp.asarray(parents)
-    num_nodes = jnp.full((b,), n, jnp.int32)
-    tree = tree_structure(parents_d, num_nodes)
-    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
-    q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(seed), b, n, 1)[0]
-    accepted = jnp.asarray(btg.deepest_nodes(parents))
-    path, count = accepted_rows(parents_d, accepted, min(btg.MAX_DEPTH, n))
-    return dict(parents=parents_d, num_nodes=num_nodes, tree=tree, qkvgbs=(q, k, v, g, beta,
-                state), accepted=accepted, path=path, count=count)
-
-
-def _lowerings(b, n, variants, cfgs, platforms=None):
-    """[(label, thunk lowering it)] for the point's variants; platforms: jax's
-    `lowering_platforms` (None: the default device's)."""
-    from benchmarks import bench_tree_gdn as btg
-    from bole_jax.pallas.tree_gdn import commit_launch, tree_gdn_verify
-    from bole_jax.pallas.tree_utils import PendingPath, TreeFactors
-    from bole_jax.spec_decode.state_factors import commit_state
-
-    x = _inputs(b, n)
-    q, k, v, g, beta, state = x["qkvgbs"]
-    sd = jax.ShapeDtypeStruct
-    fac = TreeFactors(k=k, u=sd(v.shape, jnp.float32), gamma=sd(g.shape, jnp.float32),
-                      k_scale=sd(k.shape[:3], jnp.float32))
-
-    def lower(f, *args):
-        if platforms is None:  # the device's own lowering, the plain API
-            return lambda: jax.jit(f).lower(*args)
-        return lambda: jax.jit(f).trace(*args).lower(lowering_platforms=platforms)
+    from bole_jax.pallas.tree_gdn import commit_launch
 
     out = []
     for cfg in cfgs:
-        def verify(q, k, v, g, beta, s, pending=None, cfg=cfg):
-            return tree_gdn_verify(q, k, v, g, beta, s, x["parents"], x["num_nodes"],
-                                   tree=x["tree"], backend="pallas", interpret=False,
-                                   config=cfg, pending=pending)
         if "verify" in variants:
-            out.append((f"verify {btg.cfg_str(cfg)}", lower(verify, q, k, v, g, beta, state)))
+            out.append((f"verify {btg.cfg_str(cfg)}", lambda cfg=cfg: oc._lower(b, n, cfg, None)))
         if "direct" in variants:
-            pend = PendingPath(factors=fac, path=x["path"], sel=x["accepted"], count=x["count"])
             out.append((f"direct {btg.cfg_str(cfg)}",
-                        lower(verify, q, k, v, g, beta, state, pend)))
+                        lambda cfg=cfg: oc._lower(b, n, cfg, "path")))
     if "commit" in variants:
         fold, block_v = commit_launch(b, min(btg.MAX_DEPTH, n))  # as the engine's commit
-
-        def commit(s, f):
-            return commit_state(s, f, x["parents"], x["accepted"], backend="pallas",
-                                interpret=False, path=x["path"], count=x["count"])
-        out.append((f"commit fold={fold},bv={block_v}", lower(commit, state, fac)))
+        out.append((f"commit fold={fold},bv={block_v}",
+                    lambda: oc._lower_commit(b, n, oc.commit_config({}))))
     return out
 
 
@@ -188,8 +151,7 @@ def _assemble(ptxas, cuobjdump, ptx_path):
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
         with open(ptx_path[:-4] + ".sass", "w") as f:
             f.write(sass)
-        ops = [m.group(1).split(".")[0] for m in re.finditer(
-            r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
+        ops = oc.sass_opcodes(sass)
         rep.update(sass_instructions=len(ops),
                    sass_top=collections.Counter(ops).most_common(12))
     return rep
@@ -255,19 +217,9 @@ def main(argv=None):
                       f"smem={kern['smem_bytes']} sass={rep.get('sass_instructions')} "
                       f"programs/SM={occ}", flush=True)
     with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(dict(command="xla_compile_report.py " + " ".join(argv or sys.argv[1:]),
-                       git_commit=os.environ.get("BOLE_GIT_COMMIT") or _git_commit(),
-                       jax_version=jax.__version__, device=str(jax.devices()[0]),
-                       ptxas=ptxas, ptxas_version=ptxas_version, rows=rows), f, indent=1)
+        json.dump(dict(btg.run_info(__file__), ptxas=ptxas, ptxas_version=ptxas_version,
+                       rows=rows), f, indent=1)
     print(f"wrote {os.path.join(args.out, 'report.json')}")
-
-
-def _git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(__file__)).stdout.strip() or None
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":
