@@ -27,20 +27,13 @@ def test_notebooks_found():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
-    env_platforms = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the kernel inherits it: the saved outputs are CPU's
-    try:
-        nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3",
-                                resources={"metadata": {"path": NB_DIR}}).execute()
-    finally:
-        if env_platforms is None:
-            os.environ.pop("JAX_PLATFORMS", None)
-        else:
-            os.environ["JAX_PLATFORMS"] = env_platforms
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits it; saved outputs: CPU
+    nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3",
+                            resources={"metadata": {"path": NB_DIR}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, errors[0].get("evalue")
