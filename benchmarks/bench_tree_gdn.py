@@ -548,6 +548,11 @@ def deepest_nodes(parents):
 # ----------------------------------------------------------------------------- checks
 
 
+def unlaunchable(e: Exception) -> bool:
+    """XLA's refusal of a launch that asks for more shared memory than an SM has."""
+    return "RESOURCE_EXHAUSTED" in str(e) and "hared memory" in str(e)
+
+
 def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
     """Every kernel vs its reference on the device (fp32 HIGHEST references)."""
     rows = []
@@ -557,6 +562,15 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
         rows.append(dict(check=name, rel_err=err, tol=tol, ok=ok))
         print(f"  {'ok  ' if ok else 'FAIL'} {name:58s} rel err {err:.2e} (tol {tol:.0e})",
               flush=True)
+
+    def record_error(name, e):
+        """A launch the device cannot run (over its shared memory) is no wrong result: it is
+        listed as unlaunchable and its timing, which fails the same way, is not taken."""
+        if unlaunchable(e):
+            rows.append(dict(check=name, unlaunchable=str(e)[:300], ok=True))
+            print(f"  skip {name:58s} unlaunchable: {str(e)[:120]}", flush=True)
+        else:
+            record(f"{name} raised {type(e).__name__}: {str(e)[:200]}", float("inf"), 0.0)
 
     rng = np.random.default_rng(seed)
     b, n = 4, 24  # 4 requests: launches of 2 or 4 requests per program check too
@@ -600,16 +614,19 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             o2_ref, _ = tree_gdn_ref.tree_gdn_closed_form(*args[:5], want_state, parents,
                                                           num_nodes, tree=tree)
             for fold in ("loop", "dot", "unroll"):
-                o2, _, s2 = tree_gdn_verify(*args[:5], args[5], parents, num_nodes, tree=tree,
-                                            backend="pallas", interpret=INTERPRET,
-                                            config=cfg.with_fold(fold),
-                                            pending=pend)
+                try:
+                    o2, _, s2 = tree_gdn_verify(*args[:5], args[5], parents, num_nodes,
+                                                tree=tree, backend="pallas",
+                                                interpret=INTERPRET, config=cfg.with_fold(fold),
+                                                pending=pend)
+                except Exception as e:  # noqa: BLE001
+                    record_error(f"{tag} lazy (fold {fold})", e)
+                    continue
                 record(f"{tag} lazy (fold {fold}): folded state vs sequential",
                        rel(s2, want_state), TOL["state"])
                 record(f"{tag} lazy (fold {fold}): o", rel(o2, o2_ref), TOL["o"])
         except Exception as e:  # noqa: BLE001
-            record(f"bole [{cfg_str(cfg)}] raised {type(e).__name__}: {str(e)[:200]}",
-                   float("inf"), 0.0)
+            record_error(f"bole [{cfg_str(cfg)}]", e)
     for kw in (dict(backend="reference", max_path=None, precision=None),
                dict(backend="reference", max_path=MAX_DEPTH, precision="highest"),
                dict(backend="pallas", interpret=INTERPRET)):

@@ -80,10 +80,11 @@ def _pallas_call_replaced(wrap):
         tg.pl.pallas_call = orig
 
 
-def _lower(b: int, n: int, cfg, pending):
+def _lower(b: int, n: int, cfg, pending, compile: bool = False):
     """(Triton module texts, launches): each launch's grid and its operands' and outputs'
     [shape, dtype], in the kernel's parameter order. pending: False, True / "rows" (gathered
-    rows, `PendingCommit`) or "path" (the previous factors + accepted path, `PendingPath`)."""
+    rows, `PendingCommit`) or "path" (the previous factors + accepted path, `PendingPath`).
+    compile: also compile it for this process's GPU (`_lower_fn`)."""
     import jax
     import jax.numpy as jnp
 
@@ -115,10 +116,10 @@ def _lower(b: int, n: int, cfg, pending):
         return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
                                   backend="pallas", interpret=False, config=cfg, pending=pend)
 
-    return _lower_fn(f, q, q, v, g, g, state, parents, pend)
+    return _lower_fn(f, q, q, v, g, g, state, parents, pend, compile=compile)
 
 
-def _lower_commit(b: int, n: int, commit_cfg: dict):
+def _lower_commit(b: int, n: int, commit_cfg: dict, compile: bool = False):
     """As `_lower`, for the commit kernel: factors of bench_tree_gdn's dims, the accepted path
     handed in ([B, MAX_DEPTH] node ids and their count, as a decode step passes them)."""
     import jax
@@ -138,7 +139,7 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
                                    **commit_cfg)
 
     return _lower_fn(f, sd((b, HV, DK, DV), jnp.float32), fac, sd((b, n), i32), sd((b,), i32),
-                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32))
+                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32), compile=compile)
 
 
 def _lower_pernode(b: int, n: int, cfg):
@@ -161,10 +162,11 @@ def _lower_pernode(b: int, n: int, cfg):
     return _lower_fn(f, q, q, v, g, g, state, sd((b, n), jnp.int32))
 
 
-def _lower_fn(f, *args):
+def _lower_fn(f, *args, compile: bool = False):
     """Lower f(*args) for cuda with every pallas_call of tree_gdn printing its Triton module:
     (module texts, launches: each one's grid and its operands' and outputs' [shape, dtype] in
-    the kernel's parameter order)."""
+    the kernel's parameter order). compile: lower for this process's backend and compile too
+    (on a GPU: XLA builds the kernels, and dumps them under `--xla_dump_to`); nothing runs."""
     import jax
 
     launches = []
@@ -186,7 +188,11 @@ def _lower_fn(f, *args):
 
     buf = io.StringIO()
     with _pallas_call_replaced(debug_call), contextlib.redirect_stdout(buf):
-        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+        traced = jax.jit(f).trace(*args)
+        if compile:
+            traced.lower().compile()
+        else:
+            traced.lower(lowering_platforms=("cuda",))
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
     return [part[part.index("\n") + 1:] for part in parts], launches
 

@@ -122,3 +122,11 @@ def test_ratio_ceiling(tmp_path):
     assert row["bole_floor_us"] == pytest.approx(f["bole_bytes"] / 1e6)
     assert row["ceiling"] == pytest.approx(100 / row["bole_floor_us"])
     assert row["floor_ratio"] == pytest.approx(f["pernode_bytes"] / f["bole_bytes"])
+
+
+def test_unlaunchable_is_only_the_shared_memory_refusal():
+    from benchmarks.bench_tree_gdn import unlaunchable
+    assert unlaunchable(RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
+                                     "requested 317044, available: 232448"))
+    assert not unlaunchable(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"))
+    assert not unlaunchable(ValueError("shared memory"))  # no XLA status: a bug, not a limit

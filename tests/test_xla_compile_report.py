@@ -93,3 +93,40 @@ def test_programs_per_sm():
     assert xcr.programs_per_sm(32, 1, 0) == 32  # the block limit
     assert xcr.programs_per_sm(None, 4, 0) is None
 
+
+
+def test_ptx_entries_and_multi_entry_ptxas_report():
+    """The XLA-dump path: XLA's module PTX holds several kernels; each entry's warps come from
+    its own `.maxntid`, and ptxas's report is split per entry."""
+    ptx = (".visible .entry fusion_1(\n .param .u64 a\n)\n.maxntid 256, 1, 1\n{\n}\n"
+           ".visible .entry bole_tree_gdn(\n .param .u64 a\n)\n.reqntid 64\n.maxntid 128, 1, 1\n"
+           "{\n}\n.visible .entry bole_commit_state(\n)\n{\n}\n")
+    assert xcr.ptx_entries(ptx) == {"fusion_1": 8, "bole_tree_gdn": 4, "bole_commit_state": None}
+    info = ("ptxas info    : 0 bytes gmem\n"
+            "ptxas info    : Compiling entry function 'fusion_1' for 'sm_90a'\n"
+            "ptxas info    : Function properties for fusion_1\n"
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+            "ptxas info    : Used 16 registers, 380 bytes cmem[0]\n"
+            "ptxas info    : Compiling entry function 'bole_tree_gdn' for 'sm_90a'\n"
+            "ptxas info    : Function properties for bole_tree_gdn\n"
+            "    8 bytes stack frame, 12 bytes spill stores, 4 bytes spill loads\n"
+            "ptxas info    : Used 255 registers, used 1 barriers, 380 bytes cmem[0]\n")
+    got = xcr.parse_ptxas_entries(info)
+    assert set(got) == {"fusion_1", "bole_tree_gdn"}
+    assert (got["fusion_1"]["registers"], got["fusion_1"]["spill_stores"]) == (16, 0)
+    assert {k: got["bole_tree_gdn"][k] for k in ("registers", "spill_stores", "spill_loads",
+                                                "stack_frame")} == dict(
+        registers=255, spill_stores=12, spill_loads=4, stack_frame=8)
+
+
+def test_xla_dump_lists_only_new_ptx(tmp_path):
+    assert xcr._XlaDump.flags("/d", None) == "--xla_dump_to=/d"
+    assert xcr._XlaDump.flags("/d", " --xla_gpu_foo=1 ") == "--xla_gpu_foo=1 --xla_dump_to=/d"
+    dump = xcr._XlaDump(str(tmp_path))
+    (tmp_path / "module_0001.jit_f.ptx").write_text(".entry a(\n")
+    (tmp_path / "module_0001.jit_f.txt").write_text("hlo")
+    assert [os.path.basename(p) for p in dump.new()] == ["module_0001.jit_f.ptx"]
+    assert dump.new() == []
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "module_0002.jit_g.ptx").write_text(".entry b(\n")
+    assert [os.path.basename(p) for p in dump.new()] == ["module_0002.jit_g.ptx"]
