@@ -466,6 +466,22 @@ def make_trees(rng, b, n):
     return parents
 
 
+def tree_context(parents) -> dict:
+    """A decode step's per-step tree data for [B, N] parents (full trees): the device
+    parents, node counts, `tree_structure` with int8 ancestors (once per step, shared by all
+    layers), each tree's deepest node as the accepted one, and its root path as acceptance
+    hands it over (`accepted_rows`, MAX_DEPTH rows)."""
+    b, n = parents.shape
+    parents_d = jnp.asarray(parents)
+    num_nodes = jnp.full((b,), n, jnp.int32)
+    tree = tree_structure(parents_d, num_nodes)
+    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+    accepted = jnp.asarray(deepest_nodes(np.asarray(parents)))
+    path, count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
+    return dict(parents=parents_d, num_nodes=num_nodes, tree=tree, accepted=accepted,
+                path=path, count=count)
+
+
 def make_sets(key, b, n, count):
     """`count` independent device-resident input sets (q, k, v, g, beta, state)."""
     hk, hv, dk, dv = HK, HV, DK, DV
@@ -845,15 +861,16 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     rng = np.random.default_rng(seed * 1000 + b * 100 + n)
     parents = make_trees(rng, b, n)
     depth = max(tree_depth(p) for p in parents)
-    parents_d = jnp.asarray(parents)
-    num_nodes = jnp.full((b,), n, jnp.int32)
     # Once per decode step, shared by all layers (XLA CSE merges the kernel's bool->int8 cast
-    # across layers): hand the kernel bytes here so the per-layer time excludes it.
-    tree = tree_structure(parents_d, num_nodes)
-    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+    # across layers): hand the kernel bytes here so the per-layer time excludes it. The
+    # decode step hands every layer's commit the accepted path that acceptance produced
+    # (`Accepted.path`): formed once here too, outside the timed per-layer call.
+    tc = tree_context(parents)
+    parents_d, num_nodes, tree, accepted = (tc[k] for k in ("parents", "num_nodes", "tree",
+                                                            "accepted"))
+    path_rows, path_count = tc["path"], tc["count"]
     r = input_set_count(b, n)
     sets = make_sets(jax.random.PRNGKey(seed + b * 1000 + n), b, n, r)
-    accepted = jnp.asarray(deepest_nodes(parents))
     point = dict(B=b, N=n, depth=depth, input_sets=r, bole=[], pernode=[])
     ts = jax.jit(lambda p: tree_structure(p, num_nodes))
     jax.block_until_ready(ts(parents_d))
@@ -862,9 +879,6 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         jax.block_until_ready(ts(parents_d))
     point["tree_structure_wall_us"] = (time.perf_counter() - t0) / 10 * 1e6  # once per step
 
-    # The decode step hands every layer's commit the accepted path that acceptance
-    # produced (`Accepted.path`): formed once here, outside the timed per-layer call.
-    path_rows, path_count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
     ctx = step_args(parents_d, num_nodes, tree, accepted, path_rows, path_count)
     o_ref, f_ref = tree_gdn_ref.tree_gdn_closed_form(*sets[0], parents_d, num_nodes, tree=tree)
     point["bole"], best = sweep(

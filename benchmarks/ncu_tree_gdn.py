@@ -19,7 +19,6 @@ bench_tree_gdn.py does).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -31,10 +30,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows, pending_commit,  # noqa: E402
-                                      tree_gdn_verify)
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, pending_commit, tree_gdn_verify  # noqa: E402
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import PendingPath, tree_structure  # noqa: E402
+from bole_jax.pallas.tree_utils import PendingPath  # noqa: E402
 from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
 
@@ -49,14 +47,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     b, n = args.B, args.N
     parents = btg.make_trees(np.random.default_rng(args.seed), b, n)
-    parents_d = jnp.asarray(parents)
-    num_nodes = jnp.full((b,), n, jnp.int32)
-    tree = tree_structure(parents_d, num_nodes)
-    tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
+    tc = btg.tree_context(parents)
+    parents_d, num_nodes, tree, accepted, path, count = (
+        tc[k] for k in ("parents", "num_nodes", "tree", "accepted", "path", "count"))
+    length = path.shape[1]
     q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(args.seed), b, n, 1)[0]
-    accepted = jnp.asarray(btg.deepest_nodes(parents))
-    length = min(btg.MAX_DEPTH, n)
-    path, count = accepted_rows(parents_d, accepted, length)
     runs = []  # (name, compiled, args)
 
     def add(name, fn, *a, donate=()):

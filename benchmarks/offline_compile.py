@@ -257,17 +257,14 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     `kernel_operands` does for the verify: bench_tree_gdn's inputs, the closed form's factors,
     the deepest node of each tree accepted (its root path handed in), and those
     (state, factors, parents, accepted, path, count)."""
-    import jax.numpy as jnp
-    import numpy as np
-
     import bole_jax.pallas.tree_gdn as tg
     from benchmarks import bench_tree_gdn as btg
     from bole_jax.pallas import tree_gdn_ref
 
     (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
     _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
-    accepted = jnp.asarray(btg.deepest_nodes(np.asarray(parents)))
-    path, count = tg.accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
+    tc = btg.tree_context(parents)
+    accepted, path, count = tc["accepted"], tc["path"], tc["count"]
     operands = _recorded_operands(lambda: tg.commit_state_pallas(
         state, fac, parents, accepted, path=path, count=count, **commit_cfg))
     return operands, (state, fac, parents, accepted, path, count)
