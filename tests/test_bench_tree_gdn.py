@@ -23,10 +23,9 @@ def test_parse_mosaic_specs():
     assert btg.parse_bole("auto") == "auto"
     assert btg.parse_bole("bv=32,w=4,inv=squaring") == TreeGDNConfig(block_v=32, num_warps=4,
                                                                       inverse="squaring")
-    rpp = btg.parse_bole("bv=64,w=2,rpp=2,ns=2,fold=unroll")
-    assert rpp == TreeGDNConfig(block_v=64, num_warps=2, requests_per_program=2, num_stages=2,
-                                fold="unroll")
-    assert btg.cfg_str(rpp) == "bv=64,hg=1,w=2,inv=squaring,rpp=2,ns=2,fold=unroll"
+    ns = btg.parse_bole("bv=64,w=2,ns=2,fold=unroll")
+    assert ns == TreeGDNConfig(block_v=64, num_warps=2, num_stages=2, fold="unroll")
+    assert btg.cfg_str(ns) == "bv=64,hg=1,w=2,inv=squaring,ns=2,fold=unroll"
     for bad in ("mosaic,warps=4", "mosaic,bv"):
         with pytest.raises(ValueError, match="bad Mosaic launch item"):
             btg.parse_bole(bad)

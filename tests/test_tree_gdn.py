@@ -535,51 +535,6 @@ def test_pending_path_gather_kernel_matches_reference():
     np.testing.assert_array_equal(np.asarray(got.p_sel)[1], 1.0)
 
 
-@pytest.mark.parametrize("rpp,cfg", [
-    (2, TreeGDNConfig(block_v=16, heads_per_program=2)),
-    (4, TreeGDNConfig(block_v=16, tiles_per_program=2, inverse="matrix", depth_bound=9)),
-    (2, TreeGDNConfig(block_v=32, fold="unroll", prefetch_fold=True, prefetch_state=True,
-                      inverse="matrix")),
-    (4, TreeGDNConfig(block_v=16, fold="dot", num_stages=2)),
-])
-def test_requests_per_program_matches_one_per_program(rpp, cfg):
-    """Several requests per program (a loop over the request axis of every block) computes
-    what one request per program does, bit for bit in interpret mode, for the plain verify,
-    gathered pending rows and a `PendingPath` (ragged trees, a request with nothing accepted);
-    and it matches the reference."""
-    seed = RUN_SEED
-    b, m, n, hk, hv, dk, dv, length = 4, 12, 9, 2, 4, 16, 32, 9
-    pend_path, x_prev, parents_prev, accepted = _pending_path(seed, b, m, hk, hv, dk, dv,
-                                                              length, True)
-    x, parents, num_nodes = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "bushy"),
-                                    ragged=True)
-    rows, dirty = _random_pending(np.random.default_rng(seed + 2), b, 5, hk, hv, dk, dv,
-                                  (5, 0, 2, 3))
-    dirty = dataclasses.replace(dirty, p_sel=dirty.p_sel.at[1].set(1.0))
-    multi = dataclasses.replace(cfg, requests_per_program=rpp)
-    msg = f"seed {seed} rpp {rpp} cfg {cfg}"
-    o_ref, f_ref = tree_gdn_verify(*_args(x), parents, num_nodes, backend="reference")
-    for pending in (None, dirty, pend_path):
-        outs = [tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas",
-                                interpret=True, config=c, pending=pending)
-                for c in (cfg, multi)]
-        one, several = (jax.tree_util.tree_leaves(o) for o in outs)
-        assert len(one) == len(several), msg
-        for a, c in zip(one, several):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=msg)
-        if pending is None:
-            assert rel(outs[1][0], o_ref) <= 1e-5, msg
-            for name in FACTORS:
-                assert rel(factor(outs[1][1], name), factor(f_ref, name)) <= 2e-5, (name, msg)
-
-
-def test_requests_per_program_must_divide_batch():
-    x, parents, num_nodes = _inputs(RUN_SEED, 3, 4, 1, 2, 16, 32, ("random",))
-    with pytest.raises(ValueError, match="requests_per_program=2 must divide the batch B=3"):
-        tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
-                        config=TreeGDNConfig(requests_per_program=2))
-
-
 def test_bad_shapes_raise():
     x, parents, _ = _inputs(0, 1, 4, 2, 3, 16, 16, ("random",))
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -603,8 +558,6 @@ def test_bad_shapes_raise():
     (32, TreeGDNConfig(block_v=64, precision="tf32x3")),
     (16, TreeGDNConfig(block_v=128, depth_bound=8, inverse="squaring", precision="highest")),
     (64, TreeGDNConfig(block_v=32, tiles_per_program=4, inverse="matrix", num_warps=8)),
-    (8, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), requests_per_program=2,
-                            num_stages=2)),
 ])
 def test_kernel_lowers_to_triton(n, cfg):
     """The kernel traces through the Pallas->Triton lowering (catches unsupported ops, non
@@ -650,9 +603,6 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
                       bf16_state=True, fold="unroll")),
     (32, dataclasses.replace(TreeGDNConfig.auto(1, 32, 9), prefetch_fold=True)),
     (16, dataclasses.replace(TreeGDNConfig.auto(4, 16, 9), fold="unroll", prefetch_fold=True)),
-    (8, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), requests_per_program=2)),
-    (8, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), fold="unroll",
-                            requests_per_program=2, num_stages=2)),
 ])
 def test_kernel_with_pending_path_lowers_to_triton(n, cfg):
     """The variant that reads a `PendingPath` (indirect row loads at the path's node ids)

@@ -12,12 +12,11 @@ state afterwards. No per-node state is ever formed. With the lazy commit (`pendi
 rebuild is deferred: the next verify folds the accepted path's rows into the state tiles it
 loads and writes the committed state out (`tree_gdn_verify(pending=)`).
 
-Program layout: grid (dv / block_v, HV / heads_per_program, B / requests_per_program). A program
-owns one request (or a block of requests it loops over), a group of value heads that share one
-key head, and one value tile. It loads q, k once (L2-normalises them in registers), forms the
-N x N matrices K K^T and Q K^T once for all its value heads, then per value head: gates ->
-gamma, Gam, G; the [dk, block_v] state tile -> K S, Q S; the inverse by a finite series of
-dependent [N, N] x [N, block_v] dots; the output dot. Every dot is 2-D with all
+Program layout: grid (dv / block_v, HV / heads_per_program, B). A program owns one request, a group
+of value heads that share one key head, and one value tile. It loads q, k once (L2-normalises them
+in registers), forms the N x N matrices K K^T and Q K^T once for all its value heads, then per
+value head: gates -> gamma, Gam, G; the [dk, block_v] state tile -> K S, Q S; the inverse by a
+finite series of dependent [N, N] x [N, block_v] dots; the output dot. Every dot is 2-D with all
 dims >= 16: the node axis is a block of Np = next power of two >= 16 rows, rows past N are only
 touched through masked loads/stores, and padding nodes (>= num_nodes) are masked to zero.
 
@@ -43,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
-from bole_jax.pallas.triton_ops import PRECISIONS, LeadingView
+from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
@@ -78,10 +77,6 @@ class TreeGDNConfig:
       HV / Hk); > 1 reuses q, k, K K^T, Q K^T across them at the cost of fewer programs.
     tiles_per_program: consecutive value tiles one program loops over (block_v columns each);
       > 1 reuses K K^T, Q K^T, Gam, G (and T with "matrix") across them, with fewer programs.
-    requests_per_program: requests one program handles in a loop, each with the same value
-      heads and tiles (must divide B); > 1 means fewer programs, each request's loads issued
-      while the previous request's stores drain (with num_stages > 1 Triton may pipeline the
-      loop). Session 21, CPU only: not yet timed on a GPU; `auto` never takes it.
     inverse: "neumann", "squaring" (applied to each value tile) or "matrix" (T = (I + G)^-1 formed
       once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
     depth_bound: the most nodes a root path of the caller's trees can have (a decode step's
@@ -110,7 +105,6 @@ class TreeGDNConfig:
     block_v: int | None = None
     heads_per_program: int = 1
     tiles_per_program: int = 1
-    requests_per_program: int = 1
     num_warps: int | None = None
     num_stages: int = 1
     inverse: str = "squaring"
@@ -240,27 +234,9 @@ def _l2norm_scale(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
 
-def _tree_gdn_kernel(*refs, rpp: int, **kw):
-    """The verify kernel over its block of `rpp` requests (`TreeGDNConfig.requests_per_program`):
-    with one request per program the blocks carry no request axis and the body runs on them as
-    they are; with several, every block leads with the request axis and the body runs once
-    per request in a loop, on each block's view of that request (so the loads of one request
-    can issue while the previous one's stores drain, and Triton may pipeline the loop)."""
-    pids = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program ids
-    if rpp == 1:                                # inside a loop body
-        _tree_gdn_body(*refs, pids=pids, **kw)
-        return
-
-    def one_request(r, carry):
-        _tree_gdn_body(*(LeadingView(ref, r) for ref in refs), pids=pids, **kw)
-        return carry
-
-    jax.lax.fori_loop(0, rpp, one_request, 0)
-
-
-def _tree_gdn_body(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-                   *refs, pids, n_real, scale, ratio, cfg, interpret, has_pending,
-                   pend_rows=0, pend_path=False, pend_nodes=0):
+def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
+                     *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0,
+                     pend_path=False, pend_nodes=0):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; ks [Np]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
@@ -291,7 +267,7 @@ def _tree_gdn_body(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     hg = g_ref.shape[1]
     tpp = cfg.tiles_per_program
     bv = v_ref.shape[2] // tpp  # register tile; the program covers tpp of them
-    tile, head_block = pids  # the program's value tile block and head block
+    tile, head_block = pl.program_id(0), pl.program_id(1)
     prec = None if interpret else _PRECISIONS[cfg.precision]
     qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
@@ -567,30 +543,26 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
     bw = bv * tpp  # value columns per program
-    rpp = cfg.requests_per_program
-    if rpp < 1 or b % rpp:
-        raise ValueError(f"requests_per_program={rpp} must divide the batch B={b}")
-    rb = None if rpp == 1 else rpp  # blocks' request axis: squeezed for one request
     q, k = pad_axis(q, 3, dkp), pad_axis(k, 3, dkp)
     v = pad_axis(v, 3, dvp)
     state = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
 
     # Value tiles fastest, then heads: programs that share q, k (and a request's mask) run
     # together, so those loads hit L2.
-    grid = (dvp // bw, hv // hg, b // rpp)
+    grid = (dvp // bw, hv // hg, b)
     key_head = lambda h: (h * hg) // ratio  # noqa: E731
-    per_req = pl.BlockSpec((rb,), lambda t, h, i: (i,))
-    qk_spec = pl.BlockSpec((rb, np_, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0))
-    val_spec = pl.BlockSpec((rb, np_, hg, bw), lambda t, h, i: (i, 0, h, t))
-    gate_spec = pl.BlockSpec((rb, np_, hg), lambda t, h, i: (i, 0, h))
-    state_spec = pl.BlockSpec((rb, hg, dkp, bw), lambda t, h, i: (i, h, 0, t))
+    per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
+    qk_spec = pl.BlockSpec((None, np_, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0))
+    val_spec = pl.BlockSpec((None, np_, hg, bw), lambda t, h, i: (i, 0, h, t))
+    gate_spec = pl.BlockSpec((None, np_, hg), lambda t, h, i: (i, 0, h))
+    state_spec = pl.BlockSpec((None, hg, dkp, bw), lambda t, h, i: (i, h, 0, t))
     in_specs = [
         per_req, per_req,
-        pl.BlockSpec((rb, np_, np_), lambda t, h, i: (i, 0, 0)),
+        pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
         qk_spec, qk_spec, val_spec, gate_spec, gate_spec, state_spec,
     ]
     out_specs = [val_spec, val_spec, gate_spec,
-                 pl.BlockSpec((rb, np_, None), lambda t, h, i: (i, 0, key_head(h)))]
+                 pl.BlockSpec((None, np_, None), lambda t, h, i: (i, 0, key_head(h)))]
     out_shape = [
         jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
         jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
@@ -615,11 +587,11 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req, per_req,
-            pl.BlockSpec((rb, lb), lambda t, h, i: (i, 0)),
-            pl.BlockSpec((rb, mp, hg), lambda t, h, i: (i, 0, h)),
-            pl.BlockSpec((rb, mp, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
-            pl.BlockSpec((rb, mp, None), lambda t, h, i: (i, 0, key_head(h))),
-            pl.BlockSpec((rb, mp, hg, bw), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
+            pl.BlockSpec((None, mp, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, mp, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, mp, None), lambda t, h, i: (i, 0, key_head(h))),
+            pl.BlockSpec((None, mp, hg, bw), lambda t, h, i: (i, 0, h, t)),
         ]
         args += [jnp.asarray(pending.count, jnp.int32), jnp.asarray(pending.sel, jnp.int32),
                  jnp.asarray(pending.path, jnp.int32), f.gamma.astype(jnp.float32),
@@ -634,10 +606,10 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
             per_req,
-            pl.BlockSpec((rb, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
-            pl.BlockSpec((rb, lb, hg, bw), lambda t, h, i: (i, 0, h, t)),
-            pl.BlockSpec((rb, lb, hg), lambda t, h, i: (i, 0, h)),
-            pl.BlockSpec((rb, hg), lambda t, h, i: (i, h)),
+            pl.BlockSpec((None, lb, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
+            pl.BlockSpec((None, lb, hg, bw), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
         ]
         args += [jnp.asarray(pending.count, jnp.int32),
                  pad_axis(pending.k.astype(jnp.float32), 3, dkp),
@@ -648,8 +620,8 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
         aliases = {8: 4}
     outs = pl.pallas_call(
-        functools.partial(_tree_gdn_kernel, rpp=rpp, n_real=n, scale=scale, ratio=ratio,
-                          cfg=cfg, interpret=interpret, has_pending=pending is not None,
+        functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
+                          interpret=interpret, has_pending=pending is not None,
                           pend_rows=pend_rows, pend_path=pend_path, pend_nodes=pend_nodes),
         grid=grid,
         in_specs=in_specs,
