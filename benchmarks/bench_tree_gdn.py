@@ -175,8 +175,7 @@ def parse_bole(spec: str) -> TreeGDNConfig | MosaicLaunch | str:
 
 def _config_fields(items) -> dict:
     """TreeGDNConfig fields of "key=value" items (bv=32, w=4, inv=squaring, ...)."""
-    keys = dict(bv="block_v", tpp="tiles_per_program", rpp="requests_per_program",
-                hg="heads_per_program", w="num_warps",
+    keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
                 prec="precision", fold="fold", pf="prefetch_state", pff="prefetch_fold")
@@ -200,8 +199,7 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
     """The point's configs: "auto" replaced by `TreeGDNConfig.auto(b, n, MAX_DEPTH)` (the
     trees' depth bound, as a decode step passes its tree shape's) and the engine's Mosaic
     launch where it takes one (never in interpret mode: too slow); Mosaic launches only at
-    N <= 64; launches of several requests per program only where they divide b; duplicates
-    dropped."""
+    N <= 64; duplicates dropped."""
     out = []
     for c in cfgs:
         if c == "auto":
@@ -219,9 +217,7 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
             cs = [c] if n <= tree_gdn_mgpu.NP else []
         else:
             cs = [c]
-        # a launch of several requests per program only where they divide the batch
-        out += [x for x in cs if x not in out
-                and (not isinstance(x, TreeGDNConfig) or b % x.requests_per_program == 0)]
+        out += [x for x in cs if x not in out]
     return out
 
 
@@ -297,8 +293,6 @@ def cfg_str(cfg) -> str:
     s = f"bv={cfg.block_v},hg={cfg.heads_per_program},w={cfg.num_warps},inv={cfg.inverse}"
     if cfg.tiles_per_program != 1:
         s += f",tpp={cfg.tiles_per_program}"
-    if cfg.requests_per_program != 1:
-        s += f",rpp={cfg.requests_per_program}"
     if cfg.num_stages != 1:
         s += f",ns={cfg.num_stages}"
     if cfg.depth_bound is not None:
@@ -589,7 +583,7 @@ def run_checks(bole_cfgs, pernode_cfgs, seed) -> list[dict]:
             record(f"{name} raised {type(e).__name__}: {str(e)[:200]}", float("inf"), 0.0)
 
     rng = np.random.default_rng(seed)
-    b, n = 4, 24  # 4 requests: launches of 2 or 4 requests per program check too
+    b, n = 4, 24  # 4 ragged requests
     parents = make_trees(rng, b, n)
     num_nodes = np.array([n, 17, 9, 20], np.int32)
     parents[1, 17:] = -1
@@ -1129,7 +1123,7 @@ def main(argv=None):
                     help="Bole/pernode launch configs per point (none = first of each list)")
     ap.add_argument("--bole-configs", default=None,
                     help='";"-separated, e.g. "bv=64,w=8,inv=squaring,qk=1;bv=32,w=4" '
-                         "(keys: bv tpp rpp hg w ns inv db qk st prec fold pf pff); replaces "
+                         "(keys: bv tpp hg w ns inv db qk st prec fold pf pff); replaces "
                          "the sweep list")
     ap.add_argument("--pernode-configs", default=None, help='e.g. "bv=32,w=4;bv=64,w=8"')
     ap.add_argument("--lazy-configs", default=None,
@@ -1187,6 +1181,7 @@ def main(argv=None):
         dims=dict(Hk=HK, HV=HV, dk=DK, dv=DV, qkv_dtype="bfloat16", state_dtype="float32",
                   max_children=MAX_CHILDREN, max_depth=MAX_DEPTH),
         bole_configs=bole_specs, pernode_configs=pn_specs, reps=args.reps,
+        xla_options=os.environ.get("BOLE_XLA_OPTIONS"),  # benchmarks/with_xla_options.py
         timing=("separate jitted calls, blocked per call, inputs rotated over R sets (R x set "
                 "size >= 3 x L2); device time = union of GPU kernel intervals per call from the "
                 "JAX profiler, median over calls; wall clock if the profiler gives no events"),

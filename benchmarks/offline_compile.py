@@ -80,11 +80,10 @@ def _pallas_call_replaced(wrap):
         tg.pl.pallas_call = orig
 
 
-def _lower(b: int, n: int, cfg, pending, compile: bool = False):
+def _lower(b: int, n: int, cfg, pending):
     """(Triton module texts, launches): each launch's grid and its operands' and outputs'
     [shape, dtype], in the kernel's parameter order. pending: False, True / "rows" (gathered
-    rows, `PendingCommit`) or "path" (the previous factors + accepted path, `PendingPath`).
-    compile: also compile it for this process's GPU (`_lower_fn`)."""
+    rows, `PendingCommit`) or "path" (the previous factors + accepted path, `PendingPath`)."""
     import jax
     import jax.numpy as jnp
 
@@ -116,10 +115,10 @@ def _lower(b: int, n: int, cfg, pending, compile: bool = False):
         return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
                                   backend="pallas", interpret=False, config=cfg, pending=pend)
 
-    return _lower_fn(f, q, q, v, g, g, state, parents, pend, compile=compile)
+    return _lower_fn(f, q, q, v, g, g, state, parents, pend)
 
 
-def _lower_commit(b: int, n: int, commit_cfg: dict, compile: bool = False):
+def _lower_commit(b: int, n: int, commit_cfg: dict):
     """As `_lower`, for the commit kernel: factors of bench_tree_gdn's dims, the accepted path
     handed in ([B, MAX_DEPTH] node ids and their count, as a decode step passes them)."""
     import jax
@@ -139,7 +138,7 @@ def _lower_commit(b: int, n: int, commit_cfg: dict, compile: bool = False):
                                    **commit_cfg)
 
     return _lower_fn(f, sd((b, HV, DK, DV), jnp.float32), fac, sd((b, n), i32), sd((b,), i32),
-                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32), compile=compile)
+                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32))
 
 
 def _lower_pernode(b: int, n: int, cfg):
@@ -162,11 +161,10 @@ def _lower_pernode(b: int, n: int, cfg):
     return _lower_fn(f, q, q, v, g, g, state, sd((b, n), jnp.int32))
 
 
-def _lower_fn(f, *args, compile: bool = False):
+def _lower_fn(f, *args):
     """Lower f(*args) for cuda with every pallas_call of tree_gdn printing its Triton module:
     (module texts, launches: each one's grid and its operands' and outputs' [shape, dtype] in
-    the kernel's parameter order). compile: lower for this process's backend and compile too
-    (on a GPU: XLA builds the kernels, and dumps them under `--xla_dump_to`); nothing runs."""
+    the kernel's parameter order)."""
     import jax
 
     launches = []
@@ -188,11 +186,7 @@ def _lower_fn(f, *args, compile: bool = False):
 
     buf = io.StringIO()
     with _pallas_call_replaced(debug_call), contextlib.redirect_stdout(buf):
-        traced = jax.jit(f).trace(*args)
-        if compile:
-            traced.lower().compile()
-        else:
-            traced.lower(lowering_platforms=("cuda",))
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
     return [part[part.index("\n") + 1:] for part in parts], launches
 
