@@ -1181,7 +1181,6 @@ def main(argv=None):
         dims=dict(Hk=HK, HV=HV, dk=DK, dv=DV, qkv_dtype="bfloat16", state_dtype="float32",
                   max_children=MAX_CHILDREN, max_depth=MAX_DEPTH),
         bole_configs=bole_specs, pernode_configs=pn_specs, reps=args.reps,
-        xla_options=os.environ.get("BOLE_XLA_OPTIONS"),  # benchmarks/with_xla_options.py
         timing=("separate jitted calls, blocked per call, inputs rotated over R sets (R x set "
                 "size >= 3 x L2); device time = union of GPU kernel intervals per call from the "
                 "JAX profiler, median over calls; wall clock if the profiler gives no events"),
