@@ -637,6 +637,8 @@ def test_kernel_lowers_to_triton(n, cfg):
     (8, 128, TreeGDNConfig.auto(1, 8, 9)), (32, 128, TreeGDNConfig.auto(4, 32, 9)),
     (16, 128, TreeGDNConfig.auto(16, 16, 9)), (8, 128, TreeGDNConfig.auto(16, 8, 9)),
     (32, 128, TreeGDNConfig.auto(4, 32)), (16, 128, TreeGDNConfig.auto(16, 16)),
+    (8, 128, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), state_blocks=2, fold="dot")),
+    (16, 128, dataclasses.replace(TreeGDNConfig.auto(16, 16, 9), state_blocks=4)),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit
