@@ -208,11 +208,13 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
                       mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH))
             cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
                                                          else [])
-        elif isinstance(c, tuple):  # ("auto", fields); a fold as `TreeGDNConfig.with_fold`
-            auto = TreeGDNConfig.auto(b, n, MAX_DEPTH)
+        elif isinstance(c, tuple):  # ("auto", fields); a fold as `TreeGDNConfig.with_fold`,
+            auto = TreeGDNConfig.auto(b, n, MAX_DEPTH)  # state blocks as `with_state_blocks`
             fields = dict(c[1])
             if "fold" in fields:
                 auto = auto.with_fold(fields.pop("fold"))
+            if "state_blocks" in fields:
+                auto = auto.with_state_blocks(fields.pop("state_blocks"))
             cs = [dataclasses.replace(auto, **fields)]
         elif isinstance(c, MosaicLaunch):
             cs = [c] if n <= tree_gdn_mgpu.NP else []

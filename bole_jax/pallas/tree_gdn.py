@@ -106,8 +106,8 @@ class TreeGDNConfig:
       columns are reloaded from their refs and normalised again in registers. Only one block
       is live, so the kernel needs fewer registers (Triton 3.6 offline, B = 16 N = 8 auto
       launch: 242 -> 196 at 2 blocks), at the cost of the reloads and of K S, Q S summed
-      block by block. Not with the prefetches. Session 22: not yet timed on a GPU; `auto`
-      does not take it.
+      block by block. Not with the prefetches (`with_state_blocks` drops them). Session 22:
+      not yet timed on a GPU; `auto` does not take it.
     """
 
     block_v: int | None = None
@@ -130,6 +130,14 @@ class TreeGDNConfig:
         (not with "loop", which loads its rows trip by trip)."""
         return dataclasses.replace(self, fold=fold,
                                    prefetch_fold=self.prefetch_fold and fold != "loop")
+
+    def with_state_blocks(self, blocks: int) -> "TreeGDNConfig":
+        """This launch with its state tile in `blocks` blocks of dk rows; the prefetches
+        dropped when blocks > 1 (they hold the whole tile)."""
+        many = blocks > 1
+        return dataclasses.replace(self, state_blocks=blocks,
+                                   prefetch_state=self.prefetch_state and not many,
+                                   prefetch_fold=self.prefetch_fold and not many)
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
