@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -465,7 +466,16 @@ def make_trees(rng, b, n):
     return parents
 
 
-def tree_context(parents) -> dict:
+class TreeContext(NamedTuple):
+    parents: jax.Array
+    num_nodes: jax.Array
+    tree: object  # tree_utils.TreeStructure
+    accepted: jax.Array
+    path: jax.Array
+    count: jax.Array
+
+
+def tree_context(parents) -> TreeContext:
     """A decode step's per-step tree data for [B, N] parents (full trees): the device
     parents, node counts, `tree_structure` with int8 ancestors (once per step, shared by all
     layers), each tree's deepest node as the accepted one, and its root path as acceptance
@@ -477,8 +487,7 @@ def tree_context(parents) -> dict:
     tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
     accepted = jnp.asarray(deepest_nodes(np.asarray(parents)))
     path, count = accepted_rows(parents_d, accepted, min(MAX_DEPTH, n))
-    return dict(parents=parents_d, num_nodes=num_nodes, tree=tree, accepted=accepted,
-                path=path, count=count)
+    return TreeContext(parents_d, num_nodes, tree, accepted, path, count)
 
 
 def make_sets(key, b, n, count):
@@ -864,10 +873,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
     # across layers): hand the kernel bytes here so the per-layer time excludes it. The
     # decode step hands every layer's commit the accepted path that acceptance produced
     # (`Accepted.path`): formed once here too, outside the timed per-layer call.
-    tc = tree_context(parents)
-    parents_d, num_nodes, tree, accepted = (tc[k] for k in ("parents", "num_nodes", "tree",
-                                                            "accepted"))
-    path_rows, path_count = tc["path"], tc["count"]
+    parents_d, num_nodes, tree, accepted, path_rows, path_count = tree_context(parents)
     r = input_set_count(b, n)
     sets = make_sets(jax.random.PRNGKey(seed + b * 1000 + n), b, n, r)
     point = dict(B=b, N=n, depth=depth, input_sets=r, bole=[], pernode=[])

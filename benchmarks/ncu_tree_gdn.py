@@ -47,9 +47,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     b, n = args.B, args.N
     parents = btg.make_trees(np.random.default_rng(args.seed), b, n)
-    tc = btg.tree_context(parents)
-    parents_d, num_nodes, tree, accepted, path, count = (
-        tc[k] for k in ("parents", "num_nodes", "tree", "accepted", "path", "count"))
+    parents_d, num_nodes, tree, accepted, path, count = btg.tree_context(parents)
     length = path.shape[1]
     q, k, v, g, beta, state = btg.make_sets(jax.random.PRNGKey(args.seed), b, n, 1)[0]
     runs = []  # (name, compiled, args)

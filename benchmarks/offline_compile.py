@@ -258,7 +258,7 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
     _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
     tc = btg.tree_context(parents)
-    accepted, path, count = tc["accepted"], tc["path"], tc["count"]
+    accepted, path, count = tc.accepted, tc.path, tc.count
     operands = _recorded_operands(lambda: tg.commit_state_pallas(
         state, fac, parents, accepted, path=path, count=count, **commit_cfg))
     return operands, (state, fac, parents, accepted, path, count)

@@ -557,15 +557,15 @@ def test_state_blocks_matches_whole_tile(dk, blocks, cfg):
     msg = f"seed {seed} dk {dk} blocks {blocks} cfg {cfg}"
     o_ref, f_ref = tree_gdn_verify(*_args(x), parents, num_nodes, backend="reference")
     for pending in (None, dirty, pend_path):
-        whole, parts = (jax.tree_util.tree_leaves(tree_gdn_verify(
-            *_args(x), parents, num_nodes, backend="pallas", interpret=True, config=c,
-            pending=pending)) for c in (cfg, blocked))
+        outs = [tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas",
+                                interpret=True, config=c, pending=pending)
+                for c in (cfg, blocked)]
+        whole, parts = (jax.tree_util.tree_leaves(out) for out in outs)
         assert len(whole) == len(parts), msg
         for a, c in zip(whole, parts):
             assert rel(c, a) <= 1e-6, (pending is None, msg)
         if pending is None:
-            o, f = tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas",
-                                   interpret=True, config=blocked)
+            o, f = outs[1]
             assert rel(o, o_ref) <= 1e-5, msg
             for name in FACTORS:
                 assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, msg)

@@ -330,7 +330,9 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
     kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
     qk = _dot(qb, kb, prec, trans_b=True)
-    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
+    # The state dots' operands; with state_blocks > 1 each block reloads its own columns.
+    kb, qb = ((kn.astype(s_dtype), qn.astype(s_dtype)) if cfg.state_blocks == 1
+              else (None, None))
 
     def value_head(j, carry):
         # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
