@@ -179,8 +179,7 @@ def _config_fields(items) -> dict:
     keys = dict(bv="block_v", tpp="tiles_per_program", hg="heads_per_program", w="num_warps",
                 ns="num_stages",
                 inv="inverse", db="depth_bound", qk="bf16_qk", st="bf16_state",
-                prec="precision", fold="fold", pf="prefetch_state", pff="prefetch_fold",
-                sb="state_blocks")
+                prec="precision", fold="fold", pf="prefetch_state", pff="prefetch_fold")
     kw = {}
     for item in items:
         k, v = item.split("=")
@@ -209,13 +208,11 @@ def resolve_bole(cfgs, b: int, n: int) -> list:
                       mosaic_launch(b, n, DK, DV, jnp.bfloat16, MAX_DEPTH))
             cs = [TreeGDNConfig.auto(b, n, MAX_DEPTH)] + ([MosaicLaunch(**launch)] if launch
                                                          else [])
-        elif isinstance(c, tuple):  # ("auto", fields); a fold as `TreeGDNConfig.with_fold`,
-            auto = TreeGDNConfig.auto(b, n, MAX_DEPTH)  # state blocks as `with_state_blocks`
+        elif isinstance(c, tuple):  # ("auto", fields); a fold as `TreeGDNConfig.with_fold`
+            auto = TreeGDNConfig.auto(b, n, MAX_DEPTH)
             fields = dict(c[1])
             if "fold" in fields:
                 auto = auto.with_fold(fields.pop("fold"))
-            if "state_blocks" in fields:
-                auto = auto.with_state_blocks(fields.pop("state_blocks"))
             cs = [dataclasses.replace(auto, **fields)]
         elif isinstance(c, MosaicLaunch):
             cs = [c] if n <= tree_gdn_mgpu.NP else []
@@ -299,8 +296,6 @@ def cfg_str(cfg) -> str:
         s += f",tpp={cfg.tiles_per_program}"
     if cfg.num_stages != 1:
         s += f",ns={cfg.num_stages}"
-    if cfg.state_blocks != 1:
-        s += f",sb={cfg.state_blocks}"
     if cfg.depth_bound is not None:
         s += f",db={cfg.depth_bound}"
     if cfg.bf16_qk:
@@ -1134,7 +1129,7 @@ def main(argv=None):
                     help="Bole/pernode launch configs per point (none = first of each list)")
     ap.add_argument("--bole-configs", default=None,
                     help='";"-separated, e.g. "bv=64,w=8,inv=squaring,qk=1;bv=32,w=4" '
-                         "(keys: bv tpp hg w ns inv db qk st prec fold pf pff sb); replaces "
+                         "(keys: bv tpp hg w ns inv db qk st prec fold pf pff); replaces "
                          "the sweep list")
     ap.add_argument("--pernode-configs", default=None, help='e.g. "bv=32,w=4;bv=64,w=8"')
     ap.add_argument("--lazy-configs", default=None,

@@ -62,15 +62,6 @@ def test_auto_with_fields():
     assert TreeGDNConfig.auto(1, 32, btg.MAX_DEPTH).prefetch_fold
     assert loop.fold == "loop" and not loop.prefetch_fold
     assert TreeGDNConfig(fold="dot", prefetch_fold=True).with_fold("unroll").prefetch_fold
-    # state blocks drop the prefetches, which hold the whole tile (`with_state_blocks`)
-    (blk,) = btg.resolve_bole([btg.parse_bole("auto,sb=2")], 1, 8)
-    auto = TreeGDNConfig.auto(1, 8, btg.MAX_DEPTH)
-    assert auto.prefetch_state and auto.prefetch_fold
-    assert blk == dataclasses.replace(auto, state_blocks=2, prefetch_state=False,
-                                      prefetch_fold=False)
-    assert ",sb=2," in btg.cfg_str(blk) and ",sb=" not in btg.cfg_str(auto)
-    whole = TreeGDNConfig(prefetch_state=True).with_state_blocks(1)
-    assert whole.prefetch_state and whole.state_blocks == 1
 
 
 def test_pernode_specs_and_reload_count():

@@ -535,54 +535,6 @@ def test_pending_path_gather_kernel_matches_reference():
     np.testing.assert_array_equal(np.asarray(got.p_sel)[1], 1.0)
 
 
-@pytest.mark.parametrize("dk,blocks,cfg", [
-    (32, 2, TreeGDNConfig(block_v=16)),
-    (64, 4, TreeGDNConfig(block_v=32, heads_per_program=2, inverse="matrix", fold="unroll")),
-    (64, 2, TreeGDNConfig(block_v=16, tiles_per_program=2, fold="dot", depth_bound=9)),
-])
-def test_state_blocks_matches_whole_tile(dk, blocks, cfg):
-    """The state tile taken in blocks of dk rows (`state_blocks`) gives what the whole tile
-    gives, to fp32 summation order, for the plain verify, gathered pending rows (one request
-    with nothing accepted) and a `PendingPath`, folded state included; and matches the
-    reference."""
-    seed = RUN_SEED
-    b, m, n, hk, hv, dv, length = 4, 12, 9, 2, 4, 32, 9
-    pend_path, _, _, _ = _pending_path(seed, b, m, hk, hv, dk, dv, length, True)
-    x, parents, num_nodes = _inputs(seed + 1, b, n, hk, hv, dk, dv, ("random", "bushy"),
-                                    ragged=True)
-    _, dirty = _random_pending(np.random.default_rng(seed + 2), b, 5, hk, hv, dk, dv,
-                               (5, 0, 2, 3))
-    dirty = dataclasses.replace(dirty, p_sel=dirty.p_sel.at[1].set(1.0))
-    blocked = dataclasses.replace(cfg, state_blocks=blocks)
-    msg = f"seed {seed} dk {dk} blocks {blocks} cfg {cfg}"
-    o_ref, f_ref = tree_gdn_verify(*_args(x), parents, num_nodes, backend="reference")
-    for pending in (None, dirty, pend_path):
-        outs = [tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas",
-                                interpret=True, config=c, pending=pending)
-                for c in (cfg, blocked)]
-        whole, parts = (jax.tree_util.tree_leaves(out) for out in outs)
-        assert len(whole) == len(parts), msg
-        for a, c in zip(whole, parts):
-            assert rel(c, a) <= 1e-6, (pending is None, msg)
-        if pending is None:
-            o, f = outs[1]
-            assert rel(o, o_ref) <= 1e-5, msg
-            for name in FACTORS:
-                assert rel(factor(f, name), factor(f_ref, name)) <= 2e-5, (name, msg)
-
-
-@pytest.mark.parametrize("cfg,match", [
-    (TreeGDNConfig(state_blocks=3), "power of two"),
-    (TreeGDNConfig(state_blocks=4), "blocks of >= 16"),  # dk 32: 8-row blocks
-    (TreeGDNConfig(state_blocks=2, prefetch_state=True), "not with prefetch"),
-])
-def test_state_blocks_bad_values_raise(cfg, match):
-    x, parents, num_nodes = _inputs(RUN_SEED, 1, 4, 1, 2, 32, 32, ("random",))
-    with pytest.raises(ValueError, match=match):
-        tree_gdn_verify(*_args(x), parents, num_nodes, backend="pallas", interpret=True,
-                        config=cfg)
-
-
 def test_bad_shapes_raise():
     x, parents, _ = _inputs(0, 1, 4, 2, 3, 16, 16, ("random",))
     with pytest.raises(ValueError, match="multiple of Hk"):
@@ -606,7 +558,6 @@ def test_bad_shapes_raise():
     (32, TreeGDNConfig(block_v=64, precision="tf32x3")),
     (16, TreeGDNConfig(block_v=128, depth_bound=8, inverse="squaring", precision="highest")),
     (64, TreeGDNConfig(block_v=32, tiles_per_program=4, inverse="matrix", num_warps=8)),
-    (8, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), state_blocks=2)),
 ])
 def test_kernel_lowers_to_triton(n, cfg):
     """The kernel traces through the Pallas->Triton lowering (catches unsupported ops, non
@@ -637,8 +588,6 @@ def test_kernel_lowers_to_triton(n, cfg):
     (8, 128, TreeGDNConfig.auto(1, 8, 9)), (32, 128, TreeGDNConfig.auto(4, 32, 9)),
     (16, 128, TreeGDNConfig.auto(16, 16, 9)), (8, 128, TreeGDNConfig.auto(16, 8, 9)),
     (32, 128, TreeGDNConfig.auto(4, 32)), (16, 128, TreeGDNConfig.auto(16, 16)),
-    (8, 128, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), state_blocks=2, fold="dot")),
-    (16, 128, dataclasses.replace(TreeGDNConfig.auto(16, 16, 9), state_blocks=4)),
 ])
 def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     """The folding variant lowers for cuda, its state output aliases the state input, and a jit
@@ -653,7 +602,6 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
     (8, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                       bf16_state=True, fold="unroll")),
     (32, dataclasses.replace(TreeGDNConfig.auto(1, 32, 9), prefetch_fold=True)),
-    (8, dataclasses.replace(TreeGDNConfig.auto(16, 8, 9), state_blocks=2)),
     (16, dataclasses.replace(TreeGDNConfig.auto(4, 16, 9), fold="unroll", prefetch_fold=True)),
 ])
 def test_kernel_with_pending_path_lowers_to_triton(n, cfg):

@@ -100,14 +100,6 @@ class TreeGDNConfig:
     prefetch_fold: the same for a pending lazy commit's rows (folds "unroll" and "dot"; one
       value tile per program, one value head): their loads, a `PendingPath`'s dependent ones
       included, issue before the N x N work instead of at the fold.
-    state_blocks: the [dk, block_v] state tile taken in this many blocks of dk / state_blocks
-      rows (a power of two; blocks of >= 16 rows). Each block is loaded, folded and written
-      (lazy commit), and multiplied into K S and Q S before the next block, whose q and k
-      columns are reloaded from their refs and normalised again in registers. Only one block
-      is live, so the kernel needs fewer registers (Triton 3.6 offline, B = 16 N = 8 auto
-      launch: 242 -> 196 at 2 blocks), at the cost of the reloads and of K S, Q S summed
-      block by block. Not with the prefetches (`with_state_blocks` drops them). Session 22:
-      not yet timed on a GPU; `auto` does not take it.
     """
 
     block_v: int | None = None
@@ -123,21 +115,12 @@ class TreeGDNConfig:
     fold: str = "loop"
     prefetch_state: bool = False
     prefetch_fold: bool = False
-    state_blocks: int = 1
 
     def with_fold(self, fold: str) -> "TreeGDNConfig":
         """This launch with another fold; `prefetch_fold` kept only where the fold allows it
         (not with "loop", which loads its rows trip by trip)."""
         return dataclasses.replace(self, fold=fold,
                                    prefetch_fold=self.prefetch_fold and fold != "loop")
-
-    def with_state_blocks(self, blocks: int) -> "TreeGDNConfig":
-        """This launch with its state tile in `blocks` blocks of dk rows; the prefetches
-        dropped when blocks > 1 (they hold the whole tile)."""
-        many = blocks > 1
-        return dataclasses.replace(self, state_blocks=blocks,
-                                   prefetch_state=self.prefetch_state and not many,
-                                   prefetch_fold=self.prefetch_fold and not many)
 
     @classmethod
     def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
@@ -319,9 +302,8 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     kraw = _load(k_ref, rows).astype(jnp.float32)  # [Np, dk]
     qraw = _load(q_ref, rows).astype(jnp.float32)
     k_scale = _l2norm_scale(kraw)
-    q_scale = _l2norm_scale(qraw) * scale
     kn = kraw * k_scale[:, None]
-    qn = qraw * q_scale[:, None]
+    qn = qraw * (_l2norm_scale(qraw) * scale)[:, None]
 
     @pl.when(first_tile & ((head_block * hg) % ratio == 0))
     def _():  # the factor k_scale (the keys themselves are the caller's k)
@@ -330,9 +312,7 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
     kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
     qk = _dot(qb, kb, prec, trans_b=True)
-    # The state dots' operands; with state_blocks > 1 each block reloads its own columns.
-    kb, qb = ((kn.astype(s_dtype), qn.astype(s_dtype)) if cfg.state_blocks == 1
-              else (None, None))
+    kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
 
     def value_head(j, carry):
         # A loop, not an unrolled Python for: keeps one head's tiles live at a time.
@@ -354,20 +334,15 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
 
         def value_tile(t, c):
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
-            if cfg.state_blocks == 1:
-                s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
-                if pend is not None:
-                    loaded = (early_rows if early_rows is not None else
-                              _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
-                    s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
-                    sn_ref[j, :, cols] = s
-                s = s.astype(s_dtype)
-                ks = _dot(kb, s, prec)  # [Np, bv]
-                qs = _dot(qb, s, prec)
-            else:
-                ks, qs = _state_dots_by_block(
-                    j, cols, s_ref, None if pend is None else sn_ref, k_ref, q_ref, rows,
-                    k_scale, q_scale, pend, pend_path, cfg, pend_rows, s_dtype, prec, prec_fold)
+            s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
+            if pend is not None:
+                loaded = (early_rows if early_rows is not None else
+                          _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
+                s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
+                sn_ref[j, :, cols] = s
+            s = s.astype(s_dtype)
+            ks = _dot(kb, s, prec)  # [Np, bv]
+            qs = _dot(qb, s, prec)
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if cfg.inverse == "matrix":
@@ -428,30 +403,7 @@ def _unrolled_fold(count, init, rows):
     return acc
 
 
-def _state_dots_by_block(j, cols, s_ref, sn_ref, k_ref, q_ref, rows, k_scale, q_scale, pend,
-                         pend_path, cfg, pend_rows, s_dtype, prec, prec_fold):
-    """K S and Q S ([Np, bv] each) for value head j, columns cols, with the state tile taken
-    in `cfg.state_blocks` blocks of dk rows (`TreeGDNConfig.state_blocks`): each block loaded,
-    folded and written when a commit is pending, then multiplied by the matching columns of
-    the normalised keys and queries (reloaded, scaled as the kernel scales the whole rows)."""
-    hb = s_ref.shape[1] // cfg.state_blocks
-    ks = qs = None
-    for blk in range(cfg.state_blocks):
-        dks = pl.ds(blk * hb, hb)
-        s = s_ref[j, dks, cols]  # [hb, bv] fp32
-        if pend is not None:
-            loaded = _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows, dks)
-            s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
-            sn_ref[j, dks, cols] = s
-        s = s.astype(s_dtype)
-        kh = (_load(k_ref.at[:, dks], rows).astype(jnp.float32) * k_scale[:, None])
-        qh = (_load(q_ref.at[:, dks], rows).astype(jnp.float32) * q_scale[:, None])
-        a, b = _dot(kh.astype(s_dtype), s, prec), _dot(qh.astype(s_dtype), s, prec)
-        ks, qs = (a, b) if ks is None else (ks + a, qs + b)
-    return ks, qs
-
-
-def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int, dks=slice(None)):
+def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
     """The loads of a pending lazy commit's fold for value head j (columns cols): (scale, rows)
     with scale the state's decay p_sel and rows, by fold, "unroll": [(w_m [], k_m [dk],
     u_m [bv])] for every row present; "dot": (w [Lb], k [Lb, dk], u [Lb, bv], live [Lb]);
@@ -459,14 +411,13 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int, dks=slic
     (`PendingCommit`) come as the caller gathered them; a `PendingPath`'s are read from the
     previous verify's factors at the path's node ids (a dependent load of the id first), the
     weights formed here from gamma as `_commit_kernel` forms them. Independent of the state,
-    so a kernel may issue them before anything else (`TreeGDNConfig.prefetch_fold`). dks: the
-    key columns loaded (one block of the state's dk rows, `TreeGDNConfig.state_blocks`)."""
+    so a kernel may issue them before anything else (`TreeGDNConfig.prefetch_fold`)."""
     if pend_path:
         count, sel, node_at, path_ids, pg_ref, pk_ref, pks_ref, pu_ref = pend
         g_sel = pg_ref[sel, j]
 
         def row(node):
-            key = pk_ref[node, dks].astype(jnp.float32) * pks_ref[node]
+            key = pk_ref[node].astype(jnp.float32) * pks_ref[node]
             return _path_weight(g_sel, pg_ref[node, j]), key, pu_ref[node, j, cols]
 
         scale = _path_scale(count, g_sel)
@@ -474,22 +425,22 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int, dks=slic
             return scale, [row(node_at(m)) for m in range(rows)]
         if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
-            keys = pk_ref[path, dks].astype(jnp.float32) * pks_ref[path][:, None]
+            keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
             return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
                            jnp.arange(path.shape[0]) < count)
         return scale, lambda m: row(node_at(m))
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     scale = ps_ref[j]
     if fold == "unroll":
-        return scale, [(pw_ref[m, j], pk_ref[m, dks], pu_ref[m, j, cols]) for m in range(rows)]
+        return scale, [(pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols]) for m in range(rows)]
     if fold == "dot":
         lp = pk_ref.shape[0]
         idx = jnp.arange(lp, dtype=jnp.int32)
         inb = None if lp == rows else idx < rows
         col = None if inb is None else inb[:, None]
-        return scale, (_load(pw_ref.at[:, j], inb), _load(pk_ref.at[:, dks], col),
+        return scale, (_load(pw_ref.at[:, j], inb), _load(pk_ref, col),
                        _load(pu_ref.at[:, j, cols], col), idx < count)
-    return scale, lambda m: (pw_ref[m, j], pk_ref[m, dks], pu_ref[m, j, cols])
+    return scale, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
 
 
 def _fold_rows(s, count, loaded, fold: str, precision):
@@ -588,13 +539,6 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     if cfg.prefetch_fold and cfg.fold == "loop":
         raise ValueError("prefetch_fold needs fold 'unroll' or 'dot' (the loop loads its rows "
                          "trip by trip)")
-    sb = cfg.state_blocks
-    if sb < 1 or sb & (sb - 1) or dkp // sb < 16:
-        raise ValueError(f"state_blocks={sb} must be a power of two leaving blocks of >= 16 "
-                         f"of the dk={dkp} rows")
-    if sb > 1 and (cfg.prefetch_state or cfg.prefetch_fold):
-        raise ValueError("state_blocks > 1 takes the state tile block by block: not with "
-                         "prefetch_state / prefetch_fold")
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
