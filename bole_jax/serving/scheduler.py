@@ -7,7 +7,10 @@ Design
   Its shapes never change, so the decode segment compiles once per (mode, slots, capacity).
 - Segments. Each iteration advances the state by at most `segment_steps` decode steps in one jitted
   call (`LLM.segment_fn(mode)`, state donated) and reads back only the tokens emitted since the
-  last read. Requests join and leave between segments.
+  last read. Requests join and leave between segments, so a segment's length is how late a cancel
+  or a new request can act: with `segment_ms` the number of steps adapts to the measured time of
+  one step so that a segment lasts about `segment_ms` (one step at least, `segment_steps` at
+  most). The step count is an argument of the compiled loop, not a shape: it never recompiles.
 - Chunked prefill. A new request is prefilled alone (batch 1, capacity S) by a `PrefillJob`, in
   pieces of `prefix_block` tokens that end on block boundaries (the last one shorter), at most
   `prefill_chunk` prompt tokens per iteration: a long prompt is spread over several iterations and
@@ -158,8 +161,11 @@ class Scheduler:
     max_batch: upper bound on the slots (decode rows); memory may allow fewer.
     max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
       8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
-    segment_steps: decode steps per jitted segment (smaller: lower latency to join/leave and
-      finer streaming; larger: fewer host round trips).
+    segment_steps: decode steps per jitted segment, at most (smaller: lower latency to join/leave
+      and finer streaming; larger: fewer host round trips).
+    segment_ms: target duration of one segment in milliseconds: the steps per segment follow
+      segment_ms / (measured seconds per step), clamped to [1, segment_steps]; the first segment
+      runs one step. None: always `segment_steps`.
     prefill_chunk: prompt tokens prefilled per iteration between two decode segments (rounded
       up to whole `prefix_block` pieces): bounds how long a long prompt holds the running rows.
     prefix_block: tokens per prefix-cache block, which is also the prefill piece (a checkpoint of
@@ -175,7 +181,7 @@ class Scheduler:
 
   def __init__(self, llm, *, mode: str | None = None, max_batch: int = 8,
                max_context: int | None = None, segment_steps: int = 8,
-               prefill_chunk: int = 1024, prefix_block: int = 256,
+               segment_ms: float | None = 100.0, prefill_chunk: int = 1024, prefix_block: int = 256,
                prefix_cache_gb: float | None = None, memory_gb: float | None = None,
                memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0):
     self.llm = llm
@@ -214,7 +220,11 @@ class Scheduler:
       raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
     if prefill_chunk < 1:
       raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
+    if segment_ms is not None and not segment_ms > 0:
+      raise ValueError(f"--segment-ms must be > 0, got {segment_ms}")
     self.segment_steps = segment_steps
+    self.segment_ms = segment_ms
+    self._step_s: float | None = None  # moving average of one decode step's seconds
     self.prefix_block = prefix_block
     # Whole pieces per iteration; at least one, so a prompt always progresses.
     self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
@@ -581,13 +591,19 @@ class Scheduler:
   def _decode(self) -> None:
     """One segment for all slots, then hand the new tokens to their requests."""
     t0 = time.perf_counter()
-    self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
+    n = self.next_segment_steps()
+    self._state = self._segment(self.llm.params, self._state, jnp.int32(n))
     width = self.segment_steps * self.tokens_per_step
     window, num_out, done, steps = jax.device_get(
         read_new_tokens(self._state, jnp.asarray(self._seen), width=width))
+    dt = time.perf_counter() - t0
+    # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
+    # steps, i.e. a longer next segment, bounded by segment_steps.
+    self._step_s = dt / n if self._step_s is None else 0.7 * self._step_s + 0.3 * dt / n
     with self.metrics.lock:
       self.metrics.segments += 1
-      self.metrics.segment_seconds += time.perf_counter() - t0
+      self.metrics.segment_seconds += dt
+      self.metrics.segment_steps += n
     free = []
     for slot, req in enumerate(self._slots):
       if req is None:
@@ -613,6 +629,14 @@ class Scheduler:
         self._end(req, reason)
     self._release(free)
 
+  def next_segment_steps(self) -> int:
+    """Decode steps of the next segment: segment_ms / (seconds per step), in [1, segment_steps]."""
+    if self.segment_ms is None:
+      return self.segment_steps
+    if self._step_s is None:
+      return 1
+    return max(1, min(self.segment_steps, int(self.segment_ms / 1e3 / self._step_s)))
+
   def _release(self, slots: list[int]) -> None:
     if not slots:
       return
@@ -636,7 +660,7 @@ class Scheduler:
                   mode=self.mode, slot_bytes=dict(self.slot_bytes),
                   finished=dict(m.finished), prompt_tokens=m.prompt_tokens,
                   generation_tokens=m.generation_tokens, decode_tokens=m.decode_tokens,
-                  slot_steps=m.slot_steps, segments=m.segments,
+                  slot_steps=m.slot_steps, segments=m.segments, segment_steps=m.segment_steps,
                   segment_seconds=m.segment_seconds, prefill_seconds=m.prefill_seconds,
                   mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1),
                   prefilling=int(self._job is not None), prefill_chunk=self.prefill_chunk,
@@ -662,92 +686,3 @@ class Scheduler:
     snap["device_bytes_in_use"] = dev.get("bytes_in_use")
     snap["device_bytes_limit"] = dev.get("bytes_limit")
     return snap
-
-  def render_prometheus(self) -> str:
-    """All metrics in the Prometheus text exposition format (version 0.0.4)."""
-    s = self.stats()
-    lines: list[str] = []
-
-    def metric(name, kind, help_, value, labels=""):
-      lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{labels} {value}"])
-
-    metric("bole_queue_depth", "gauge", "Requests waiting for a slot.", s["queue_depth"])
-    metric("bole_active_slots", "gauge", "Decode slots holding a request.", s["active_slots"])
-    metric("bole_slots", "gauge", "Decode slots (max batch after memory admission).", s["num_slots"])
-    metric("bole_kv_capacity_tokens", "gauge", "KV capacity of one slot.", s["capacity"])
-    metric("bole_slot_bytes", "gauge", "Estimated device bytes per slot.",
-           sum(s["slot_bytes"].values()))
-    metric("bole_state_bytes", "gauge", "Bytes of the running decode state (all slots).",
-           s["state_bytes"])
-    if s["device_bytes_in_use"] is not None:
-      metric("bole_device_memory_used_bytes", "gauge", "Device memory in use.",
-             s["device_bytes_in_use"])
-      metric("bole_device_memory_limit_bytes", "gauge", "Device memory limit.",
-             s["device_bytes_limit"])
-    lines += ["# HELP bole_requests_finished_total Finished requests by finish reason.",
-              "# TYPE bole_requests_finished_total counter"]
-    for reason in ("stop", "length", "cancelled", "error"):
-      lines.append(f'bole_requests_finished_total{{finish_reason="{reason}"}} '
-                   f'{s["finished"].get(reason, 0)}')
-    metric("bole_prompt_tokens_total", "counter", "Prefilled prompt tokens.", s["prompt_tokens"])
-    metric("bole_generation_tokens_total", "counter", "Generated tokens of finished requests.",
-           s["generation_tokens"])
-    metric("bole_decode_tokens_total", "counter", "Tokens generated by decode steps.",
-           s["decode_tokens"])
-    metric("bole_decode_slot_steps_total", "counter",
-           "Decode steps summed over active slots (decode_tokens / this = tokens per step).",
-           s["slot_steps"])
-    metric("bole_segments_total", "counter", "Jitted decode segments run.", s["segments"])
-    metric("bole_segment_seconds_total", "counter", "Time in decode segments.",
-           f'{s["segment_seconds"]:.6g}')
-    metric("bole_prefill_seconds_total", "counter", "Time in prefills.",
-           f'{s["prefill_seconds"]:.6g}')
-    metric("bole_prefill_tokens_total", "counter",
-           "Prompt tokens computed by prefills (prefix-cache hits excluded).", s["prefill_tokens"])
-    metric("bole_prefill_pieces_total", "counter", "Jitted prefill pieces (one block at most).",
-           s["prefill_pieces"])
-    metric("bole_prefilling_requests", "gauge",
-           "Requests being prefilled in pieces between decode segments (0 or 1).", s["prefilling"])
-    metric("bole_prefill_chunk_tokens", "gauge", "Prompt tokens prefilled per engine iteration, "
-           "at most (--prefill-chunk).", s["prefill_chunk"])
-    pc = s["prefix_cache"]
-    metric("bole_prefix_cache_block_tokens", "gauge", "Tokens per prefix-cache block.",
-           pc["block_tokens"])
-    metric("bole_prefix_cache_budget_bytes", "gauge", "Prefix-cache budget (0 = off).",
-           pc["budget_bytes"])
-    metric("bole_prefix_cache_bytes", "gauge", "Device bytes held by the prefix cache.",
-           pc["bytes"])
-    metric("bole_prefix_cache_entries", "gauge", "Cached blocks (KV rows + state checkpoint).",
-           pc["entries"])
-    metric("bole_prefix_cache_queries_total", "counter", "Requests looked up in the prefix cache.",
-           pc["queries"])
-    metric("bole_prefix_cache_hits_total", "counter",
-           "Lookups that found at least one cached block.", pc["hits"])
-    metric("bole_prefix_cache_misses_total", "counter", "Lookups that found nothing.", pc["misses"])
-    metric("bole_prefix_cache_query_tokens_total", "counter",
-           "Prompt tokens of the looked-up requests.", pc["query_tokens"])
-    metric("bole_prefix_cache_cached_tokens_total", "counter",
-           "Prompt tokens restored from the prefix cache instead of prefilled.",
-           pc["cached_tokens"])
-    metric("bole_prefix_cache_hit_rate", "gauge", "hits / queries since start.",
-           f'{pc["hit_rate"]:.6g}')
-    metric("bole_prefix_cache_cached_token_fraction", "gauge",
-           "cached tokens / prompt tokens of the looked-up requests, since start.",
-           f'{pc["cached_token_fraction"]:.6g}')
-    metric("bole_prefix_cache_evictions_total", "counter", "Blocks evicted (LRU).", pc["evicted"])
-    metric("bole_prefix_cache_rejected_total", "counter",
-           "Blocks not stored for lack of room (every other block pinned or too big).",
-           pc["rejected"])
-    mem = s["memory"]
-    if mem["limit_bytes"] is not None:
-      metric("bole_memory_limit_bytes", "gauge", "--memory-gb: cap on slots + prefix cache.",
-             mem["limit_bytes"])
-    if mem["usable_bytes"] is not None:
-      metric("bole_memory_usable_bytes", "gauge", "What slots + prefix cache may use: min(free "
-             "device memory * fraction, --memory-gb).", mem["usable_bytes"])
-    metric("bole_memory_planned_bytes", "gauge", "Slots (+1 for the prefill) and the prefix-cache "
-           "budget, as planned at start-up.", mem["planned_bytes"])
-    with self.metrics.lock:
-      for h in (self.metrics.ttft, self.metrics.tpot, self.metrics.e2e, self.metrics.accepted):
-        lines += h.render()
-    return "\n".join(lines) + "\n"
