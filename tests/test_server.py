@@ -67,7 +67,7 @@ def _ref(reference, ids):
 def server(model_dir, llm):
   srv = build_server(llm=llm, spec="ar", port=0, max_batch=4, max_context=MAX_CONTEXT,
                      segment_steps=4, served_model_name="tiny", prefix_block=BLOCK,
-                     prefill_chunk=2 * BLOCK)
+                     prefill_chunk=2 * BLOCK, max_logprobs=2)
   srv.start()
   yield srv
   srv.shutdown()
@@ -604,13 +604,25 @@ def test_scheduler_tree_width_follows_its_batch(model_dir):
   assert fixed.spec.shape.num_nodes == 8
 
 
-def test_bole_server_greedy_matches_generate(model_dir, reference):
+def test_bole_server_greedy_matches_generate(model_dir, reference, server):
   """The tree-speculative engine behind the server: greedy output is the target's greedy output."""
   llm = LLM(model_dir, spec_options=dict(topk=2, depth=3, num_nodes=8))
   sched = Scheduler(llm, mode="bole", max_batch=2, max_context=64, segment_steps=4,
-                    prefix_block=BLOCK, prefill_chunk=2 * BLOCK)
+                    prefix_block=BLOCK, prefill_chunk=2 * BLOCK, max_logprobs=2)
   srv = OpenAIServer(sched, model_name="tiny", port=0).start()
   try:
+    # Logprobs under speculation: the accepted tokens' (and the bonus') target log-probabilities
+    # equal those the ar engine records for the same greedy tokens.
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
+    status, spec_out = _request(srv, "POST", "/v1/completions", body)
+    assert status == 200, spec_out
+    status, ar_out = _request(server, "POST", "/v1/completions", body)
+    assert status == 200, ar_out
+    assert spec_out["choices"][0]["text"] == ar_out["choices"][0]["text"] == reference[0].text
+    a, b = spec_out["choices"][0]["logprobs"], ar_out["choices"][0]["logprobs"]
+    assert a["tokens"] == b["tokens"] and len(a["token_logprobs"]) == MAX_TOKENS
+    np.testing.assert_allclose(a["token_logprobs"], b["token_logprobs"], atol=2e-4)
+    assert sched.stats()["mean_tokens_per_step"] > 0
     outs = {}
 
     def run(i):
@@ -753,3 +765,29 @@ def test_segments_adapt_to_the_step_time(stepped):
   sched._step_s = 5.0
   assert sched.next_segment_steps() == 1
   assert stepped(segment_ms=None).next_segment_steps() == 4
+
+
+def test_logprobs_in_responses_and_streams(server, reference):
+  body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
+  status, out = _request(server, "POST", "/v1/completions", body)
+  assert status == 200, out
+  lp = out["choices"][0]["logprobs"]
+  ref = reference[1]
+  assert len(lp["tokens"]) == len(ref.token_ids) and "".join(lp["tokens"]) == ref.text
+  for tok_lp, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+    vals = list(top.values())
+    assert tok_lp <= 0 and len(top) <= 2 and sorted(vals, reverse=True) == vals
+    assert tok_lp == pytest.approx(vals[0], abs=1e-6)  # greedy: the token is the most likely
+    assert sum(np.exp(vals)) <= 1 + 1e-5
+  chunks = _stream(server, "/v1/completions", body)
+  streamed = [x for c in chunks[:-1] for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+  np.testing.assert_allclose(streamed, lp["token_logprobs"], atol=1e-6)
+  chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "logprobs": True,
+          "top_logprobs": 1}
+  status, out = _request(server, "POST", "/v1/chat/completions", chat)
+  content = out["choices"][0]["logprobs"]["content"]
+  assert len(content) == out["usage"]["completion_tokens"]
+  assert all(len(e["top_logprobs"]) == 1 and e["logprob"] <= 0 for e in content)
+  assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
+  status, out = _request(server, "POST", "/v1/completions", {**body, "logprobs": 3})
+  assert status == 400 and "--max-logprobs" in out["error"]["message"]

@@ -109,7 +109,8 @@ def _cmd_serve(args) -> int:
           prefix_block=args.prefix_block, prefix_cache_gb=args.prefix_cache_gb,
           memory_gb=args.memory_gb, limits=limits,
           api_key=args.api_key or os.environ.get("BOLE_JAX_API_KEY"),
-          allow_special_tokens=args.allow_special_tokens, backlog=args.backlog, **tp)
+          allow_special_tokens=args.allow_special_tokens, backlog=args.backlog,
+          max_logprobs=args.max_logprobs, **tp)
   except OSError as e:  # e.g. the port is taken
     print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
     return 2
@@ -353,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
                  "ended (finish_reason length)")
   h.add_argument("--backlog", type=int, default=2048, help="listen backlog")
+  s.add_argument("--max-logprobs", type=int, default=None,
+                 help="record target logprobs of every generated token and up to K top "
+                 "alternatives per token (0-20; requests may ask for logprobs / top_logprobs up "
+                 "to K); default off: it costs a log-softmax and top-k over the vocabulary per "
+                 "verified position")
   add_draft_vocab_arg(s)
   add_tp_arg(s)
   s.set_defaults(func=_cmd_serve)

@@ -28,12 +28,25 @@ class Delta:
 
   finish_reason: None while running, then "stop" (EOS, stop string or stop token), "length"
   (max_tokens), "cancelled" or "error" (`error` holds the message).
+  logprobs: with RequestParams.logprobs, the `TokenLogprob`s of the tokens generated since the
+  previous delta (a token's text may come in a later delta than its entry).
   """
 
   index: int  # which prompt of its HTTP request (several prompts can share one event queue)
   text: str
   finish_reason: str | None = None
   error: str | None = None
+  logprobs: list | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """A generated token's target log-probability and the `top` most likely tokens there
+  ((token id, log-probability) pairs, most likely first)."""
+
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass
@@ -45,6 +58,7 @@ class RequestParams:
   seed: int = 0
   stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] = ()
+  logprobs: int | None = None  # record TokenLogprobs with this many top tokens (None: off)
 
 
 class Request:
@@ -76,6 +90,9 @@ class Request:
     self.t_end: float | None = None
     self._detok = IncrementalDetokenizer(tokenizer)
     self._stops = StopMatcher(params.stop)
+    self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+    self._unsent_logprobs: list[TokenLogprob] = []
+    self.first_logprob: TokenLogprob | None = None  # set by the engine with the first token
     self._finished = threading.Event()
     self.cancelled = False
     self._inbox = inbox  # the engine's, to wake it on cancel()
@@ -109,12 +126,16 @@ class Request:
     return len(self.token_ids)
 
   # ---- engine side
-  def _consume(self, tok: int, eos: frozenset) -> str | None:
+  def _consume(self, tok: int, eos: frozenset, lp: TokenLogprob | None = None) -> str | None:
     """Account one generated token; returns a finish reason when it ends the request."""
     p = self.params
     if tok in p.stop_token_ids:
       return "stop"
     self.token_ids.append(tok)
+    if self.logprobs is not None and lp is not None:
+      lp = dataclasses.replace(lp, top=lp.top[:p.logprobs])
+      self.logprobs.append(lp)
+      self._unsent_logprobs.append(lp)
     piece = self._detok.push(tok)
     if piece:
       out, stopped = self._stops.push(piece)
@@ -130,7 +151,13 @@ class Request:
   def _send(self, text: str) -> None:
     if text:
       self.text += text
-      self.events.put(Delta(self.index, text))
+      self.events.put(Delta(self.index, text, logprobs=self._take_logprobs()))
+
+  def _take_logprobs(self) -> list | None:
+    if self.logprobs is None:
+      return None
+    out, self._unsent_logprobs = self._unsent_logprobs, []
+    return out
 
   def _finish(self, reason: str, error: str | None = None) -> bool:
     """Send the last delta; False when the request had already finished."""
@@ -143,7 +170,7 @@ class Request:
       self.text += tail
     self.finish_reason, self.error = reason, error
     self.t_end = time.perf_counter()
-    self.events.put(Delta(self.index, tail, reason, error))
+    self.events.put(Delta(self.index, tail, reason, error, self._take_logprobs()))
     self._finished.set()
     return True
 

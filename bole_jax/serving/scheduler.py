@@ -74,10 +74,12 @@ from bole_jax.serving.memory import MemoryPlan, plan_memory, plan_slots, slot_by
 from bole_jax.serving.metrics import Metrics
 from bole_jax.serving.prefix_cache import (Entry, PrefixCache, block_bytes, restore_checkpoint,
                                            restore_kv, take_block)
-from bole_jax.serving.requests import Delta, Request, RequestError, RequestParams  # noqa: F401
+from bole_jax.serving.requests import (Delta, Request, RequestError, RequestParams,  # noqa: F401
+                                       TokenLogprob)
 from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher  # noqa: F401
 from bole_jax.spec_decode import loop
-from bole_jax.spec_decode.loop import DecodeState
+from bole_jax.model import logits as lm_logits
+from bole_jax.spec_decode.loop import DecodeState, Logprobs, token_logprobs
 from bole_jax.spec_decode.step import SPEC_MODES
 
 log = logging.getLogger("bole_jax.serving")
@@ -118,6 +120,22 @@ def release_slots(state: DecodeState, mask: jax.Array) -> DecodeState:
   sp = state.sampling
   sp = dataclasses.replace(sp, temperature=jnp.where(mask, 0.0, sp.temperature))
   return dataclasses.replace(state, done=state.done | mask, sampling=sp)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def read_new_logprobs(state: DecodeState, start: jax.Array, *, width: int):
+  """The `Logprobs` of out[b, start[b] : start[b] + width]: [B, width], [B, width, K] twice."""
+  lp = state.logprobs
+  idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], lp.logp.shape[1] - 1)
+  return (jnp.take_along_axis(lp.logp, idx, axis=1),
+          jnp.take_along_axis(lp.top_ids, idx[..., None], axis=1),
+          jnp.take_along_axis(lp.top_logp, idx[..., None], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def first_logprobs(params, h_last: jax.Array, token: jax.Array, *, cfg, k: int):
+  """Target log-probabilities of the first token [1] (drawn from the prompt's last hidden [1, H])."""
+  return token_logprobs(lm_logits(params, cfg, h_last), token, k)
 
 
 @functools.partial(jax.jit, static_argnames=("width",))
@@ -176,6 +194,10 @@ class Scheduler:
       device memory).
     memory_fraction: share of the free device memory the slots and the prefix cache may use.
     seed: seed of the engine's shared PRNG stream.
+    max_logprobs: record the target log-probability of every generated token and the
+      `max_logprobs` most likely tokens at its position (requests may ask for up to that many);
+      None: not recorded (requests asking for logprobs are refused). Costs a log-softmax and a
+      top-k over the vocabulary for every verified position of every step.
   Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
   """
 
@@ -183,7 +205,8 @@ class Scheduler:
                max_context: int | None = None, segment_steps: int = 8,
                segment_ms: float | None = 100.0, prefill_chunk: int = 1024, prefix_block: int = 256,
                prefix_cache_gb: float | None = None, memory_gb: float | None = None,
-               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0):
+               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0,
+               max_logprobs: int | None = None):
     self.llm = llm
     cfg = llm.cfg
     self.mode = mode or llm.default_spec
@@ -222,6 +245,9 @@ class Scheduler:
       raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
     if segment_ms is not None and not segment_ms > 0:
       raise ValueError(f"--segment-ms must be > 0, got {segment_ms}")
+    if max_logprobs is not None and not 0 <= max_logprobs <= 20:
+      raise ValueError(f"--max-logprobs must be in [0, 20], got {max_logprobs}")
+    self.max_logprobs = max_logprobs
     self.segment_steps = segment_steps
     self.segment_ms = segment_ms
     self._step_s: float | None = None  # moving average of one decode step's seconds
@@ -291,6 +317,13 @@ class Scheduler:
       raise RequestError(str(e), str(e).split()[0]) from None
     if any(not isinstance(s, str) or not s for s in params.stop):
       raise RequestError("stop strings must be non-empty strings", "stop")
+    if params.logprobs is not None:
+      if self.max_logprobs is None:
+        raise RequestError("this server does not record logprobs: start it with --max-logprobs K",
+                           "logprobs")
+      if not 0 <= params.logprobs <= self.max_logprobs:
+        raise RequestError(f"at most {self.max_logprobs} top logprobs per token on this server "
+                           f"(--max-logprobs), got {params.logprobs}", "logprobs")
 
   def submit(self, prompt_ids: Sequence[int], params: RequestParams, *,
              events: queue.Queue | None = None, index: int = 0) -> Request:
@@ -384,6 +417,9 @@ class Scheduler:
     self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
     jax.block_until_ready(read_new_tokens(self._state, jnp.asarray(self._seen),
                                           width=self.segment_steps * self.tokens_per_step))
+    if self.max_logprobs is not None:
+      jax.block_until_ready(read_new_logprobs(self._state, jnp.asarray(self._seen),
+                                              width=self.segment_steps * self.tokens_per_step))
     self._release([0])
     self._steps[0] = 0
 
@@ -518,6 +554,16 @@ class Scheduler:
     row = dataclasses.replace(row, out=jnp.asarray(out),
                               max_out=jnp.full((1,), p.max_tokens, jnp.int32),
                               done=jnp.zeros((1,), bool))
+    if self.max_logprobs is not None:
+      k = self.max_logprobs
+      logp, ids, lps = first_logprobs(self.llm.params, job.h_last, row.next_token, cfg=self.llm.cfg,
+                                      k=k)
+      buf = Logprobs.zeros(1, self.max_context, k)
+      buf = Logprobs(buf.logp.at[0, 0].set(logp[0]), buf.top_ids.at[0, 0].set(ids[0]),
+                     buf.top_logp.at[0, 0].set(lps[0]))
+      row = dataclasses.replace(row, logprobs=buf)
+      if job.req.logprobs is not None:
+        job.req.first_logprob = _entry(tok0, *jax.device_get((logp[0], ids[0], lps[0])))
     return row, tok0
 
   def _prefill_now(self, req: Request) -> tuple[DecodeState, int]:
@@ -578,7 +624,7 @@ class Scheduler:
     req.t_first = time.perf_counter()
     with self.metrics.lock:
       self.metrics.prompt_tokens += len(req.prompt_ids)
-    reason = req._consume(tok0, self.eos)
+    reason = req._consume(tok0, self.eos, req.first_logprob)
     if reason is not None:
       self._end(req, reason)
       return
@@ -596,6 +642,10 @@ class Scheduler:
     width = self.segment_steps * self.tokens_per_step
     window, num_out, done, steps = jax.device_get(
         read_new_tokens(self._state, jnp.asarray(self._seen), width=width))
+    lps = None
+    if self.max_logprobs is not None and any(r is not None and r.logprobs is not None
+                                             for r in self._slots):
+      lps = jax.device_get(read_new_logprobs(self._state, jnp.asarray(self._seen), width=width))
     dt = time.perf_counter() - t0
     # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
     # steps, i.e. a longer next segment, bounded by segment_steps.
@@ -618,8 +668,11 @@ class Scheduler:
       self._seen[slot] = num_out[slot]
       self._steps[slot] = steps[slot]
       reason = None
-      for tok in window[slot, :new]:
-        reason = req._consume(int(tok), self.eos)
+      for j, tok in enumerate(window[slot, :new]):
+        lp = None
+        if lps is not None and req.logprobs is not None:
+          lp = _entry(int(tok), lps[0][slot, j], lps[1][slot, j], lps[2][slot, j])
+        reason = req._consume(int(tok), self.eos, lp)
         if reason is not None:
           break
       if reason is None and done[slot]:
@@ -686,3 +739,7 @@ class Scheduler:
     snap["device_bytes_in_use"] = dev.get("bytes_in_use")
     snap["device_bytes_limit"] = dev.get("bytes_limit")
     return snap
+
+
+def _entry(tok: int, logp, top_ids, top_logp) -> TokenLogprob:
+  return TokenLogprob(tok, float(logp), tuple((int(i), float(v)) for i, v in zip(top_ids, top_logp)))

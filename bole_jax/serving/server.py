@@ -668,24 +668,27 @@ class OpenAIServer:
       raise ApiError(400, "echo is not supported", "echo")
     if body.suffix is not None:
       raise ApiError(400, "suffix is not supported", "suffix")
-    if body.logprobs is not None:
-      raise ApiError(400, "logprobs are not supported", "logprobs")
     prompts = await run_in_threadpool(self.completion_prompts, body)
     params = self.sampling(body, body.max_tokens, max(len(p) for p in prompts))
+    params.logprobs = body.logprobs
     sink = _Sink(asyncio.get_running_loop())
     reqs = self.submit_all(prompts, params, body.n, sink)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": self.model_name}
     opts = body.stream_options
 
+    want_lp = body.logprobs is not None
+
     def chunks(d: Delta, reason: str | None) -> list[dict]:
-      return [{**head, "choices": [{"index": d.index, "text": d.text, "logprobs": None,
+      lp = self._completion_logprobs(d.logprobs) if want_lp else None
+      return [{**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
                                     "finish_reason": reason}]}]
 
     if body.stream:
       return self._stream(reqs, sink, chunks, head, bool(opts and opts.include_usage))
     await self._collect(request, reqs, sink)
-    choices = [{"index": r.index, "text": r.text, "logprobs": None,
+    choices = [{"index": r.index, "text": r.text,
+                "logprobs": self._completion_logprobs(r.logprobs) if want_lp else None,
                 "finish_reason": _FINISH[r.finish_reason]} for r in reqs]
     return {**head, "choices": choices, "usage": _usage(reqs, len(prompts), body.n)}
 
@@ -693,8 +696,8 @@ class OpenAIServer:
     from starlette.concurrency import run_in_threadpool
 
     self.check_common(body)
-    if body.logprobs or body.top_logprobs:
-      raise ApiError(400, "logprobs are not supported", "logprobs")
+    if body.top_logprobs and not body.logprobs:
+      raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     rf = body.response_format
     if rf is not None and rf.get("type") != "text":
       raise ApiError(400, "only response_format {'type': 'text'} is supported", "response_format")
@@ -702,6 +705,8 @@ class OpenAIServer:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     params = self.sampling(body, max_tokens, len(ids), self.chat.stop_token_ids)
+    params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    want_lp = body.logprobs
     sink = _Sink(asyncio.get_running_loop())
     reqs = self.submit_all([ids], params, body.n, sink)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
@@ -720,10 +725,11 @@ class OpenAIServer:
           if reason is not None:
             tail, calls = split.finish()
             text += tail
-        choice = lambda delta, fin=None: {**head, "choices": [  # noqa: E731
-            {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": fin}]}
-        if text:
-          out.append(choice({"content": text}))
+        lp = self._chat_logprobs(d.logprobs) if want_lp and d.logprobs else None
+        choice = lambda delta, fin=None, lp=None: {**head, "choices": [  # noqa: E731
+            {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": fin}]}
+        if text or lp:
+          out.append(choice({"content": text}, None, lp))
         if calls:
           out.append(choice({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}))
         if reason is not None:
@@ -741,10 +747,36 @@ class OpenAIServer:
       msg = {"role": "assistant", "content": content if (content or not calls) else None}
       if calls:
         msg["tool_calls"] = calls
-      choices.append({"index": r.index, "message": msg, "logprobs": None,
+      choices.append({"index": r.index, "message": msg,
+                      "logprobs": self._chat_logprobs(r.logprobs) if want_lp else None,
                       "finish_reason": "tool_calls" if calls else _FINISH[r.finish_reason]})
     return {**head, "object": "chat.completion", "choices": choices,
             "usage": _usage(reqs, 1, body.n)}
+
+  def _token_text(self, tok: int) -> str:
+    return self.tokenizer.decode([tok])
+
+  def _chat_logprobs(self, entries) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(tok, lp):
+      t = self._token_text(tok)
+      return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(i, v) for i, v in e.top]} for e in entries or []],
+            "refusal": None}
+
+  def _completion_logprobs(self, entries) -> dict:
+    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    entries = entries or []
+    toks = [self._token_text(e.token) for e in entries]
+    offsets, at = [], 0
+    for t in toks:
+      offsets.append(at)
+      at += len(t)
+    return {"tokens": toks, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(i): v for i, v in e.top} for e in entries],
+            "text_offset": offsets}
 
   async def _collect(self, request, reqs: list[Request], sink: _Sink) -> None:
     """Wait for every request (non-streaming); a client that leaves cancels them."""
@@ -903,7 +935,7 @@ def build_server(model: str | None = None, *, spec: str | None = None, host: str
                  prefix_block: int = 256, prefix_cache_gb: float | None = None,
                  memory_gb: float | None = None, limits: Limits | None = None,
                  api_key: str | None = None, allow_special_tokens: bool = False,
-                 backlog: int = 2048) -> OpenAIServer:
+                 backlog: int = 2048, max_logprobs: int | None = None) -> OpenAIServer:
   """Load the model (or use `llm`), build the scheduler and the HTTP server (bound, not started).
   See `Scheduler` for the engine arguments and `Limits` for `limits`."""
   from bole_jax.llm import DEFAULT_MODEL_DIR, LLM
@@ -913,7 +945,8 @@ def build_server(model: str | None = None, *, spec: str | None = None, host: str
   sched = Scheduler(llm, mode=spec, max_batch=max_batch, max_context=max_context,
                     segment_steps=segment_steps, segment_ms=segment_ms,
                     prefill_chunk=prefill_chunk, prefix_block=prefix_block,
-                    prefix_cache_gb=prefix_cache_gb, memory_gb=memory_gb)
+                    prefix_cache_gb=prefix_cache_gb, memory_gb=memory_gb,
+                    max_logprobs=max_logprobs)
   defaults = {}
   gen_cfg = folder / "generation_config.json" if folder is not None else None
   if gen_cfg is not None and gen_cfg.exists():
