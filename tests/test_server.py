@@ -548,6 +548,13 @@ def test_cli_serve_arguments(model_dir, capsys):
       512, 64, 0.0, 2.5)
   assert cli.main(["serve", "--model", str(model_dir), "--max-context", "1"]) == 2
   assert "--max-context" in capsys.readouterr().err
+  args = cli.build_parser().parse_args(["serve"])
+  assert (args.segment_ms, args.max_logprobs, args.api_key, args.backlog) == (100.0, None, None,
+                                                                             2048)
+  assert (args.max_stops, args.max_n, args.max_prompts, args.default_max_tokens) == (16, 16, 64,
+                                                                                    4096)
+  assert cli.main(["serve", "--model", str(model_dir), "--max-stops", "0"]) == 2
+  assert "--max-stops must be > 0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ speculative decoding

@@ -101,7 +101,7 @@ def proc_server(model_dir, tmp_path_factory):
           "--served-model-name", "tiny", "--api-key", KEY, "--max-body-mb", "1",
           "--max-prompt-chars", "20000", "--max-stops", "4", "--max-prompts", "8", "--max-n", "4",
           "--header-timeout", str(HEAD_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-          "--shutdown-grace", str(GRACE)]
+          "--shutdown-grace", str(GRACE), "--max-logprobs", "2"]
   proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
   url = f"http://127.0.0.1:{port}"
   t0 = time.time()
@@ -224,6 +224,26 @@ def test_sdk_chat_streaming_n_and_template_kwargs(client):
   assert off.usage.prompt_tokens > out.usage.prompt_tokens
 
 
+def test_sdk_logprobs(client):
+  msgs = [{"role": "user", "content": "Count to three."}]
+  out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+  content = out.choices[0].logprobs.content
+  assert len(content) == out.usage.completion_tokens
+  for e in content:
+    assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6)  # greedy
+  streamed = []
+  for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                           temperature=0, logprobs=True, stream=True):
+    if ch.choices and ch.choices[0].logprobs:
+      streamed += [e.logprob for e in ch.choices[0].logprobs.content]
+  assert streamed == pytest.approx([e.logprob for e in content], abs=1e-6)
+  comp = client.completions.create(model="tiny", prompt="x = ", max_tokens=4, temperature=0,
+                                   logprobs=1)
+  assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+
+
 def test_sdk_tools_are_rendered(client):
   msgs = [{"role": "user", "content": "Weather in Paris?"}]
   plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2,
@@ -251,9 +271,9 @@ def test_sdk_errors(client, proc_server):
     client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
   with pytest.raises(openai.BadRequestError, match="maximum context length"):
     client.completions.create(model="tiny", prompt="hello " * 1500, max_tokens=4)
-  with pytest.raises(openai.BadRequestError, match="logprobs"):
+  with pytest.raises(openai.BadRequestError, match="max-logprobs"):
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                   max_tokens=2, logprobs=True, top_logprobs=2)
+                                   max_tokens=2, logprobs=True, top_logprobs=3)
   bad = openai.OpenAI(base_url=proc_server["url"] + "/v1", api_key="wrong", max_retries=0)
   with pytest.raises(openai.AuthenticationError):
     bad.models.list()
