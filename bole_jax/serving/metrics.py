@@ -93,8 +93,11 @@ class EngineCollector:
     self.scheduler = scheduler
 
   def collect(self):
-    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                        HistogramMetricFamily)
+    from prometheus_client.core import (
+      CounterMetricFamily,
+      GaugeMetricFamily,
+      HistogramMetricFamily,
+    )
 
     s = self.scheduler.stats()
     out = []

@@ -12,7 +12,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+  BaseModel,
+  ConfigDict,
+  Field,
+  StrictBool,
+  StrictFloat,
+  StrictInt,
+  StrictStr,
+)
 
 # Hard ceilings of the schema (the configurable limits are below them).
 MAX_STR = 1 << 26  # characters of any one string field (the body cap binds first)

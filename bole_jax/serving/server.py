@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -34,7 +35,11 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import Request as HttpRequest  # module level: FastAPI resolves annotations here
+import anyio
+from fastapi import (
+  Request as HttpRequest,  # module level: FastAPI resolves annotations here
+)
+from starlette.responses import Response
 
 from bole_jax.serving.chat import ChatTemplate, PromptEncoder, TemplateError
 from bole_jax.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -225,8 +230,6 @@ class _Guard:
 
 
 def _same(a: bytes, b: bytes) -> bool:
-  import hmac
-
   return hmac.compare_digest(a, b)
 
 
@@ -421,7 +424,12 @@ class OpenAIServer:
 
   # ---------------------------------------------------------------- metrics
   def _metrics(self):
-    from prometheus_client import CollectorRegistry, Counter, PlatformCollector, ProcessCollector
+    from prometheus_client import (
+      CollectorRegistry,
+      Counter,
+      PlatformCollector,
+      ProcessCollector,
+    )
 
     from bole_jax.serving.metrics import EngineCollector
 
@@ -442,7 +450,7 @@ class OpenAIServer:
   def _build_app(self):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
@@ -843,51 +851,32 @@ def _sse(obj) -> bytes:
   return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _event_stream_class():
-  from starlette.responses import Response
+class _EventStream(Response):
+  """text/event-stream over chunked encoding; the stream is cancelled when the client
+  disconnects (its generator's `finally` cancels the requests)."""
 
-  class EventStream(Response):
-    """text/event-stream over chunked encoding; the stream is cancelled when the client
-    disconnects (its generator's `finally` cancels the requests)."""
+  def __init__(self, gen):  # no Response.__init__: it would add a Content-Length
+    self.status_code, self.background, self.gen = 200, None, gen
+    self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
-    media_type = "text/event-stream"
+  async def __call__(self, scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+    async with anyio.create_task_group() as tg:
 
-    def __init__(self, gen):  # no Response.__init__: it would add a Content-Length
-      self.status_code, self.background, self.gen = 200, None, gen
-      self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                          (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+      async def watch():
+        while (await receive())["type"] != "http.disconnect":
+          pass
+        tg.cancel_scope.cancel()
 
-    async def __call__(self, scope, receive, send):
-      import anyio
-
-      await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-      async with anyio.create_task_group() as tg:
-
-        async def watch():
-          while (await receive())["type"] != "http.disconnect":
-            pass
-          tg.cancel_scope.cancel()
-
-        tg.start_soon(watch)
-        try:
-          async for chunk in self.gen:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-          await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-          await self.gen.aclose()
-          tg.cancel_scope.cancel()
-
-  return EventStream
-
-
-_EventStreamCls = None
-
-
-def _EventStream(gen):
-  global _EventStreamCls
-  if _EventStreamCls is None:
-    _EventStreamCls = _event_stream_class()
-  return _EventStreamCls(gen)
+      tg.start_soon(watch)
+      try:
+        async for chunk in self.gen:
+          await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+      finally:
+        await self.gen.aclose()
+        tg.cancel_scope.cancel()
 
 
 def _parse(model, raw: bytes):
