@@ -798,3 +798,23 @@ def test_logprobs_in_responses_and_streams(server, reference):
   assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
   status, out = _request(server, "POST", "/v1/completions", {**body, "logprobs": 3})
   assert status == 400 and "--max-logprobs" in out["error"]["message"]
+
+
+def test_internal_errors_leak_nothing(server, monkeypatch):
+  def boom(body):
+    raise RuntimeError("secret internals")
+
+  monkeypatch.setattr(server, "completion_prompts", boom)
+  status, out = _request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+  assert status == 500 and out["error"]["type"] == "server_error"
+  assert "secret" not in json.dumps(out) and "RuntimeError" not in json.dumps(out)
+
+
+def test_non_loopback_bind_warns(caplog):
+  from bole_jax.serving.server import exposure_warning
+
+  with caplog.at_level("WARNING", logger="bole_jax.serving"):
+    assert not exposure_warning("127.0.0.1", None) and not exposure_warning("::1", None)
+    assert not exposure_warning("localhost", None)
+    assert exposure_warning("0.0.0.0", None)
+  assert "NO API KEY" in caplog.text and "0.0.0.0" in caplog.text

@@ -958,6 +958,17 @@ def _is_loopback(host: str) -> bool:
     return False
 
 
+def exposure_warning(host: str, api_key: str | None) -> bool:
+  """Log a loud warning when `host` is not a loopback address. True when it warned."""
+  if _is_loopback(host):
+    return False
+  log.warning("=" * 72)
+  log.warning("binding %s: this server is reachable beyond this machine%s", host,
+              "" if api_key else " and has NO API KEY (--api-key)")
+  log.warning("=" * 72)
+  return True
+
+
 def raise_open_files_limit() -> int:
   """Raise RLIMIT_NOFILE's soft limit to the hard limit (each connection holds a descriptor).
   Returns the soft limit now in force."""
@@ -973,12 +984,7 @@ def raise_open_files_limit() -> int:
 def serve(model: str | None = None, **kwargs) -> None:
   """Blocking: `bole-jax serve`. Returns after SIGTERM / SIGINT once running requests are done
   or cut (see `Limits.shutdown_grace_s`)."""
-  host = kwargs.get("host", "127.0.0.1")
-  if not _is_loopback(host):
-    log.warning("=" * 72)
-    log.warning("binding %s: this server is reachable beyond this machine%s", host,
-                "" if kwargs.get("api_key") else " and has NO API KEY (--api-key)")
-    log.warning("=" * 72)
+  exposure_warning(kwargs.get("host", "127.0.0.1"), kwargs.get("api_key"))
   raise_open_files_limit()
   server = build_server(model, **kwargs)
   s = server.scheduler
