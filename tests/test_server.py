@@ -818,3 +818,19 @@ def test_non_loopback_bind_warns(caplog):
     assert not exposure_warning("localhost", None)
     assert exposure_warning("0.0.0.0", None)
   assert "NO API KEY" in caplog.text and "0.0.0.0" in caplog.text
+
+
+def test_n_choices_share_the_prompt_prefix(server):
+  """n = 3 is three requests of one prompt: the later copies restore the first's full blocks
+  from the prefix cache instead of prefilling them."""
+  ids = _ids(2 * BLOCK + 5)
+  _, before = _request(server, "GET", "/metrics")
+  status, out = _request(server, "POST", "/v1/completions",
+                         {"prompt": ids, "max_tokens": 3, "n": 3, "temperature": 0})
+  assert status == 200 and sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+  assert len({c["text"] for c in out["choices"]}) == 1  # greedy copies agree
+  assert out["usage"]["prompt_tokens"] == len(ids)  # counted once
+  _, after = _request(server, "GET", "/metrics")
+  delta = lambda name: _metric(after, name) - _metric(before, name)
+  assert delta("bole_prefix_cache_cached_tokens_total") == 2 * 2 * BLOCK
+  assert delta("bole_prefill_tokens_total") == len(ids) + 2 * 5
