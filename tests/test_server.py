@@ -700,21 +700,21 @@ def scripted(server, monkeypatch, llm):
   def submit(ids, params, events=None, index=0):
     r = Request(list(ids), params, None, events=events, index=index)
     seen.append(r)
-    for i in range(0, len(script[0]), 5):
-      r._send(script[0][i:i + 5])
+    for i in range(0, len(script[0]), piece[0]):
+      r._send(script[0][i:i + piece[0]])
     r.token_ids = [1] * 4
     r._finish("stop")
     return r
 
-  script = [""]
+  script, piece = [""], [5]
   monkeypatch.setattr(server.scheduler, "submit", submit)
   monkeypatch.setattr(server, "chat", ChatTemplate(TOOL_TEMPLATE, llm.tokenizer))
-  return script, seen
+  return script, seen, piece
 
 
 def test_tool_calls_in_responses_and_streams(server, scripted):
   openai = pytest.importorskip("openai")
-  script, seen = scripted
+  script, seen, _ = scripted
   client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
   msgs = [{"role": "user", "content": "Weather in Paris?"}]
   script[0] = "Let me look.\n" + CALL
@@ -834,3 +834,32 @@ def test_n_choices_share_the_prompt_prefix(server):
   delta = lambda name: _metric(after, name) - _metric(before, name)
   assert delta("bole_prefix_cache_cached_tokens_total") == 2 * 2 * BLOCK
   assert delta("bole_prefill_tokens_total") == len(ids) + 2 * 5
+
+
+def test_a_stream_nobody_reads_is_dropped(server, scripted, monkeypatch):
+  """A client that sends a streaming request and never reads: once the socket buffers are full
+  a write waits; after limits.body_timeout_s the server drops the connection."""
+  import dataclasses as dc
+
+  script, _, piece = scripted
+  script[0], piece[0] = "x" * 16_000_000, 100_000
+  monkeypatch.setattr(server, "limits", dc.replace(server.limits, body_timeout_s=1.0))
+  body = json.dumps({"prompt": "x", "max_tokens": 4, "stream": True}).encode()
+  sock = socket.socket()
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+  sock.connect((server.host, server.port))
+  sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+  time.sleep(4.0)  # not reading: the server's writes stall, then it gives up
+  sock.settimeout(20)
+  got, t0 = 0, time.time()
+  tail = b""
+  while time.time() - t0 < 20:
+    chunk = sock.recv(1 << 20)
+    if not chunk:
+      break  # the server closed the connection
+    got += len(chunk)
+    tail = (tail + chunk)[-16:]
+  sock.close()
+  assert not chunk, "the connection was not dropped"
+  assert 0 < got < 16_000_000 and not tail.endswith(b"0\r\n\r\n")  # cut, not completed

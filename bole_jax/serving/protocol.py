@@ -155,7 +155,8 @@ class Limits:
   max_tools:         tools of one chat request.
   header_timeout_s:  a connection must deliver a whole request head within this after it opens
                      or after its previous response (slow or stalled clients are closed).
-  body_timeout_s:    longest wait for the next piece of a request body (408 after).
+  body_timeout_s:    longest wait for the next piece of a request body (408 after), and for a
+                     stream's client to take the next chunk (the connection is dropped after).
   keep_alive_s:      idle keep-alive connections are closed after this.
   shutdown_grace_s:  on SIGTERM / SIGINT, how long running requests may go on before they are
                      ended (finish_reason "length"); the server then exits.

@@ -844,7 +844,7 @@ class OpenAIServer:
         self._cancel(reqs)
         self._live.difference_update(reqs)
 
-    return _EventStream(events())
+    return _EventStream(events(), self.limits.body_timeout_s)
 
 
 def _sse(obj) -> bytes:
@@ -853,10 +853,13 @@ def _sse(obj) -> bytes:
 
 class _EventStream(Response):
   """text/event-stream over chunked encoding; the stream is cancelled when the client
-  disconnects (its generator's `finally` cancels the requests)."""
+  disconnects (its generator's `finally` cancels the requests) or stops reading for
+  `write_timeout` seconds (a write that cannot go out for that long: the connection is dropped,
+  so that clients that never read cannot hold descriptors and buffered output forever)."""
 
-  def __init__(self, gen):  # no Response.__init__: it would add a Content-Length
+  def __init__(self, gen, write_timeout: float):  # no Response.__init__: it adds Content-Length
     self.status_code, self.background, self.gen = 200, None, gen
+    self.write_timeout = write_timeout
     self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -870,10 +873,19 @@ class _EventStream(Response):
         tg.cancel_scope.cancel()
 
       tg.start_soon(watch)
+
+      async def write(body: bytes, more: bool) -> bool:
+        with anyio.move_on_after(self.write_timeout) as scope:
+          await send({"type": "http.response.body", "body": body, "more_body": more})
+        return not scope.cancelled_caught
+
       try:
         async for chunk in self.gen:
-          await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+          if not await write(chunk, True):
+            log.warning("a stream's client read nothing for %g s: dropping the connection",
+                        self.write_timeout)
+            return  # uvicorn closes a connection whose response was left incomplete
+        await write(b"", False)
       finally:
         await self.gen.aclose()
         tg.cancel_scope.cancel()
