@@ -92,12 +92,25 @@ def _cmd_serve(args) -> int:
 
     tp = dict(llm=LLM(args.model, dtype=args.dtype, tp=args.tp, spec_options=opts or None,
                       draft_vocab=args.draft_vocab))
+  from bole_jax.serving.protocol import Limits
+
   try:
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20),
+                    max_prompt_chars=args.max_prompt_chars, max_prompts=args.max_prompts,
+                    max_n=args.max_n, max_stops=args.max_stops, max_stop_chars=args.max_stop_chars,
+                    max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens,
+                    max_messages=args.max_messages, header_timeout_s=args.header_timeout,
+                    body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive,
+                    shutdown_grace_s=args.shutdown_grace)
     serve(args.model, spec=args.spec, host=args.host, port=args.port, max_batch=args.max_batch,
           max_context=args.max_context, dtype=args.dtype, segment_steps=args.segment_steps,
+          segment_ms=args.segment_ms or None,
           served_model_name=args.served_model_name, prefill_chunk=args.prefill_chunk,
           prefix_block=args.prefix_block, prefix_cache_gb=args.prefix_cache_gb,
-          memory_gb=args.memory_gb, **tp)
+          memory_gb=args.memory_gb, limits=limits,
+          api_key=args.api_key or os.environ.get("BOLE_JAX_API_KEY"),
+          allow_special_tokens=args.allow_special_tokens, backlog=args.backlog,
+          max_logprobs=args.max_logprobs, **tp)
   except OSError as e:  # e.g. the port is taken
     print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
     return 2
@@ -286,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--max-context", type=int, default=None,
                  help="prompt + max_tokens limit per request (sets the KV capacity per slot)")
   s.add_argument("--segment-steps", type=int, default=8,
-                 help="decode steps per jitted segment (requests join/leave between segments)")
+                 help="decode steps per jitted segment, at most (requests join/leave between "
+                 "segments)")
+  s.add_argument("--segment-ms", type=float, default=100.0,
+                 help="target duration of a decode segment: the steps per segment adapt to the "
+                 "measured step time so that a cancel or a new request waits about this long at "
+                 "most (0 = always --segment-steps)")
   s.add_argument("--tree-nodes", type=int, default=None,
                  help="draft tree width per request (default: the calibration table at "
                       "--max-batch, else a safe default)")
@@ -306,6 +324,41 @@ def build_parser() -> argparse.ArgumentParser:
                  help="cap in GiB on what the decode slots and the prefix cache may use (e.g. to "
                  "make admission and eviction bind on a small model); see /metrics bole_memory_*")
   s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+  h = s.add_argument_group("HTTP limits (docs/serving.md)")
+  h.add_argument("--api-key", default=None,
+                 help="require 'Authorization: Bearer KEY' on /v1/* (default: $BOLE_JAX_API_KEY, "
+                 "else none)")
+  h.add_argument("--allow-special-tokens", action="store_true",
+                 help="take special-token text in chat message contents as control tokens "
+                 "(default: as plain text, so clients cannot forge roles)")
+  h.add_argument("--max-body-mb", type=float, default=32.0, help="request body cap (413 beyond)")
+  h.add_argument("--max-prompt-chars", type=int, default=None,
+                 help="characters of a prompt (or of a chat's messages), checked before "
+                 "tokenising (default: 8 x max context, at least 4096)")
+  h.add_argument("--max-prompts", type=int, default=64, help="prompts per completion request")
+  h.add_argument("--max-n", type=int, default=16, help="choices per prompt (n)")
+  h.add_argument("--max-stops", type=int, default=16, help="stop strings per request")
+  h.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string")
+  h.add_argument("--max-tokens", type=int, default=None,
+                 help="largest max_tokens a request may ask for (default: the max context)")
+  h.add_argument("--default-max-tokens", type=int, default=4096,
+                 help="max_tokens of a request that gives none (capped by the context left)")
+  h.add_argument("--max-messages", type=int, default=1024, help="messages per chat request")
+  h.add_argument("--header-timeout", type=float, default=30.0,
+                 help="seconds a connection has to send a whole request head")
+  h.add_argument("--body-timeout", type=float, default=30.0,
+                 help="seconds to wait for the next piece of a request body (408 after)")
+  h.add_argument("--keep-alive", type=float, default=5.0,
+                 help="seconds an idle keep-alive connection stays open")
+  h.add_argument("--shutdown-grace", type=float, default=30.0,
+                 help="on SIGTERM/SIGINT, seconds running requests may go on before they are "
+                 "ended (finish_reason length)")
+  h.add_argument("--backlog", type=int, default=2048, help="listen backlog")
+  s.add_argument("--max-logprobs", type=int, default=None,
+                 help="record target logprobs of every generated token and up to K top "
+                 "alternatives per token (0-20; requests may ask for logprobs / top_logprobs up "
+                 "to K); default off: it costs a log-softmax and top-k over the vocabulary per "
+                 "verified position")
   add_draft_vocab_arg(s)
   add_tp_arg(s)
   s.set_defaults(func=_cmd_serve)

@@ -7,7 +7,10 @@ Design
   Its shapes never change, so the decode segment compiles once per (mode, slots, capacity).
 - Segments. Each iteration advances the state by at most `segment_steps` decode steps in one jitted
   call (`LLM.segment_fn(mode)`, state donated) and reads back only the tokens emitted since the
-  last read. Requests join and leave between segments.
+  last read. Requests join and leave between segments, so a segment's length is how late a cancel
+  or a new request can act: with `segment_ms` the number of steps adapts to the measured time of
+  one step so that a segment lasts about `segment_ms` (one step at least, `segment_steps` at
+  most). The step count is an argument of the compiled loop, not a shape: it never recompiles.
 - Chunked prefill. A new request is prefilled alone (batch 1, capacity S) by a `PrefillJob`, in
   pieces of `prefix_block` tokens that end on block boundaries (the last one shorter), at most
   `prefill_chunk` prompt tokens per iteration: a long prompt is spread over several iterations and
@@ -58,23 +61,26 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
 from bole_jax.model.cache import settle_cache
-from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
+from bole_jax.serving.memory import MemoryPlan, plan_memory, plan_slots, slot_bytes  # noqa: F401
+from bole_jax.serving.metrics import Metrics
 from bole_jax.serving.prefix_cache import (Entry, PrefixCache, block_bytes, restore_checkpoint,
                                            restore_kv, take_block)
+from bole_jax.serving.requests import (Delta, Request, RequestError, RequestParams,  # noqa: F401
+                                       TokenLogprob)
+from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher  # noqa: F401
 from bole_jax.spec_decode import loop
-from bole_jax.spec_decode.loop import DecodeState
-from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig
+from bole_jax.model import logits as lm_logits
+from bole_jax.spec_decode.loop import DecodeState, Logprobs, token_logprobs
+from bole_jax.spec_decode.step import SPEC_MODES
 
 log = logging.getLogger("bole_jax.serving")
 
@@ -82,163 +88,8 @@ DEFAULT_MAX_CONTEXT = 8192  # when neither --max-context nor a smaller max_posit
 MIN_PIECE = 64  # smallest prefill piece width (a prompt's last piece is bucketed from here)
 
 
-class RequestError(ValueError):
-  """A request the client got wrong (HTTP 400). `param`/`code` follow the OpenAI error shape."""
-
-  def __init__(self, message: str, param: str | None = None, code: str | None = None):
-    super().__init__(message)
-    self.param = param
-    self.code = code
-
-
-# ------------------------------------------------------------------ memory
 def _pow2(n: int, lo: int = 1) -> int:
   return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-def slot_bytes(cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig | None,
-               dtype) -> dict[str, int]:
-  """Device bytes one decode slot needs, by part (an estimate for admission, not an allocation).
-
-  attention_kv: K and V of every full-attention layer, `capacity` tokens.
-  gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer,
-                and with the lazy bole commit its pending commit: the step's factors of N
-                nodes (keys in the model dtype, k_scale, u, gamma) and its accepted path
-                (`PendingPath`), or with BOLE_LAZY_ROWS=gather the path's depth + 1 rows (k, u,
-                w, and p_sel); the count and accepted node are among the per-row scalars.
-  drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
-  output:       the [max_context] int32 output row and per-row scalars.
-  step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
-                layer the tree's token-level factors (bole) or one full state per node (pernode,
-                chain). Activations of the layer being computed are not counted (small).
-  Under tensor parallelism (cfg.tp > 1) these are the bytes on ONE device: KV, GDN states,
-  factors and logits are split over the heads / vocabulary they are sharded on (replicated
-  groups count whole).
-  """
-  it = jnp.dtype(dtype).itemsize
-  kv_shards, gdn_shards = parallel.shards(cfg, cfg.num_kv_heads), parallel.gdn_shards(cfg)
-  vocab = cfg.vocab_size // parallel.shards(cfg, cfg.vocab_size)
-  kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it // kv_shards
-  gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4 // gdn_shards
-  conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it // gdn_shards
-  pending = 0
-  if spec is not None and spec.pending_length:
-    hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
-    if spec.pending_nodes:
-      pending = (spec.pending_nodes * (hk * (cfg.gdn_key_dim * it + 4)
-                                       + hv * (cfg.gdn_value_dim + 1) * 4) // gdn_shards
-                 + spec.pending_length * 4)
-    else:
-      pending = (spec.pending_length * (hk * cfg.gdn_key_dim + hv * (cfg.gdn_value_dim + 1))
-                 + hv) * 4 // gdn_shards
-  parts = {
-      "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
-      "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state + pending),
-      "output": out_len * 4 + 64,
-  }
-  if spec is None:
-    parts["step_transient"] = vocab * 4
-  else:
-    n, depth = spec.shape.num_nodes, spec.shape.depth
-    parts["drafter"] = (cfg.mtp_num_layers * (capacity + spec.shape.draft_slots + 1) * kv_per_token
-                        + (depth + 1) * (cfg.hidden_size * it + 4))
-    if spec.mode == "bole":
-      per_node = ((cfg.gdn_num_key_heads * cfg.gdn_key_dim
-                   + cfg.gdn_num_value_heads * (cfg.gdn_value_dim + 1)) * 4
-                  + cfg.conv_dim * it) // gdn_shards
-    else:
-      per_node = gdn_state + conv
-    parts["step_transient"] = n * vocab * 4 + len(cfg.gdn_layers) * n * per_node
-  return parts
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-  """How the engine's memory is split (bytes).
-
-  num_slots:     decode slots.
-  slot_bytes:    one slot (estimate); the running state holds num_slots of them and one more is
-                 kept for the batch-1 cache of the request being prefilled.
-  prefix_bytes:  the prefix cache's budget (0 = off).
-  limit_bytes:   the --memory-gb cap on slots + prefix cache, or None.
-  usable_bytes:  what slots + prefix cache may use: min(free device memory * memory_fraction,
-                 limit_bytes); None when neither is known (CPU without a cap).
-  device_stats:  device.memory_stats() at planning time, when the backend reports it.
-  """
-
-  num_slots: int
-  slot_bytes: int
-  prefix_bytes: int
-  limit_bytes: int | None
-  usable_bytes: int | None
-  device_stats: dict | None
-
-  @property
-  def planned_bytes(self) -> int:
-    return (self.num_slots + 1) * self.slot_bytes + self.prefix_bytes
-
-
-DEFAULT_PREFIX_CACHE_GB = 1.0  # prefix cache budget when the free memory is unknown (CPU)
-
-
-def plan_memory(per_slot: int, max_batch: int, *, memory_gb: float | None = None,
-                prefix_cache_gb: float | None = None, device=None,
-                memory_fraction: float = 0.9) -> MemoryPlan:
-  """Split the usable memory between decode slots and the prefix cache.
-
-  Usable: min(free device memory * memory_fraction, memory_gb); the free memory comes from
-  `device.memory_stats()` (after the weights are loaded). Slots: min(max_batch, what fits), one
-  slot's worth kept back for the batch-1 cache of the request being prefilled. The prefix cache
-  gets `prefix_cache_gb` (taken before the slots), or by default what the slots leave
-  (DEFAULT_PREFIX_CACHE_GB when the usable memory is unknown). Backends that report no memory
-  (CPU) get max_batch slots unless memory_gb is given.
-  """
-  if max_batch < 1:
-    raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
-  if memory_gb is not None and not memory_gb > 0:
-    raise ValueError(f"--memory-gb must be > 0, got {memory_gb}")
-  if prefix_cache_gb is not None and not prefix_cache_gb >= 0:
-    raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {prefix_cache_gb}")
-  device = device or jax.devices()[0]
-  try:
-    stats = device.memory_stats()
-  except Exception:  # some backends raise instead of returning None
-    stats = None
-  if not stats or "bytes_limit" not in stats:
-    stats = None
-  usable = None
-  if stats is not None:
-    usable = int((int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))) * memory_fraction)
-  limit = None if memory_gb is None else int(memory_gb * 2**30)
-  if limit is not None:
-    usable = limit if usable is None else min(usable, limit)
-  prefix = None if prefix_cache_gb is None else int(prefix_cache_gb * 2**30)
-  if usable is None:
-    slots = max_batch
-    if prefix is None:
-      prefix = int(DEFAULT_PREFIX_CACHE_GB * 2**30)
-  else:
-    fit = (usable - (prefix or 0)) // per_slot - 1
-    if fit < 1:
-      room = f"{usable / 2**20:.1f} MiB are usable" + (
-          f" ({prefix / 2**20:.1f} MiB of them for --prefix-cache-gb)" if prefix else "")
-      raise ValueError(
-          f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB "
-          f"(plus one more for the prefill), {room}: lower --max-context (or raise --memory-gb, "
-          "lower --prefix-cache-gb, use a smaller model / dtype)")
-    slots = min(max_batch, fit)
-    if prefix is None:
-      prefix = usable - (slots + 1) * per_slot
-  return MemoryPlan(num_slots=slots, slot_bytes=per_slot, prefix_bytes=max(prefix, 0),
-                    limit_bytes=limit, usable_bytes=usable, device_stats=stats)
-
-
-def plan_slots(per_slot: int, max_batch: int, device=None,
-               memory_fraction: float = 0.9) -> tuple[int, dict | None]:
-  """Number of decode slots without a prefix cache: (slots, device memory stats or None)."""
-  plan = plan_memory(per_slot, max_batch, prefix_cache_gb=0, device=device,
-                     memory_fraction=memory_fraction)
-  return plan.num_slots, plan.device_stats
 
 
 # ------------------------------------------------------------------ jitted slot surgery
@@ -272,6 +123,22 @@ def release_slots(state: DecodeState, mask: jax.Array) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("width",))
+def read_new_logprobs(state: DecodeState, start: jax.Array, *, width: int):
+  """The `Logprobs` of out[b, start[b] : start[b] + width]: [B, width], [B, width, K] twice."""
+  lp = state.logprobs
+  idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], lp.logp.shape[1] - 1)
+  return (jnp.take_along_axis(lp.logp, idx, axis=1),
+          jnp.take_along_axis(lp.top_ids, idx[..., None], axis=1),
+          jnp.take_along_axis(lp.top_logp, idx[..., None], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def first_logprobs(params, h_last: jax.Array, token: jax.Array, *, cfg, k: int):
+  """Target log-probabilities of the first token [1] (drawn from the prompt's last hidden [1, H])."""
+  return token_logprobs(lm_logits(params, cfg, h_last), token, k)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
 def read_new_tokens(state: DecodeState, start: jax.Array, *, width: int):
   """Tokens out[b, start[b] : start[b] + width] ([B, width], -1 past the end), num_out, done, steps."""
   idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], state.out.shape[1] - 1)
@@ -279,274 +146,6 @@ def read_new_tokens(state: DecodeState, start: jax.Array, *, width: int):
 
 
 # ------------------------------------------------------------------ host-side text
-class IncrementalDetokenizer:
-  """Turns a growing token list into text deltas that never end inside a UTF-8 character.
-
-  Byte-level BPE tokens can hold part of a character: the decode of such a prefix ends with U+FFFD.
-  Only a small window is decoded per token (from `_prefix` on): the delta is the window's text
-  beyond the text of [_prefix, _read), and it is released once it no longer ends in U+FFFD.
-  """
-
-  def __init__(self, tokenizer):
-    self.tok = tokenizer
-    self.ids: list[int] = []
-    self._prefix = 0  # window start (a character boundary)
-    self._read = 0  # tokens whose text has been released
-
-  def push(self, token: int) -> str:
-    self.ids.append(int(token))
-    return self._delta(final=False)
-
-  def flush(self) -> str:
-    """Release whatever is left (an incomplete character at the very end becomes U+FFFD)."""
-    return self._delta(final=True)
-
-  def _delta(self, final: bool) -> str:
-    if self.tok is None or self._read == len(self.ids):
-      return ""
-    prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
-    text = self.tok.decode(self.ids[self._prefix:])
-    if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
-      self._prefix, self._read = self._read, len(self.ids)
-      return text[len(prefix_text):]
-    return ""
-
-
-class StopMatcher:
-  """Cuts a stream of text deltas at the first stop string, across delta boundaries.
-
-  The longest suffix of the unsent text that is a prefix of some stop string is held back, so a
-  stop string never straddles already-sent text: every occurrence lies in the unsent buffer.
-  """
-
-  def __init__(self, stops: Sequence[str]):
-    self.stops = [s for s in stops if s]
-    self._unsent = ""
-
-  def push(self, text: str) -> tuple[str, bool]:
-    """Returns (text safe to send, stopped)."""
-    if not self.stops:
-      return text, False
-    self._unsent += text
-    hits = [j for j in (self._unsent.find(s) for s in self.stops) if j >= 0]
-    if hits:
-      out, self._unsent = self._unsent[:min(hits)], ""
-      return out, True
-    hold = 0
-    for s in self.stops:
-      for k in range(min(len(s) - 1, len(self._unsent)), hold, -1):
-        if self._unsent.endswith(s[:k]):
-          hold = k
-          break
-    cut = len(self._unsent) - hold
-    out, self._unsent = self._unsent[:cut], self._unsent[cut:]
-    return out, False
-
-  def flush(self) -> str:
-    out, self._unsent = self._unsent, ""
-    return out
-
-
-# ------------------------------------------------------------------ requests
-@dataclasses.dataclass
-class Delta:
-  """One streamed event of a request: new text (may be empty) and, on the last, finish_reason.
-
-  finish_reason: None while running, then "stop" (EOS, stop string or stop token), "length"
-  (max_tokens), "cancelled" or "error" (`error` holds the message).
-  """
-
-  index: int  # which prompt of its HTTP request (several prompts can share one event queue)
-  text: str
-  finish_reason: str | None = None
-  error: str | None = None
-
-
-@dataclasses.dataclass
-class RequestParams:
-  max_tokens: int
-  temperature: float = 0.0
-  top_p: float = 1.0
-  top_k: int = 0
-  seed: int = 0
-  stop: tuple[str, ...] = ()
-  stop_token_ids: tuple[int, ...] = ()
-
-
-class Request:
-  """A submitted request: iterate it for `Delta`s, `result()` to wait, `cancel()` to abort.
-
-  Timing fields (time.perf_counter seconds): t_submit, t_first (first token on the host), t_end.
-  Prefill progress: `cached_tokens` (prompt tokens restored from the prefix cache), `prefilled`
-  (prompt tokens in its cache so far, cached ones included; len(prompt_ids) once it decodes).
-  """
-
-  def __init__(self, prompt_ids: list[int], params: RequestParams, tokenizer, *,
-               events: queue.Queue | None = None, index: int = 0, request_id: str | None = None,
-               internal: bool = False, inbox: queue.Queue | None = None):
-    self.id = request_id or uuid.uuid4().hex
-    self.internal = internal  # engine-made (warm-up, dummy rows): kept out of the metrics
-    self.prompt_ids = prompt_ids
-    self.params = params
-    self.index = index
-    self.events = events if events is not None else queue.Queue()
-    self.token_ids: list[int] = []  # tokens of the completion (stop token / string excluded)
-    self.text = ""
-    self.finish_reason: str | None = None
-    self.error: str | None = None
-    self.steps = 0  # decode steps the request was in a running slot
-    self.cached_tokens = 0
-    self.prefilled = 0
-    self.t_submit = time.perf_counter()
-    self.t_first: float | None = None
-    self.t_end: float | None = None
-    self._detok = IncrementalDetokenizer(tokenizer)
-    self._stops = StopMatcher(params.stop)
-    self._finished = threading.Event()
-    self.cancelled = False
-    self._inbox = inbox  # the engine's, to wake it on cancel()
-
-  # ---- client side
-  def cancel(self) -> None:
-    """Ask the engine to drop this request (its slot is freed before the next segment)."""
-    self.cancelled = True
-    if self._inbox is not None:
-      self._inbox.put(("cancel", self))
-
-  @property
-  def finished(self) -> bool:
-    return self._finished.is_set()
-
-  def __iter__(self) -> Iterator[Delta]:
-    """The request's deltas until the last one (only when this request owns its event queue)."""
-    while True:
-      d = self.events.get()
-      yield d
-      if d.finish_reason is not None:
-        return
-
-  def result(self, timeout: float | None = None) -> "Request":
-    if not self._finished.wait(timeout):
-      raise TimeoutError(f"request {self.id} not finished after {timeout} s")
-    return self
-
-  @property
-  def completion_tokens(self) -> int:
-    return len(self.token_ids)
-
-  # ---- engine side
-  def _consume(self, tok: int, eos: frozenset) -> str | None:
-    """Account one generated token; returns a finish reason when it ends the request."""
-    p = self.params
-    if tok in p.stop_token_ids:
-      return "stop"
-    self.token_ids.append(tok)
-    piece = self._detok.push(tok)
-    if piece:
-      out, stopped = self._stops.push(piece)
-      self._send(out)
-      if stopped:
-        return "stop"
-    if tok in eos:
-      return "stop"
-    if len(self.token_ids) >= p.max_tokens:
-      return "length"
-    return None
-
-  def _send(self, text: str) -> None:
-    if text:
-      self.text += text
-      self.events.put(Delta(self.index, text))
-
-  def _finish(self, reason: str, error: str | None = None) -> bool:
-    """Send the last delta; False when the request had already finished."""
-    if self._finished.is_set():
-      return False
-    tail = ""
-    if reason in ("length", "stop") and error is None:
-      out, stopped = self._stops.push(self._detok.flush())
-      tail = out if stopped else out + self._stops.flush()
-      self.text += tail
-    self.finish_reason, self.error = reason, error
-    self.t_end = time.perf_counter()
-    self.events.put(Delta(self.index, tail, reason, error))
-    self._finished.set()
-    return True
-
-
-# ------------------------------------------------------------------ metrics
-class Histogram:
-  """A Prometheus histogram (cumulative buckets, sum, count)."""
-
-  def __init__(self, name: str, help_: str, buckets: Sequence[float]):
-    self.name, self.help, self.buckets = name, help_, tuple(buckets)
-    self.counts = [0] * len(self.buckets)
-    self.sum = 0.0
-    self.count = 0
-
-  def observe(self, v: float) -> None:
-    self.sum += v
-    self.count += 1
-    for i, b in enumerate(self.buckets):
-      if v <= b:
-        self.counts[i] += 1
-
-  def render(self) -> list[str]:
-    lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-    for b, c in zip(self.buckets, self.counts):
-      lines.append(f'{self.name}_bucket{{le="{b:g}"}} {c}')
-    lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum:.6g}",
-              f"{self.name}_count {self.count}"]
-    return lines
-
-
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class Metrics:
-  """Engine counters (guarded by `lock`; the engine writes, /metrics reads)."""
-
-  def __init__(self):
-    self.lock = threading.Lock()
-    self.ttft = Histogram("bole_time_to_first_token_seconds",
-                          "Submission to first generated token (queueing and prefill included).",
-                          _LATENCY_BUCKETS)
-    self.tpot = Histogram("bole_time_per_output_token_seconds",
-                          "Mean time between generated tokens after the first, per request.",
-                          (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
-    self.e2e = Histogram("bole_request_latency_seconds", "Submission to completion.",
-                         _LATENCY_BUCKETS)
-    self.accepted = Histogram("bole_tokens_per_step",
-                              "Generated tokens per decode step, per request (1 for ar; accepted "
-                              "draft tokens + 1 for speculative modes).",
-                              (1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10))
-    self.finished = collections.Counter()
-    self.prompt_tokens = 0
-    self.generation_tokens = 0
-    self.decode_tokens = 0  # generated by decode steps (first tokens come from prefill)
-    self.slot_steps = 0  # sum over decode steps of the active slots
-    self.segments = 0
-    self.segment_seconds = 0.0
-    self.prefill_seconds = 0.0
-    self.prefill_tokens = 0  # prompt tokens computed (cached ones excluded)
-    self.prefill_pieces = 0  # jitted prefill calls (one block each at most)
-    self.prefix_queries = 0  # requests looked up in the prefix cache
-    self.prefix_hits = 0  # ... that found at least one cached block
-    self.prefix_query_tokens = 0  # prompt tokens of the looked-up requests
-    self.prefix_cached_tokens = 0  # ... restored from the cache instead of computed
-
-  def on_finish(self, r: Request) -> None:
-    with self.lock:
-      self.finished[r.finish_reason] += 1
-      self.generation_tokens += r.completion_tokens
-      self.e2e.observe(r.t_end - r.t_submit)
-      if r.t_first is not None:
-        self.ttft.observe(r.t_first - r.t_submit)
-        if r.completion_tokens > 1:
-          self.tpot.observe((r.t_end - r.t_first) / (r.completion_tokens - 1))
-      if r.steps:
-        self.accepted.observe((r.completion_tokens - 1) / r.steps)
-
 
 # ------------------------------------------------------------------ the engine
 @dataclasses.dataclass(eq=False)
@@ -580,8 +179,11 @@ class Scheduler:
     max_batch: upper bound on the slots (decode rows); memory may allow fewer.
     max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
       8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
-    segment_steps: decode steps per jitted segment (smaller: lower latency to join/leave and
-      finer streaming; larger: fewer host round trips).
+    segment_steps: decode steps per jitted segment, at most (smaller: lower latency to join/leave
+      and finer streaming; larger: fewer host round trips).
+    segment_ms: target duration of one segment in milliseconds: the steps per segment follow
+      segment_ms / (measured seconds per step), clamped to [1, segment_steps]; the first segment
+      runs one step. None: always `segment_steps`.
     prefill_chunk: prompt tokens prefilled per iteration between two decode segments (rounded
       up to whole `prefix_block` pieces): bounds how long a long prompt holds the running rows.
     prefix_block: tokens per prefix-cache block, which is also the prefill piece (a checkpoint of
@@ -592,14 +194,19 @@ class Scheduler:
       device memory).
     memory_fraction: share of the free device memory the slots and the prefix cache may use.
     seed: seed of the engine's shared PRNG stream.
+    max_logprobs: record the target log-probability of every generated token and the
+      `max_logprobs` most likely tokens at its position (requests may ask for up to that many);
+      None: not recorded (requests asking for logprobs are refused). Costs a log-softmax and a
+      top-k over the vocabulary for every verified position of every step.
   Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
   """
 
   def __init__(self, llm, *, mode: str | None = None, max_batch: int = 8,
                max_context: int | None = None, segment_steps: int = 8,
-               prefill_chunk: int = 1024, prefix_block: int = 256,
+               segment_ms: float | None = 100.0, prefill_chunk: int = 1024, prefix_block: int = 256,
                prefix_cache_gb: float | None = None, memory_gb: float | None = None,
-               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0):
+               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0,
+               max_logprobs: int | None = None):
     self.llm = llm
     cfg = llm.cfg
     self.mode = mode or llm.default_spec
@@ -636,7 +243,14 @@ class Scheduler:
       raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
     if prefill_chunk < 1:
       raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
+    if segment_ms is not None and not segment_ms > 0:
+      raise ValueError(f"--segment-ms must be > 0, got {segment_ms}")
+    if max_logprobs is not None and not 0 <= max_logprobs <= 20:
+      raise ValueError(f"--max-logprobs must be in [0, 20], got {max_logprobs}")
+    self.max_logprobs = max_logprobs
     self.segment_steps = segment_steps
+    self.segment_ms = segment_ms
+    self._step_s: float | None = None  # moving average of one decode step's seconds
     self.prefix_block = prefix_block
     # Whole pieces per iteration; at least one, so a prompt always progresses.
     self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
@@ -703,6 +317,13 @@ class Scheduler:
       raise RequestError(str(e), str(e).split()[0]) from None
     if any(not isinstance(s, str) or not s for s in params.stop):
       raise RequestError("stop strings must be non-empty strings", "stop")
+    if params.logprobs is not None:
+      if self.max_logprobs is None:
+        raise RequestError("this server does not record logprobs: start it with --max-logprobs K",
+                           "logprobs")
+      if not 0 <= params.logprobs <= self.max_logprobs:
+        raise RequestError(f"at most {self.max_logprobs} top logprobs per token on this server "
+                           f"(--max-logprobs), got {params.logprobs}", "logprobs")
 
   def submit(self, prompt_ids: Sequence[int], params: RequestParams, *,
              events: queue.Queue | None = None, index: int = 0) -> Request:
@@ -796,6 +417,9 @@ class Scheduler:
     self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
     jax.block_until_ready(read_new_tokens(self._state, jnp.asarray(self._seen),
                                           width=self.segment_steps * self.tokens_per_step))
+    if self.max_logprobs is not None:
+      jax.block_until_ready(read_new_logprobs(self._state, jnp.asarray(self._seen),
+                                              width=self.segment_steps * self.tokens_per_step))
     self._release([0])
     self._steps[0] = 0
 
@@ -930,6 +554,16 @@ class Scheduler:
     row = dataclasses.replace(row, out=jnp.asarray(out),
                               max_out=jnp.full((1,), p.max_tokens, jnp.int32),
                               done=jnp.zeros((1,), bool))
+    if self.max_logprobs is not None:
+      k = self.max_logprobs
+      logp, ids, lps = first_logprobs(self.llm.params, job.h_last, row.next_token, cfg=self.llm.cfg,
+                                      k=k)
+      buf = Logprobs.zeros(1, self.max_context, k)
+      buf = Logprobs(buf.logp.at[0, 0].set(logp[0]), buf.top_ids.at[0, 0].set(ids[0]),
+                     buf.top_logp.at[0, 0].set(lps[0]))
+      row = dataclasses.replace(row, logprobs=buf)
+      if job.req.logprobs is not None:
+        job.req.first_logprob = _entry(tok0, *jax.device_get((logp[0], ids[0], lps[0])))
     return row, tok0
 
   def _prefill_now(self, req: Request) -> tuple[DecodeState, int]:
@@ -990,7 +624,7 @@ class Scheduler:
     req.t_first = time.perf_counter()
     with self.metrics.lock:
       self.metrics.prompt_tokens += len(req.prompt_ids)
-    reason = req._consume(tok0, self.eos)
+    reason = req._consume(tok0, self.eos, req.first_logprob)
     if reason is not None:
       self._end(req, reason)
       return
@@ -1003,13 +637,23 @@ class Scheduler:
   def _decode(self) -> None:
     """One segment for all slots, then hand the new tokens to their requests."""
     t0 = time.perf_counter()
-    self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
+    n = self.next_segment_steps()
+    self._state = self._segment(self.llm.params, self._state, jnp.int32(n))
     width = self.segment_steps * self.tokens_per_step
     window, num_out, done, steps = jax.device_get(
         read_new_tokens(self._state, jnp.asarray(self._seen), width=width))
+    lps = None
+    if self.max_logprobs is not None and any(r is not None and r.logprobs is not None
+                                             for r in self._slots):
+      lps = jax.device_get(read_new_logprobs(self._state, jnp.asarray(self._seen), width=width))
+    dt = time.perf_counter() - t0
+    # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
+    # steps, i.e. a longer next segment, bounded by segment_steps.
+    self._step_s = dt / n if self._step_s is None else 0.7 * self._step_s + 0.3 * dt / n
     with self.metrics.lock:
       self.metrics.segments += 1
-      self.metrics.segment_seconds += time.perf_counter() - t0
+      self.metrics.segment_seconds += dt
+      self.metrics.segment_steps += n
     free = []
     for slot, req in enumerate(self._slots):
       if req is None:
@@ -1024,8 +668,11 @@ class Scheduler:
       self._seen[slot] = num_out[slot]
       self._steps[slot] = steps[slot]
       reason = None
-      for tok in window[slot, :new]:
-        reason = req._consume(int(tok), self.eos)
+      for j, tok in enumerate(window[slot, :new]):
+        lp = None
+        if lps is not None and req.logprobs is not None:
+          lp = _entry(int(tok), lps[0][slot, j], lps[1][slot, j], lps[2][slot, j])
+        reason = req._consume(int(tok), self.eos, lp)
         if reason is not None:
           break
       if reason is None and done[slot]:
@@ -1034,6 +681,14 @@ class Scheduler:
         free.append(slot)
         self._end(req, reason)
     self._release(free)
+
+  def next_segment_steps(self) -> int:
+    """Decode steps of the next segment: segment_ms / (seconds per step), in [1, segment_steps]."""
+    if self.segment_ms is None:
+      return self.segment_steps
+    if self._step_s is None:
+      return 1
+    return max(1, min(self.segment_steps, int(self.segment_ms / 1e3 / self._step_s)))
 
   def _release(self, slots: list[int]) -> None:
     if not slots:
@@ -1058,7 +713,7 @@ class Scheduler:
                   mode=self.mode, slot_bytes=dict(self.slot_bytes),
                   finished=dict(m.finished), prompt_tokens=m.prompt_tokens,
                   generation_tokens=m.generation_tokens, decode_tokens=m.decode_tokens,
-                  slot_steps=m.slot_steps, segments=m.segments,
+                  slot_steps=m.slot_steps, segments=m.segments, segment_steps=m.segment_steps,
                   segment_seconds=m.segment_seconds, prefill_seconds=m.prefill_seconds,
                   mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1),
                   prefilling=int(self._job is not None), prefill_chunk=self.prefill_chunk,
@@ -1085,91 +740,6 @@ class Scheduler:
     snap["device_bytes_limit"] = dev.get("bytes_limit")
     return snap
 
-  def render_prometheus(self) -> str:
-    """All metrics in the Prometheus text exposition format (version 0.0.4)."""
-    s = self.stats()
-    lines: list[str] = []
 
-    def metric(name, kind, help_, value, labels=""):
-      lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{labels} {value}"])
-
-    metric("bole_queue_depth", "gauge", "Requests waiting for a slot.", s["queue_depth"])
-    metric("bole_active_slots", "gauge", "Decode slots holding a request.", s["active_slots"])
-    metric("bole_slots", "gauge", "Decode slots (max batch after memory admission).", s["num_slots"])
-    metric("bole_kv_capacity_tokens", "gauge", "KV capacity of one slot.", s["capacity"])
-    metric("bole_slot_bytes", "gauge", "Estimated device bytes per slot.",
-           sum(s["slot_bytes"].values()))
-    metric("bole_state_bytes", "gauge", "Bytes of the running decode state (all slots).",
-           s["state_bytes"])
-    if s["device_bytes_in_use"] is not None:
-      metric("bole_device_memory_used_bytes", "gauge", "Device memory in use.",
-             s["device_bytes_in_use"])
-      metric("bole_device_memory_limit_bytes", "gauge", "Device memory limit.",
-             s["device_bytes_limit"])
-    lines += ["# HELP bole_requests_finished_total Finished requests by finish reason.",
-              "# TYPE bole_requests_finished_total counter"]
-    for reason in ("stop", "length", "cancelled", "error"):
-      lines.append(f'bole_requests_finished_total{{finish_reason="{reason}"}} '
-                   f'{s["finished"].get(reason, 0)}')
-    metric("bole_prompt_tokens_total", "counter", "Prefilled prompt tokens.", s["prompt_tokens"])
-    metric("bole_generation_tokens_total", "counter", "Generated tokens of finished requests.",
-           s["generation_tokens"])
-    metric("bole_decode_tokens_total", "counter", "Tokens generated by decode steps.",
-           s["decode_tokens"])
-    metric("bole_decode_slot_steps_total", "counter",
-           "Decode steps summed over active slots (decode_tokens / this = tokens per step).",
-           s["slot_steps"])
-    metric("bole_segments_total", "counter", "Jitted decode segments run.", s["segments"])
-    metric("bole_segment_seconds_total", "counter", "Time in decode segments.",
-           f'{s["segment_seconds"]:.6g}')
-    metric("bole_prefill_seconds_total", "counter", "Time in prefills.",
-           f'{s["prefill_seconds"]:.6g}')
-    metric("bole_prefill_tokens_total", "counter",
-           "Prompt tokens computed by prefills (prefix-cache hits excluded).", s["prefill_tokens"])
-    metric("bole_prefill_pieces_total", "counter", "Jitted prefill pieces (one block at most).",
-           s["prefill_pieces"])
-    metric("bole_prefilling_requests", "gauge",
-           "Requests being prefilled in pieces between decode segments (0 or 1).", s["prefilling"])
-    metric("bole_prefill_chunk_tokens", "gauge", "Prompt tokens prefilled per engine iteration, "
-           "at most (--prefill-chunk).", s["prefill_chunk"])
-    pc = s["prefix_cache"]
-    metric("bole_prefix_cache_block_tokens", "gauge", "Tokens per prefix-cache block.",
-           pc["block_tokens"])
-    metric("bole_prefix_cache_budget_bytes", "gauge", "Prefix-cache budget (0 = off).",
-           pc["budget_bytes"])
-    metric("bole_prefix_cache_bytes", "gauge", "Device bytes held by the prefix cache.",
-           pc["bytes"])
-    metric("bole_prefix_cache_entries", "gauge", "Cached blocks (KV rows + state checkpoint).",
-           pc["entries"])
-    metric("bole_prefix_cache_queries_total", "counter", "Requests looked up in the prefix cache.",
-           pc["queries"])
-    metric("bole_prefix_cache_hits_total", "counter",
-           "Lookups that found at least one cached block.", pc["hits"])
-    metric("bole_prefix_cache_misses_total", "counter", "Lookups that found nothing.", pc["misses"])
-    metric("bole_prefix_cache_query_tokens_total", "counter",
-           "Prompt tokens of the looked-up requests.", pc["query_tokens"])
-    metric("bole_prefix_cache_cached_tokens_total", "counter",
-           "Prompt tokens restored from the prefix cache instead of prefilled.",
-           pc["cached_tokens"])
-    metric("bole_prefix_cache_hit_rate", "gauge", "hits / queries since start.",
-           f'{pc["hit_rate"]:.6g}')
-    metric("bole_prefix_cache_cached_token_fraction", "gauge",
-           "cached tokens / prompt tokens of the looked-up requests, since start.",
-           f'{pc["cached_token_fraction"]:.6g}')
-    metric("bole_prefix_cache_evictions_total", "counter", "Blocks evicted (LRU).", pc["evicted"])
-    metric("bole_prefix_cache_rejected_total", "counter",
-           "Blocks not stored for lack of room (every other block pinned or too big).",
-           pc["rejected"])
-    mem = s["memory"]
-    if mem["limit_bytes"] is not None:
-      metric("bole_memory_limit_bytes", "gauge", "--memory-gb: cap on slots + prefix cache.",
-             mem["limit_bytes"])
-    if mem["usable_bytes"] is not None:
-      metric("bole_memory_usable_bytes", "gauge", "What slots + prefix cache may use: min(free "
-             "device memory * fraction, --memory-gb).", mem["usable_bytes"])
-    metric("bole_memory_planned_bytes", "gauge", "Slots (+1 for the prefill) and the prefix-cache "
-           "budget, as planned at start-up.", mem["planned_bytes"])
-    with self.metrics.lock:
-      for h in (self.metrics.ttft, self.metrics.tpot, self.metrics.e2e, self.metrics.accepted):
-        lines += h.render()
-    return "\n".join(lines) + "\n"
+def _entry(tok: int, logp, top_ids, top_logp) -> TokenLogprob:
+  return TokenLogprob(tok, float(logp), tuple((int(i), float(v)) for i, v in zip(top_ids, top_logp)))

@@ -41,6 +41,8 @@ class DecodeState:
   key:        PRNG key, split once per step.
   eos:        [E] int32 EOS token ids (-1 padded).
   extra:      mode-specific pytree (drafter cache, last hidden, acceptance stats), or None.
+  logprobs:   `Logprobs` written next to `out` by `emit`, or None (not recorded: the steps
+              then compute nothing for them).
   """
 
   cache: Cache
@@ -54,6 +56,40 @@ class DecodeState:
   key: jax.Array
   eos: jax.Array
   extra: Any = None
+  logprobs: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Logprobs:
+  """Target log-probabilities of the generated tokens: log_softmax of the target model's logits
+  at the position that produced each token (before temperature, top-k and top-p), in every mode
+  (speculative ones: of the accepted tokens and the bonus, at their tree nodes).
+
+  logp:     [B, L] float32, of the token out[b, i].
+  top_ids:  [B, L, K] int32, the K most likely tokens at that position (K may be 0).
+  top_logp: [B, L, K] float32, their log-probabilities.
+  """
+
+  logp: jax.Array
+  top_ids: jax.Array
+  top_logp: jax.Array
+
+  @classmethod
+  def zeros(cls, b: int, length: int, k: int) -> "Logprobs":
+    return cls(jnp.zeros((b, length), jnp.float32), jnp.zeros((b, length, k), jnp.int32),
+               jnp.zeros((b, length, k), jnp.float32))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+  """logits [..., V], tokens [...] -> (logp [...], top_ids [..., k], top_logp [..., k])."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logp = jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  if k == 0:
+    shape = tokens.shape + (0,)
+    return logp, jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+  top_logp, top_ids = jax.lax.top_k(lp, k)
+  return logp, top_ids.astype(jnp.int32), top_logp
 
 
 def is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
@@ -61,11 +97,13 @@ def is_eos(tokens: jax.Array, eos: jax.Array) -> jax.Array:
   return jnp.any(tokens[..., None] == eos, axis=-1)
 
 
-def emit(state: DecodeState, tokens: jax.Array, count: jax.Array) -> DecodeState:
+def emit(state: DecodeState, tokens: jax.Array, count: jax.Array,
+         logits: jax.Array | None = None) -> DecodeState:
   """Append up to `count[b]` tokens of `tokens [B, M]` to each active request's output.
 
   Honours EOS inside the run (tokens after the first EOS are not emitted) and max_out. Returns the
-  state with out, num_out, next_token and done updated.
+  state with out, num_out, next_token and done updated. `logits [B, M, V]`: the target logits
+  each token was drawn from; with `state.logprobs`, their log-probabilities are recorded too.
   """
   b, m = tokens.shape
   idx = jnp.arange(m, dtype=jnp.int32)
@@ -77,12 +115,20 @@ def emit(state: DecodeState, tokens: jax.Array, count: jax.Array) -> DecodeState
   pos = state.num_out[:, None] + idx[None, :]
   valid = idx[None, :] < count[:, None]
   pos = jnp.where(valid, pos, state.out.shape[1])  # out of bounds -> dropped
-  out = state.out.at[jnp.arange(b)[:, None], pos].set(tokens, mode="drop")
+  rows = jnp.arange(b)[:, None]
+  out = state.out.at[rows, pos].set(tokens, mode="drop")
+  lps = state.logprobs
+  if lps is not None and logits is not None:
+    logp, top_ids, top_logp = token_logprobs(logits, tokens, lps.top_ids.shape[-1])
+    lps = Logprobs(lps.logp.at[rows, pos].set(logp, mode="drop"),
+                   lps.top_ids.at[rows, pos].set(top_ids, mode="drop"),
+                   lps.top_logp.at[rows, pos].set(top_logp, mode="drop"))
   num_out = state.num_out + count
   last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
   next_token = jnp.where(count > 0, last, state.next_token)
   done = state.done | (first_eos <= count) | (num_out >= state.max_out)
-  return dataclasses.replace(state, out=out, num_out=num_out, next_token=next_token, done=done)
+  return dataclasses.replace(state, out=out, num_out=num_out, next_token=next_token, done=done,
+                             logprobs=lps)
 
 
 def ar_step(params, state: DecodeState, *, cfg: ModelConfig) -> DecodeState:
@@ -90,10 +136,12 @@ def ar_step(params, state: DecodeState, *, cfg: ModelConfig) -> DecodeState:
   key, sub = jax.random.split(state.key)
   num_new = jnp.where(state.done, 0, 1).astype(jnp.int32)
   hidden, cache = forward(params, cfg, state.next_token[:, None], state.cache, num_new)
-  tok = sample(lm_logits(params, cfg, hidden[:, 0]), state.sampling, sub)
+  logits = lm_logits(params, cfg, hidden[:, 0])
+  tok = sample(logits, state.sampling, sub)
   state = dataclasses.replace(state, cache=cache, key=key,
                               steps=state.steps + (~state.done).astype(jnp.int32))
-  return emit(state, tok[:, None], jnp.ones_like(state.num_out))
+  return emit(state, tok[:, None], jnp.ones_like(state.num_out),
+              None if state.logprobs is None else logits[:, None])
 
 
 def run_segment(params, state: DecodeState, max_steps: jax.Array, *,

@@ -139,10 +139,14 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
   hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
                                               backend=spec.backend,
                                               depth_bound=spec.shape.path_nodes)
-  acc = accept(tree, lm_logits(params, cfg, hidden), state.sampling, k_acc,
+  logits = lm_logits(params, cfg, hidden)
+  acc = accept(tree, logits, state.sampling, k_acc,
                max_depth=spec.shape.depth, max_children=spec.shape.topk)
   cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
   ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
   state = dataclasses.replace(state, cache=cache, extra=ds, key=key,
                               steps=state.steps + active.astype(jnp.int32))
-  return emit(state, acc.tokens, acc.num_accepted)
+  # Token j of the accepted run was drawn at path node j (a draft accepted there, or the bonus).
+  at_path = None if state.logprobs is None else jnp.take_along_axis(
+      logits, acc.path[:, :, None], axis=1)
+  return emit(state, acc.tokens, acc.num_accepted, at_path)
