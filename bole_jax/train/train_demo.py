@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax.model import ModelConfig, init_params
+from bole_jax.model import ModelConfig, abstract_params, init_params, load_hf_checkpoint
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.blocks import mlp_block
 from bole_jax.model.cache import init_gdn_cache
@@ -307,14 +307,14 @@ def make_optimizer(b1: float, b2: float, weight_decay: float, clip: float):
 def make_step(loss_fn, opt):
   """step(trainable, opt_state, frozen, x, step, total, hp) -> (trainable', state', loss,
   metrics). hp: peak, warmup, min_frac (fp32 scalars, traced: no recompiles across values)."""
-  import optax
 
   def step(trainable, state, frozen, x, i, total, hp):
     (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, x)
     lr = lr_at(i, total, hp["peak"], hp["warmup"], hp["min_frac"])
     upd, state = opt.update(g, state, trainable)
     trainable = jax.tree.map(lambda p, u: p - lr * u, trainable, upd)
-    return trainable, state, loss, dict(metrics, grad_norm=optax.global_norm(g), lr=lr)
+    gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(g)))
+    return trainable, state, loss, dict(metrics, grad_norm=gnorm, lr=lr)
 
   return jax.jit(step, donate_argnums=(0, 1))
 
@@ -322,13 +322,14 @@ def make_step(loss_fn, opt):
 _COMPILED: dict = {}
 
 
-def compiled(key, jitted, *args):
-  """AOT-compiled `jitted` for the shapes of args (arrays or ShapeDtypeStructs), cached per key
-  in this process (a second run of the recipe reuses its programs)."""
+def compiled(key, jitted, *args, **static):
+  """AOT-compiled `jitted` for the shapes of args (arrays or ShapeDtypeStructs) and the static
+  keyword arguments, cached per key in this process (a second run of the recipe reuses its
+  programs)."""
   spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
   k = (key, str(jax.tree.structure(spec)), tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(spec)))
   if k not in _COMPILED:
-    _COMPILED[k] = jitted.lower(*spec).compile()
+    _COMPILED[k] = jitted.lower(*spec, **static).compile()
   return _COMPILED[k]
 
 
@@ -456,15 +457,25 @@ def bundle(folder: Path, dest: Path) -> list[str]:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _next_token(p, buf, t, *, cfg):
+def next_token(p, buf, t, *, cfg):
+  """Greedy next token after buf[0, :t] ([1, W] int32; p in the compute dtype)."""
   return jnp.argmax(lm_logits(p, cfg, target_hidden(p, cfg, buf))[0, t - 1])
 
 
-def greedy_samples(params, cfg, tok, prompts, new_tokens: int, window: int, dtype):
-  """Greedy continuations by the trained target (full-window recompute per token: a check
-  of the weights, not of the engine; the model's output at positions < t ignores t.. )."""
-  fn = functools.partial(_next_token, cfg=cfg)
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def eval_target_sum(params, x, *, cfg, dtype):
+  """Summed next-token cross-entropy over windows x [B, T+1] (fp32 master params)."""
   p = compute_params(params, dtype)
+  return jnp.sum(token_ce(lm_logits(p, cfg, target_hidden(p, cfg, x[:, :-1])), x[:, 1:]))
+
+
+SAMPLE_WINDOW = 128
+
+
+def greedy_samples(fn, p, cfg, tok, prompts, new_tokens: int, window: int = SAMPLE_WINDOW):
+  """Greedy continuations by the trained target with fn = `next_token` (full-window recompute
+  per token: a check of the weights, not of the engine; causal, so the zeros after t do not
+  change the output at t - 1)."""
   out = {}
   for prompt in prompts:
     ids = tok.encode(prompt, add_special_tokens=False).ids[-(window - new_tokens):]
@@ -564,8 +575,12 @@ def main(argv=None) -> dict:
   deadline = T_START + a.wall_seconds
   dtype = jnp.dtype(a.dtype)
   stages = {}
-  if a.tokenizer_vocab and a.compare_model and str(a.compare_model) != "none":
-    a.compare_model = None  # another tokenizer: its losses are not comparable
+  # The comparison model must share the tokenizer (else its losses mean something else).
+  old_cfg = None
+  if (not a.tokenizer_vocab and str(a.compare_model) != "none"
+      and (Path(a.compare_model) / "tokenizer.json").is_file()
+      and (Path(a.compare_model) / "tokenizer.json").read_bytes() == a.tokenizer.read_bytes()):
+    old_cfg = ModelConfig.from_pretrained(a.compare_model)
   a.out.mkdir(parents=True, exist_ok=True)
 
   # Phase-1 compile needs only the vocabulary size: with the given tokenizer it starts now, in a
@@ -599,10 +614,6 @@ def main(argv=None) -> dict:
     def mtp_fn(m, p, x):
       return mtp_loss(m, p, cfg, x, dtype, a.mtp_levels, a.mtp_level_decay, a.mtp_distill)
 
-    def eval_target(p, x):
-      pc = compute_params(p, dtype)
-      return jnp.sum(token_ce(lm_logits(pc, cfg, target_hidden(pc, cfg, x[:, :-1])), x[:, 1:]))
-
     def compile_target():
       x = jax.ShapeDtypeStruct((a.batch, a.seq + 1), jnp.int32)
       return compiled(("target", cfg, a.dtype, a.weight_decay, a.b2, a.clip),
@@ -614,12 +625,24 @@ def main(argv=None) -> dict:
       step_m = compiled(("mtp", cfg, a.dtype, a.mtp_levels, a.mtp_level_decay, a.mtp_distill,
                          a.weight_decay, a.b2, a.clip), make_step(mtp_fn, opt_m), mtp_spec,
                         jax.eval_shape(opt_m.init, mtp_spec), params_spec, x, s, f, hp_m)
-      ev_t = compiled(("eval_t", cfg, a.dtype), jax.jit(eval_target), params_spec,
-                      jax.ShapeDtypeStruct((eval_bs, a.seq + 1), jnp.int32))
+      xv = jax.ShapeDtypeStruct((eval_bs, a.seq + 1), jnp.int32)
+      ev_t = compiled(("eval_t", cfg, a.dtype), eval_target_sum, params_spec, xv, cfg=cfg,
+                      dtype=dtype)
       ev_m = compiled(("eval_m", cfg, a.dtype, a.mtp_levels, a.mtp_level_decay, a.mtp_distill),
                       jax.jit(lambda m, p, x: mtp_fn(m, p, x)[1]), mtp_spec, params_spec,
                       jax.ShapeDtypeStruct((eval_bs, a.mtp_seq + 1), jnp.int32))
-      return step_m, ev_t, ev_m
+      ev_old = nxt = None
+      if old_cfg is not None:
+        old_spec = {k: v for k, v in abstract_params(old_cfg, "float32").items() if k != "mtp"}
+        ev_old = compiled(("eval_t", old_cfg, a.dtype), eval_target_sum, old_spec, xv,
+                          cfg=old_cfg, dtype=dtype)
+      if a.samples:
+        p16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, dtype if len(x.shape) >= 2 else x.dtype), params_spec)
+        nxt = compiled(("next", cfg, a.dtype), next_token, p16,
+                       jax.ShapeDtypeStruct((1, SAMPLE_WINDOW), jnp.int32),
+                       jax.ShapeDtypeStruct((), jnp.int32), cfg=cfg)
+      return step_m, ev_t, ev_m, ev_old, nxt
 
     return Background(compile_target), Background(compile_rest)
 
@@ -665,6 +688,9 @@ def main(argv=None) -> dict:
   data = jnp.asarray(train_ids)
   vt = val_windows(val_ids, a.seq + 1, a.val_windows)
   vm = val_windows(val_ids, a.mtp_seq + 1, a.val_windows * (a.seq + 1) // (a.mtp_seq + 1))
+  if min(len(vt), len(vm)) < eval_bs:
+    raise ValueError(f"only {len(vt)} validation windows of {a.seq + 1} tokens, need >= {eval_bs}:"
+                     " raise --max-val-bytes / --val-per-mille or lower --seq")
   key = jax.random.key(a.seed)
   k_target, k_mtp = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
 
@@ -680,7 +706,7 @@ def main(argv=None) -> dict:
       "target", step_t, params, opt_state, None, data, k_target, batch=a.batch, length=a.seq + 1,
       hp=hp_t, seconds=budget_t, fixed_steps=a.target_steps, deadline=deadline, reserve=reserve_t,
       probe=a.probe, log_every=a.log_every)
-  step_m, ev_t, ev_m = rest.get()
+  step_m, ev_t, ev_m, ev_old, nxt = rest.get()
   # Phase 2 gets what phase 1 left of --train-seconds (at least half its share).
   budget_m = max(a.train_seconds - log_t["wall_s"], a.train_seconds * a.mtp_fraction * 0.5)
   mtp_state = opt_m.init(mtp)
@@ -693,9 +719,6 @@ def main(argv=None) -> dict:
   # Validation on fixed held-out windows.
   t0 = time.time()
   n_t = (len(vt) // eval_bs) * eval_bs
-  if n_t == 0:
-    raise ValueError(f"only {len(vt)} validation windows, need >= {eval_bs}: raise "
-                     "--max-val-bytes or lower --seq")
   ce_sum = sum(float(ev_t(params, jnp.asarray(vt[i:i + eval_bs]))) for i in range(0, n_t, eval_bs))
   val_loss = ce_sum / (n_t * a.seq)
   n_m = (len(vm) // eval_bs) * eval_bs
@@ -703,25 +726,20 @@ def main(argv=None) -> dict:
            for i in range(0, n_m, eval_bs)]
   val_mtp = {k: round(float(np.mean([m[k] for m in mvals])), 5) for k in mvals[0]} if mvals else {}
   compare = None
-  if a.compare_model and str(a.compare_model) != "none" and (Path(a.compare_model) / "config.json").is_file():
-    from bole_jax.model import load_hf_checkpoint
-
-    old_cfg, old_params = load_hf_checkpoint(a.compare_model, dtype="float32")
-    if old_cfg.vocab_size == cfg.vocab_size:
-      f = jax.jit(lambda p, x: jnp.sum(token_ce(lm_logits(compute_params(p, dtype), old_cfg,
-                                                          target_hidden(compute_params(p, dtype),
-                                                                        old_cfg, x[:, :-1])),
-                                                x[:, 1:])))
-      old_params = {k: v for k, v in old_params.items() if k != "mtp"}
-      s = sum(float(f(old_params, jnp.asarray(vt[i:i + eval_bs]))) for i in range(0, n_t, eval_bs))
-      compare = dict(model=str(a.compare_model), val_loss=round(s / (n_t * a.seq), 4))
+  if ev_old is not None:
+    _, old_params = load_hf_checkpoint(a.compare_model, cfg=old_cfg, dtype="float32")
+    old_params = {k: v for k, v in old_params.items() if k != "mtp"}
+    s = sum(float(ev_old(old_params, jnp.asarray(vt[i:i + eval_bs]))) for i in range(0, n_t, eval_bs))
+    compare = dict(model=str(a.compare_model), val_loss=round(s / (n_t * a.seq), 4),
+                   params=int(sum(x.size for x in jax.tree.leaves(old_params))))
   stages["validation_s"] = round(time.time() - t0, 1)
   log(f"validation loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) over {n_t * a.seq} tokens; "
       f"MTP {val_mtp}; compare {compare}")
   samples = {}
   if a.samples:
     t0 = time.time()
-    samples = greedy_samples(params, cfg, tok, SAMPLE_PROMPTS, a.samples, 128, dtype)
+    samples = greedy_samples(nxt, compute_params(params, dtype), cfg, tok, SAMPLE_PROMPTS,
+                             a.samples)
     stages["samples_s"] = round(time.time() - t0, 1)
     for k, v in samples.items():
       log(f"sample {k!r} -> {v!r}")
