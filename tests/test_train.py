@@ -40,6 +40,7 @@ def test_loss_decreases_and_log_is_complete(runs):
   assert report["target"]["steps"] == 40 and report["mtp"]["steps"] == 8
   assert curve[-1]["loss"] < curve[0]["loss"] - 0.5, curve
   assert report["val_loss"] < np.log(report["config"]["vocab_size"]), report["val_loss"]
+  assert 0 < report["val_top1"] < 1
   assert set(report["val_mtp"]) >= {"agree1", "agree2", "kl1", "ce1"}
   assert report["data"]["kept_train"] > 0 and report["data"]["kept_val"] > 0
   for k in ("recipe", "repeat_args", "jax", "device", "git_commit", "stages", "samples"):
@@ -85,6 +86,23 @@ def test_export_loads_and_generates(runs, tmp_path):
   assert "chat_template" in json.loads((folder / "tokenizer_config.json").read_text())
   out = llm.generate(["def add(a, b):"], max_new_tokens=6, spec="ar")[0]
   assert len(out.token_ids) >= 1
+
+
+def test_given_tokenizer_and_comparison_model(runs, tmp_path):
+  """With run a's tokenizer given (no retraining) the recipe reproduces run a, and the
+  comparison evaluates run a's exported (bf16) checkpoint on the same validation windows."""
+  report_a, da = runs[0]
+  args = list(ARGS)
+  i = args.index("--tokenizer-vocab")
+  args[i:i + 2] = ["--tokenizer", str(da / "model" / "tokenizer.json")]
+  i = args.index("--compare-model")
+  args[i + 1] = str(da / "model")
+  report = td.main(["--out", str(tmp_path / "c")] + args)
+  assert report["val_loss"] == report_a["val_loss"]
+  assert (tmp_path / "c" / "model.safetensors").read_bytes() == (
+      da / "model" / "model.safetensors").read_bytes()
+  assert report["compare"] is not None
+  assert abs(report["compare"]["val_loss"] - report["val_loss"]) < 0.05, report["compare"]
 
 
 @pytest.fixture(scope="module")

@@ -464,9 +464,10 @@ def next_token(p, buf, t, *, cfg):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
 def eval_target_sum(params, x, *, cfg, dtype):
-  """Summed next-token cross-entropy over windows x [B, T+1] (fp32 master params)."""
+  """(summed next-token cross-entropy, count of top-1 hits) over windows x [B, T+1]."""
   p = compute_params(params, dtype)
-  return jnp.sum(token_ce(lm_logits(p, cfg, target_hidden(p, cfg, x[:, :-1])), x[:, 1:]))
+  lg = lm_logits(p, cfg, target_hidden(p, cfg, x[:, :-1]))
+  return jnp.sum(token_ce(lg, x[:, 1:])), jnp.sum(jnp.argmax(lg, -1) == x[:, 1:])
 
 
 SAMPLE_WINDOW = 128
@@ -719,8 +720,9 @@ def main(argv=None) -> dict:
   # Validation on fixed held-out windows.
   t0 = time.time()
   n_t = (len(vt) // eval_bs) * eval_bs
-  ce_sum = sum(float(ev_t(params, jnp.asarray(vt[i:i + eval_bs]))) for i in range(0, n_t, eval_bs))
-  val_loss = ce_sum / (n_t * a.seq)
+  sums = np.sum([jax.device_get(ev_t(params, jnp.asarray(vt[i:i + eval_bs])))
+                 for i in range(0, n_t, eval_bs)], axis=0, dtype=np.float64)
+  val_loss, val_top1 = sums[0] / (n_t * a.seq), sums[1] / (n_t * a.seq)
   n_m = (len(vm) // eval_bs) * eval_bs
   mvals = [jax.device_get(ev_m(mtp, params, jnp.asarray(vm[i:i + eval_bs])))
            for i in range(0, n_m, eval_bs)]
@@ -729,11 +731,14 @@ def main(argv=None) -> dict:
   if ev_old is not None:
     _, old_params = load_hf_checkpoint(a.compare_model, cfg=old_cfg, dtype="float32")
     old_params = {k: v for k, v in old_params.items() if k != "mtp"}
-    s = sum(float(ev_old(old_params, jnp.asarray(vt[i:i + eval_bs]))) for i in range(0, n_t, eval_bs))
-    compare = dict(model=str(a.compare_model), val_loss=round(s / (n_t * a.seq), 4),
+    s = np.sum([jax.device_get(ev_old(old_params, jnp.asarray(vt[i:i + eval_bs])))
+                for i in range(0, n_t, eval_bs)], axis=0, dtype=np.float64) / (n_t * a.seq)
+    compare = dict(model=str(a.compare_model), val_loss=round(float(s[0]), 4),
+                   val_top1=round(float(s[1]), 4),
                    params=int(sum(x.size for x in jax.tree.leaves(old_params))))
   stages["validation_s"] = round(time.time() - t0, 1)
-  log(f"validation loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}) over {n_t * a.seq} tokens; "
+  log(f"validation loss {val_loss:.4f} (ppl {math.exp(val_loss):.2f}, top-1 {val_top1:.3f}) over "
+      f"{n_t * a.seq} tokens; "
       f"MTP {val_mtp}; compare {compare}")
   samples = {}
   if a.samples:
@@ -775,7 +780,8 @@ def main(argv=None) -> dict:
       data=dict(corpus.stats, train_tokens=int(len(train_ids)), val_tokens=int(len(val_ids)),
                 chars_per_token=round(corpus.stats["train_chars"] / max(len(train_ids), 1), 3)),
       params_target=int(n_target), params_mtp=int(n_mtp), config=dataclasses.asdict(cfg),
-      target=log_t, mtp=log_m, val_loss=round(val_loss, 4), val_ppl=round(math.exp(val_loss), 3),
+      target=log_t, mtp=log_m, val_loss=round(float(val_loss), 4), val_ppl=round(math.exp(val_loss), 3),
+      val_top1=round(float(val_top1), 4),
       val_tokens_evaluated=int(n_t * a.seq), val_mtp=val_mtp, compare=compare, samples=samples,
       stages=stages)
   report["wall_s"] = round(time.time() - T_START, 1)
