@@ -199,9 +199,10 @@ def test_corpus_split_is_by_content_and_deduplicated(tmp_path):
     (tmp_path / "b" / f"copy{i}.py").write_text(body)  # exact duplicates under other names
   (tmp_path / "a" / "LICENSE.txt").write_text("licence text " * 20)
   (tmp_path / "a" / "table.py").write_text("X = [\n" + "    12345678, 87654321,\n" * 50 + "]\n")
+  (tmp_path / "a" / "vocab.txt").write_text("".join(f"w{i}\n" for i in range(2000)))
   c = collect_corpus([tmp_path], val_per_mille=300, min_file_bytes=8)
   assert c.stats["kept_train"] + c.stats["kept_val"] == 60 and c.stats["duplicate"] == 60
-  assert 0 < c.stats["kept_val"] < 60 and c.stats["numeric"] == 1
+  assert 0 < c.stats["kept_val"] < 60 and c.stats["numeric"] == 1 and c.stats["word_list"] == 1
   assert not any("licence" in d for d in c.train + c.val)
   c2 = collect_corpus([tmp_path / "b", tmp_path / "a"], val_per_mille=300, min_file_bytes=8)
   assert sorted(c2.val) == sorted(c.val)  # the split follows content, not names or order

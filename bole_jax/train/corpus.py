@@ -119,13 +119,16 @@ RECIPE_SUFFIXES = (".py", ".pyi", ".rst", ".md", ".txt")
 
 
 def _keep_text(text: str, max_line: int) -> str | None:
-  """The reason a file's text is rejected ("empty", "long-lines", "numeric"), or None to keep.
-  Long lines mark minified or generated files; mostly digits mark data tables."""
+  """The reason a file's text is rejected ("empty", "long-lines", "word-list", "numeric"), or
+  None to keep. Long lines mark minified or generated files, many very short lines word lists
+  (tokenizer vocabularies, dictionaries), mostly digits data tables."""
   if not text.strip():
     return "empty"
   lines = text.count("\n") + 1
   if max(map(len, text.split("\n"))) > max_line or len(text) / lines > max_line / 10:
     return "long-lines"
+  if lines > 1000 and len(text) / lines < 10:
+    return "word-list"
   digits = sum(text.count(d) for d in "0123456789")
   if digits > 0.3 * len(text):
     return "numeric"
@@ -170,7 +173,8 @@ def collect_corpus(roots: Iterable[Path] | None = None, *, max_bytes: int = 300_
   order = sorted(cands, key=lambda rp: (_digest(rp[0].encode()), rp[0], str(rp[1])))
   stats = dict(roots=[str(r) for r in roots], candidates=len(order), read=0, kept_train=0,
                kept_val=0, train_chars=0, val_chars=0, duplicate=0, too_small=0, too_big=0,
-               undecodable=0, empty=0, long_lines=0, numeric=0, suffix_chars={})
+               undecodable=0, empty=0, long_lines=0, word_list=0, numeric=0,
+               suffix_chars={})
   train, val, seen = [], [], set()
 
   def read(rp):

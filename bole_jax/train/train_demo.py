@@ -542,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                   help="compute dtype (master weights fp32)")
   # MTP phase
-  ap.add_argument("--mtp-batch", type=int, default=128)
+  ap.add_argument("--mtp-batch", type=int, default=64)
   ap.add_argument("--mtp-seq", type=int, default=512)
   ap.add_argument("--mtp-lr", type=float, default=2e-3)
   ap.add_argument("--mtp-warmup", type=int, default=100)
