@@ -1,6 +1,6 @@
 """Train the embedded demo model: a small Qwen3-Next-architecture hybrid and its MTP head.
 
-    python -m bole_jax.train.train_demo --out DIR [--train-seconds 400] [--size code] [--seed 0]
+    python -m bole_jax.train.train_demo --out DIR [--train-seconds 420] [--size code] [--seed 0]
 
 The recipe (bole_jax/train/README.md has the GPU command and the time budget):
 
@@ -510,9 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--size", choices=sorted(SIZES), default="code")
   ap.add_argument("--layers", type=int, default=8)
   ap.add_argument("--full-every", type=int, default=4, help="every N-th layer is attention")
-  ap.add_argument("--train-seconds", type=float, default=400.0,
+  ap.add_argument("--train-seconds", type=float, default=420.0,
                   help="time for both training phases (split by --mtp-fraction)")
-  ap.add_argument("--wall-seconds", type=float, default=540.0,
+  ap.add_argument("--wall-seconds", type=float, default=520.0,
                   help="cap on the whole recipe (from the start of main, after the imports): "
                   "training is shortened to fit")
   ap.add_argument("--mtp-fraction", type=float, default=0.2)
