@@ -366,8 +366,15 @@ def run_phase(name, step_fn, trainable, state, frozen, data, key, *, batch, leng
                      f"({float(hp['warmup']):.0f} steps)")
   total = jnp.float32(fixed_steps or 1 << 30)
   curve, pending, metrics = [], [], {}
-  n, i, per_step, t_probe = fixed_steps, 0, None, None
+  n, i, per_step, t_probe, stopped_early = fixed_steps, 0, None, None, False
   while n is None or i < n:
+    if fixed_steps is None and per_step and i % log_every == 0 and (
+        time.time() > deadline - 0.5 * reserve):
+      # Steps slowed down after the probe: stop with the schedule unfinished rather than
+      # overrun the wall budget (logged).
+      log(f"[{name}] stopping early at step {i}/{n}: the wall budget is nearly spent")
+      n, stopped_early = i, True
+      break
     x = sample_windows(data, key, jnp.int32(i), batch, length)
     trainable, state, loss, metrics = step_fn(trainable, state, frozen, x, jnp.int32(i), total, hp)
     pending.append((loss, metrics))
@@ -401,7 +408,8 @@ def run_phase(name, step_fn, trainable, state, frozen, data, key, *, batch, leng
   summary = dict(steps=n, batch=batch, seq=length - 1, ms_per_step_probe=round(per_step * 1e3, 2)
                  if per_step else None, wall_s=round(wall, 1),
                  tokens_seen=int(n) * batch * (length - 1),
-                 tokens_per_s=round(n * batch * (length - 1) / wall), curve=curve)
+                 tokens_per_s=round(n * batch * (length - 1) / wall),
+                 stopped_early=stopped_early, curve=curve)
   return trainable, state, summary
 
 
