@@ -520,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--full-every", type=int, default=4, help="every N-th layer is attention")
   ap.add_argument("--train-seconds", type=float, default=420.0,
                   help="time for both training phases (split by --mtp-fraction)")
+  ap.add_argument("--minutes", type=float, default=None,
+                  help="old spelling: --train-seconds = 60 x minutes")
   ap.add_argument("--wall-seconds", type=float, default=520.0,
                   help="cap on the whole recipe (from the start of main, after the imports): "
                   "training is shortened to fit")
@@ -580,6 +582,8 @@ def main(argv=None) -> dict:
 
   global T_START
   a = build_parser().parse_args(argv)
+  if a.minutes is not None:
+    a.train_seconds, a.minutes = 60.0 * a.minutes, None
   T_START = t_main = time.time()  # --wall-seconds counts from here (after the imports)
   deadline = T_START + a.wall_seconds
   dtype = jnp.dtype(a.dtype)
