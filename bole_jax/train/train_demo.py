@@ -541,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "use --tokenizer)")
   ap.add_argument("--tokenizer-max-bytes", type=int, default=100_000_000)
   # target phase
-  ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq", type=int, default=1024)
   ap.add_argument("--lr", type=float, default=2e-3)
   ap.add_argument("--warmup", type=int, default=200)
