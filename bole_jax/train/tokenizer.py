@@ -20,6 +20,20 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, out: Path, max_bytes: int = 200_000_000):
+  return train_tokenizer_from_docs(iter_documents(files, max_bytes=max_bytes), vocab_size, out)
+
+
+def write_tokenizer_config(out: Path) -> None:
+  """tokenizer_config.json with the ChatML chat template (the shipped demo model's)."""
+  (out / "tokenizer_config.json").write_text(json.dumps(dict(
+      eos_token="<|endoftext|>", bos_token=None, pad_token="<|endoftext|>",
+      chat_template=CHAT_TEMPLATE, model_max_length=4096), indent=1))
+
+
+def train_tokenizer_from_docs(docs, vocab_size: int, out: Path, show_progress: bool = True):
+  """Byte-level BPE over the texts `docs` (any iterable of str); writes out/tokenizer.json and
+  out/tokenizer_config.json and returns the `tokenizers.Tokenizer`. Deterministic for the same
+  documents in the same order."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   tok = Tokenizer(models.BPE())
@@ -27,13 +41,11 @@ def train_tokenizer(files: list[Path], vocab_size: int, out: Path, max_bytes: in
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=True)
-  tok.train_from_iterator(iter_documents(files, max_bytes=max_bytes), trainer=trainer)
+                                show_progress=show_progress)
+  tok.train_from_iterator(docs, trainer=trainer)
   out.mkdir(parents=True, exist_ok=True)
   tok.save(str(out / "tokenizer.json"))
-  (out / "tokenizer_config.json").write_text(json.dumps(dict(
-      eos_token="<|endoftext|>", bos_token=None, pad_token="<|endoftext|>",
-      chat_template=CHAT_TEMPLATE, model_max_length=4096), indent=1))
+  write_tokenizer_config(out)
   return tok
 
 
