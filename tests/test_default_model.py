@@ -40,7 +40,7 @@ def test_default_model_writes_code(llm):
 
 
 def test_demo_config_sizes_match_the_shipped_model():
-  """train_demo's "demo" widths are the shipped model's config; "wide" has Qwen3-Next's GDN
+  """train_demo's "code" widths are the shipped model's config; "wide" has Qwen3-Next's GDN
   head size (the memory-bound online benchmark relies on its per-request state size)."""
   import pytest
 
@@ -48,7 +48,7 @@ def test_demo_config_sizes_match_the_shipped_model():
   from bole_jax.train.train_demo import demo_config
 
   shipped = LLM().cfg
-  demo = demo_config(shipped.vocab_size, shipped.eos_token_ids[0])
+  demo = demo_config(shipped.vocab_size, shipped.eos_token_ids[0], "code")
   for f in ("hidden_size", "num_layers", "layer_types", "num_heads", "num_kv_heads", "head_dim",
             "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim",
             "intermediate_size", "mtp_num_layers"):
