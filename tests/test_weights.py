@@ -90,7 +90,9 @@ def test_bf16_checkpoint_loads(tmp_path):
     model.save_pretrained(path)
     cfg, params = load_hf_checkpoint(path)
     assert cfg.dtype == "bfloat16"
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    dtypes = _leaf_dtypes(params)
+    assert {p for p, d in dtypes.items() if d == jnp.float32} == _fp32_gdn_paths(cfg)
+    assert all(d == jnp.bfloat16 for p, d in dtypes.items() if p not in _fp32_gdn_paths(cfg))
     sd = model.state_dict()
     as_np = lambda t: t.float().numpy()
     np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), as_np(sd["model.embed_tokens.weight"]))
@@ -100,6 +102,56 @@ def test_bf16_checkpoint_loads(tmp_path):
     assert p32["embed"].dtype == jnp.float32
     hidden, _ = _forward(params, cfg, jnp.zeros((1, 4), jnp.int32), init_cache(cfg, 1, 8))
     assert bool(jnp.all(jnp.isfinite(logits(params, cfg, hidden))))
+
+
+def _leaf_dtypes(params) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): x.dtype for path, x in flat}
+
+
+def _fp32_gdn_paths(cfg) -> set:
+    return {("layers", i, "gdn", n) for i, t in enumerate(cfg.layer_types) if t == "linear_attention"
+            for n in ("A_log", "norm_w")}
+
+
+def test_bf16_checkpoint_keeps_fp32_gdn_leaves(tiny_checkpoint, tmp_path):
+    """A checkpoint as released: bf16 weights, A_log and linear_attn.norm.weight stored fp32.
+    Loading into bf16 keeps those two fp32, bit for bit (bf16 would round them: exp(A_log) is
+    the decay rate), and the forward reads them unrounded: its logits are those of the same
+    model with the two leaves rounded to bf16 only when the checkpoint rounds them."""
+    path, _ = tiny_checkpoint("qwen3_5", seed=3)
+    tensors = {k: v if k.endswith(("A_log", "linear_attn.norm.weight"))
+               else v.astype(jnp.bfloat16) for k, v in _read_all(path).items()}
+    assert all(tensors[k].dtype == np.float32 for k in tensors if k.endswith("A_log"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = {**json.load(f), "torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    folder = _rewrite(path, str(tmp_path / "mixed"), tensors, config)
+    cfg, params = load_hf_checkpoint(folder)
+    assert cfg.dtype == "bfloat16" and params["embed"].dtype == jnp.bfloat16
+    stored32 = _read_all(path)
+    for i in (0, 1, 2):
+        if cfg.layer_types[i] != "linear_attention":
+            continue
+        gdn = params["layers"][i]["gdn"]
+        assert gdn["A_log"].dtype == jnp.float32 and gdn["norm_w"].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(gdn["A_log"]),
+                                      stored32[f"model.layers.{i}.linear_attn.A_log"])
+        np.testing.assert_array_equal(np.asarray(gdn["norm_w"]),
+                                      stored32[f"model.layers.{i}.linear_attn.norm.weight"])
+        assert not np.array_equal(np.asarray(gdn["A_log"].astype(jnp.bfloat16).astype(jnp.float32)),
+                                  stored32[f"model.layers.{i}.linear_attn.A_log"])
+    # The forward uses the fp32 leaves: rounding them to bf16 changes the logits.
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 12)))
+    rounded = jax.tree_util.tree_map_with_path(
+        lambda p, x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+    out = [logits(q, cfg, _forward(q, cfg, ids, init_cache(cfg, 1, 16, jnp.bfloat16))[0])
+           for q in (params, rounded)]
+    assert bool(jnp.all(jnp.isfinite(out[0]))) and not np.array_equal(np.asarray(out[0]),
+                                                                       np.asarray(out[1]))
+    # Resaved, the mixed dtypes survive.
+    save_hf_checkpoint(tmp_path / "resaved", cfg, params)
+    again = _read_all(tmp_path / "resaved")
+    assert {k: v.dtype for k, v in again.items()} == {k: v.dtype for k, v in tensors.items()}
 
 
 def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):

@@ -322,6 +322,20 @@ def _index_files(path: str) -> dict[str, str]:
                           f"(found: {', '.join(found) or 'nothing'}); only safetensors checkpoints are supported")
 
 
+# GDN leaves kept in fp32 whatever the params dtype: real Qwen3-Next / Qwen3.5 checkpoints store
+# A_log and the gated norm weight (linear_attn.norm.weight) in fp32 next to bf16 weights, and vLLM
+# and SGLang keep them fp32 (the decay exp(A_log) and the norm scale lose 3 digits in bf16). The
+# forward reads them as fp32 (layers.gdn_in_proj, layers.gated_rms_norm).
+FP32_GDN_LEAVES = ("A_log", "norm_w")
+
+
+def leaf_dtype(path: tuple, dtype) -> jnp.dtype:
+    """The dtype a converted leaf at params `path` gets when loading into params of `dtype`."""
+    if len(path) >= 2 and path[-2] == "gdn" and path[-1] in FP32_GDN_LEAVES:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
 def _name_list(names, limit=12) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
@@ -335,7 +349,8 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
     Args:
       path: folder with config.json and model.safetensors (or an index + shards).
       cfg: use this config instead of reading config.json.
-      dtype: params dtype (default cfg.dtype, the checkpoint's own).
+      dtype: params dtype (default cfg.dtype, the checkpoint's own); the GDN A_log and norm
+        weights stay fp32 (`FP32_GDN_LEAVES`), as the checkpoints store them.
       place: called on each converted leaf as place(path in params, leaf) -> leaf, before the next
         tensor is read (tensor parallelism: `parallel.layout_leaf` puts each leaf on the mesh at
         once, so no device holds the whole model).
@@ -396,7 +411,7 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
             fn, stored = present[n]
             arrays.append(jnp.asarray(readers[fn].get(stored)))
         for p, leaf in zip(e.paths, e.to_params(*arrays)):
-            leaf = leaf.astype(dtype)
+            leaf = leaf.astype(leaf_dtype(p, dtype))
             _set(params, p, leaf if place is None else place(p, leaf))
     return cfg, params
 
