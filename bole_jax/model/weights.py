@@ -16,8 +16,11 @@ to the device and converted to the flat layout of params.py:
   accepted; the vision tower (`model.visual.*`) is ignored; `mtp.*` goes to params["mtp"].
 - Tied embeddings: no lm_head param (a stored lm_head.weight is ignored).
 
-`save_hf_checkpoint(path, cfg, params)` is the inverse (config.json + model.safetensors in the
-family's own layout, per-expert MoE keys), loadable by transformers' *ForCausalLM.from_pretrained.
+`save_hf_checkpoint(path, cfg, params)` is the inverse (config.json + model.safetensors, or shards
+with an index, in the family's own layout, per-expert MoE keys), loadable by transformers'
+*ForCausalLM.from_pretrained. Files are read and written with the `safetensors` library (with a
+built-in fallback for what its numpy binding lacks: `SafetensorsFile`). Shard paths of an index
+must stay inside the model folder.
 """
 
 from __future__ import annotations
@@ -54,43 +57,104 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+def _safetensors_lib():
+    """The `safetensors` package's (safe_open, numpy save_file), or None without it."""
+    try:
+        from safetensors import safe_open
+        from safetensors.numpy import save_file
+    except ImportError:
+        return None
+    return safe_open, save_file
+
+
 class SafetensorsFile:
-    """A memory-mapped .safetensors file: `.shapes` from the header, `.get(name)` as a numpy view."""
+    """A .safetensors file: `.shapes` / `.dtypes` from the header, `.get(name)` as a numpy array.
+
+    Read with the `safetensors` library (safe_open, framework="numpy": memory-mapped, bf16 as
+    ml_dtypes.bfloat16 on safetensors >= 0.4); dtypes its numpy binding cannot give (fp8 on
+    0.8, bf16 on old versions) and installs without the library are read by the memory-mapped
+    parser below (the format: 8-byte little-endian header length, JSON header, raw data)."""
 
     def __init__(self, filename: str):
         self.filename = filename
+        self._mm = None
+        self._header = None
+        lib = _safetensors_lib()
+        self._lib = None
         try:
-            with open(filename, "rb") as f:
+            if lib is not None:
+                self._lib = lib[0](filename, framework="numpy")
+                slices = {k: self._lib.get_slice(k) for k in self._lib.keys()}
+                self.shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+                self.dtypes = {k: v.get_dtype() for k, v in slices.items()}
+            else:
+                self._read_header()
+                self.shapes = {k: tuple(v["shape"]) for k, v in self._header.items()}
+                self.dtypes = {k: v["dtype"] for k, v in self._header.items()}
+        except CheckpointError:
+            raise
+        except Exception as e:  # OSError, ValueError, safetensors' SafetensorError
+            raise CheckpointError(f"cannot read safetensors file {self.filename}: {e}") from e
+
+    def _read_header(self):
+        try:
+            with open(self.filename, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(n))
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read safetensors file {filename}: {e}") from e
+            raise CheckpointError(f"cannot read safetensors file {self.filename}: {e}") from e
         header.pop("__metadata__", None)
-        self._header = header
-        self._data_start = 8 + n
-        self._mm = None
-        self.shapes = {k: tuple(v["shape"]) for k, v in header.items()}
+        self._header, self._data_start = header, 8 + n
 
     def get(self, name: str) -> np.ndarray:
+        if self.dtypes[name] not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name} in {self.filename} has unsupported dtype "
+                                  f"{self.dtypes[name]}")
+        if self._lib is not None:
+            try:
+                a = self._lib.get_tensor(name)
+            except (TypeError, ValueError, AttributeError):  # a dtype its numpy binding lacks
+                pass
+            else:
+                if a.dtype == _ST_DTYPES[self.dtypes[name]]:
+                    return a
+        return self._raw(name)
+
+    def _raw(self, name: str) -> np.ndarray:
+        if self._header is None:
+            self._read_header()
         if self._mm is None:
             self._mm = np.memmap(self.filename, dtype=np.uint8, mode="r")
         info = self._header[name]
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name} in {self.filename} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         raw = self._mm[self._data_start + start:self._data_start + end]
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def write_safetensors(filename: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
-    """Write numpy arrays (bf16 via ml_dtypes) as one .safetensors file."""
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    """Write numpy arrays (bf16 / fp8 via ml_dtypes, mixed dtypes allowed) as one .safetensors
+    file, with the `safetensors` library when it takes every dtype, else the writer below."""
+    metadata = {str(k): str(v) for k, v in (metadata or {"format": "pt"}).items()}
+    for name, a in tensors.items():
+        if np.asarray(a).dtype not in _ST_NAMES:
+            raise ValueError(f"cannot write tensor {name} of dtype {np.asarray(a).dtype}")
+    lib = _safetensors_lib()
+    if lib is not None:
+        try:
+            lib[1]({k: np.ascontiguousarray(v) for k, v in tensors.items()}, filename,
+                   metadata=metadata)
+            return
+        except (TypeError, ValueError, AttributeError):  # e.g. fp8, unknown to its numpy binding
+            pass
+    _write_raw(filename, tensors, metadata)
+
+
+def _write_raw(filename: str, tensors: dict[str, np.ndarray], metadata: dict):
+    header: dict = {"__metadata__": metadata}
     offset = 0
     arrays = []
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in _ST_NAMES:
-            raise ValueError(f"cannot write tensor {name} of dtype {a.dtype}")
         header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
@@ -300,6 +364,26 @@ def _canonical(name: str) -> str | None:
     return name
 
 
+def _check_shard_path(folder: str, fn, index: str) -> None:
+    """A shard named by the index must be a file inside the model folder: a relative path with no
+    `..`, not absolute, and not resolving (through symlinks) outside the folder."""
+    def bad(why):
+        raise CheckpointError(f"{index}: shard path {fn!r} {why}; shard paths must be file names "
+                              "inside the model folder (fix or regenerate the index)")
+
+    if not isinstance(fn, str) or not fn:
+        bad("is not a file name")
+    parts = fn.replace("\\", "/").split("/")
+    if os.path.isabs(fn) or fn.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", fn):
+        bad("is absolute")
+    if ".." in parts:
+        bad("leaves the folder ('..')")
+    root = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(folder, fn))
+    if os.path.commonpath([root, target]) != root:
+        bad(f"resolves outside the folder (to {target})")
+
+
 def _index_files(path: str) -> dict[str, str]:
     """Map checkpoint tensor name -> safetensors file path (validating that files exist)."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -310,6 +394,10 @@ def _index_files(path: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"bad index file {index}: {e}") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"bad index file {index}: weight_map is not an object")
+        for fn in sorted(set(weight_map.values())):
+            _check_shard_path(path, fn, index)
         missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(path, fn))})
         if missing:
             raise CheckpointError(f"checkpoint {path}: shard file(s) listed in model.safetensors.index.json "
@@ -438,10 +526,15 @@ def hf_state_dict(cfg: ModelConfig, params: dict, dtype=None) -> dict[str, np.nd
     return out
 
 
-def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, dtype=None):
+def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, dtype=None,
+                       max_shard_bytes: int | None = None):
     """Write `cfg` and `params` as a Hugging Face folder (config.json + model.safetensors).
 
-    dtype: tensor dtype to write (default: the params' own). config.json's dtype follows it."""
+    dtype: tensor dtype to write (default: the params' own, e.g. bf16 with the fp32 GDN leaves).
+      config.json's dtype follows the embedding's.
+    max_shard_bytes: split the tensors over model-0000i-of-0000n.safetensors files of about this
+      size (a tensor is never split) with a model.safetensors.index.json, as save_pretrained's
+      max_shard_size does (default: one model.safetensors)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = hf_state_dict(cfg, params, dtype)
@@ -452,4 +545,24 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, 
     d["dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}.get(written, cfg.dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
-    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    if max_shard_bytes is None:
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+        return
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(path, fn), shard)
+        weight_map.update({name: fn for name in shard})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": weight_map}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
