@@ -46,6 +46,21 @@ def _pow2(n: int, lo: int = 1) -> int:
   return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+@jax.jit
+def _emit_first(light: loop.DecodeState, tok0: jax.Array) -> loop.DecodeState:
+  """Emit the first token tok0 [B] into a state without caches."""
+  return loop.emit(light, tok0[:, None], jnp.ones_like(tok0))
+
+
+@functools.partial(jax.jit, static_argnames=("p",))
+def _draft_rows(tok0: jax.Array, h_last: jax.Array, *, p: int):
+  """The drafter's pending rows after a prefill: tok0 [B] and h_last [B, H] as row 0 of p."""
+  b = tok0.shape[0]
+  toks = jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0)
+  hid = jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+  return toks, hid, jnp.ones((b,), jnp.int32)
+
+
 def out_bucket(max_new: int) -> int:
   """Length of the output buffer for max_new_tokens: the power of two >= it (at least
   MIN_OUT_BUCKET), so that other lengths of a bucket run the same compiled programs (each
@@ -284,8 +299,9 @@ class LLM:
       width = min(chunk, toks.shape[1] - s)
       piece[:, :width] = toks[:, s:s + width]
       num_new = np.clip(lens - s, 0, chunk).astype(np.int32)
-      h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, jnp.asarray(piece),
-                                                   jnp.asarray(num_new), h_last, draft_kv, cfg=cfg)
+      # (numpy arguments: jnp.asarray would compile a program per shape)
+      h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, piece, num_new, h_last,
+                                                   draft_kv, cfg=cfg)
     return self.state_after_prefill(cache, draft_kv, h_last, n, max_new, mode=mode,
                                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                     oracle=oracle, spec_batch=spec_batch, out_len=out_len,
@@ -331,23 +347,23 @@ class LLM:
                          spec.pending_nodes if spec else None)
     extra = None
     if spec:
-      p = spec.shape.path_nodes
+      toks, hid, count = _draft_rows(tok0, h_last, p=spec.shape.path_nodes)
       extra = DraftState(
-          kv=draft_kv,
-          pend_tokens=jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0),
-          pend_hidden=jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last),
-          pend_count=jnp.ones((b,), jnp.int32),
-          oracle=None if oracle is None else jnp.asarray(self._pad_oracle(oracle, b, out_len)))
-    state = loop.DecodeState(
-        cache=cache,
-        out=jnp.full((b, out_len), -1, jnp.int32),
-        num_out=jnp.zeros((b,), jnp.int32),
-        next_token=jnp.zeros((b,), jnp.int32),
-        done=jnp.asarray(np.arange(b) >= n),
-        max_out=jnp.full((b,), max_new, jnp.int32),
-        steps=jnp.zeros((b,), jnp.int32),
-        sampling=sp, key=key, eos=jnp.asarray(self.eos_ids, jnp.int32), extra=extra)
-    return parallel.place(loop.emit(state, tok0[:, None], jnp.ones((b,), jnp.int32)), cfg)
+          kv=draft_kv, pend_tokens=toks, pend_hidden=hid, pend_count=count,
+          oracle=None if oracle is None else jax.device_put(self._pad_oracle(oracle, b, out_len)))
+    # Host-built fields and one jitted emit (eager jnp ops would compile a program each); the
+    # caches stay out of the jit, which would copy them.
+    light = loop.DecodeState(
+        cache=None,
+        out=np.full((b, out_len), -1, np.int32),
+        num_out=np.zeros((b,), np.int32),
+        next_token=np.zeros((b,), np.int32),
+        done=np.arange(b) >= n,
+        max_out=np.full((b,), max_new, np.int32),
+        steps=np.zeros((b,), np.int32),
+        sampling=sp, key=key, eos=np.asarray(self.eos_ids, np.int32), extra=None)
+    light = _emit_first(light, tok0)
+    return parallel.place(dataclasses.replace(light, cache=cache, extra=extra), cfg)
 
   def _generate_batch(self, ids, max_new, temperature, top_p, top_k, seed, stops, mode, bar,
                       oracle=None, first: int = 0):

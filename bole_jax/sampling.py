@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -38,11 +39,18 @@ class SamplingParams:
   @staticmethod
   def make(batch: int, temperature=0.0, top_p=1.0, top_k=0, stream=-1) -> "SamplingParams":
     """Broadcast scalars (or per-request sequences) to [batch] arrays."""
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
-    p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,))
-    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch,))
-    s = jnp.broadcast_to(jnp.asarray(stream, jnp.int32), (batch,))
-    return SamplingParams(t, p, k, s)
+    return SamplingParams(*(_per_row(x, d, batch) for x, d in (
+        (temperature, jnp.float32), (top_p, jnp.float32), (top_k, jnp.int32),
+        (stream, jnp.int32))))
+
+
+def _per_row(x, dtype, batch: int) -> jax.Array:
+  """x broadcast to [batch]: on the host for concrete values (an eager jnp broadcast compiles a
+  program per shape), traced otherwise."""
+  if isinstance(x, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer)
+                                           for v in (x if isinstance(x, (list, tuple)) else ())):
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+  return jax.device_put(np.array(np.broadcast_to(np.asarray(x, dtype), (batch,))))
 
 
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:

@@ -202,7 +202,7 @@ def _gdn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
             v, z = w[:, 2 * dk:2 * dk + r * dv].reshape(-1, H), w[:, 2 * dk + r * dv:].reshape(-1, H)
             ba = ba.reshape(Hk, 2 * r, H)
             b, a = ba[:, :r].reshape(HV, H), ba[:, r:].reshape(HV, H)
-            return jnp.concatenate([q, k, v], axis=0).T, z.T, b.T, a.T
+            return np.concatenate([q, k, v], axis=0).T, z.T, b.T, a.T
 
         def qkvz_to_hf(w_qkv, w_z, w_b, w_a):
             qkv = w_qkv.T
@@ -210,8 +210,8 @@ def _gdn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
             k = qkv[Hk * dk:2 * Hk * dk].reshape(Hk, dk, H)
             v = qkv[2 * Hk * dk:].reshape(Hk, r * dv, H)
             z = w_z.T.reshape(Hk, r * dv, H)
-            qkvz = jnp.concatenate([q, k, v, z], axis=1).reshape(-1, H)
-            ba = jnp.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
+            qkvz = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
+            ba = np.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
             return qkvz, ba
 
         out.append(_Entry({pre + "in_proj_qkvz.weight": (C + HV * dv, H), pre + "in_proj_ba.weight": (2 * HV, H)},
@@ -241,7 +241,7 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
         return w[:, :D].reshape(-1, H).T, w[:, D:].reshape(-1, H).T
 
     def q_to_hf(w_q, w_gate):
-        return (jnp.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(-1, H),)
+        return (np.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(-1, H),)
 
     return [
         _Entry({pre + "q_proj.weight": (2 * Hq * D, H)}, (root + ("w_q",), root + ("w_gate",)), q_to_params, q_to_hf),
@@ -255,7 +255,7 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
 
 def _gate_up_entry(gate_name, up_name, path, H, I) -> _Entry:
     return _Entry({gate_name: (I, H), up_name: (I, H)}, (path,),
-                  lambda g, u: (jnp.concatenate([g.T, u.T], axis=1),),
+                  lambda g, u: (np.concatenate([g.T, u.T], axis=1),),
                   lambda w: (w[:, :I].T, w[:, I:].T))
 
 
@@ -271,9 +271,9 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
     if fused_experts:
         out += [
             _Entry({pre + "experts.gate_up_proj": (E, 2 * Ie, H)}, (root + ("w_gate_up",),),
-                   lambda w: (jnp.swapaxes(w, 1, 2),), lambda w: (jnp.swapaxes(w, 1, 2),)),
+                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
             _Entry({pre + "experts.down_proj": (E, H, Ie)}, (root + ("w_down",),),
-                   lambda w: (jnp.swapaxes(w, 1, 2),), lambda w: (jnp.swapaxes(w, 1, 2),)),
+                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
         ]
     else:
         names = {f"{pre}experts.{e}.{p}_proj.weight": s for e in range(E)
@@ -281,8 +281,8 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
 
         def experts_to_params(*ws):
             g, u, d = ws[0::3], ws[1::3], ws[2::3]
-            gu = jnp.concatenate([jnp.swapaxes(jnp.stack(g), 1, 2), jnp.swapaxes(jnp.stack(u), 1, 2)], axis=2)
-            return gu, jnp.swapaxes(jnp.stack(d), 1, 2)
+            gu = np.concatenate([np.swapaxes(np.stack(g), 1, 2), np.swapaxes(np.stack(u), 1, 2)], axis=2)
+            return gu, np.swapaxes(np.stack(d), 1, 2)
 
         def experts_to_hf(gu, d):
             out = []
@@ -493,14 +493,16 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
                                       f"expected {tuple(shape)} for this config")
 
     params = _empty_tree(cfg)
+    # Converted on the host (numpy), then one transfer per leaf: device-side conversions would
+    # compile a program per tensor shape (dozens on every start, cached or not).
     for e in entries:
         arrays = []
         for n in e.hf:
             fn, stored = present[n]
-            arrays.append(jnp.asarray(readers[fn].get(stored)))
+            arrays.append(readers[fn].get(stored))
         for p, leaf in zip(e.paths, e.to_params(*arrays)):
-            leaf = leaf.astype(leaf_dtype(p, dtype))
-            _set(params, p, leaf if place is None else place(p, leaf))
+            leaf = np.asarray(leaf).astype(leaf_dtype(p, dtype), copy=False)
+            _set(params, p, jax.device_put(leaf) if place is None else place(p, leaf))
     return cfg, params
 
 
