@@ -16,6 +16,7 @@ turns it off), so the second run of a command skips most compilation.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -358,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=__doc__.split("\n", 1)[1], formatter_class=HelpFormatter)
   p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
   sub = p.add_subparsers(dest="cmd", required=True)
-  sp = lambda *a, **kw: sub.add_parser(*a, formatter_class=HelpFormatter, **kw)  # noqa: E731
+  sp = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
   g = sp("generate", help="offline batch generation",
          description="Generate continuations of prompts (arguments, --file, or stdin lines).")
   g.add_argument("prompts", nargs="*", help="prompt strings (default: --file, else stdin lines)")
