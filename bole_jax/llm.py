@@ -4,8 +4,12 @@
     outs = llm.generate(["def fib(n):"], max_new_tokens=64)
     print(outs[0].text, outs[0].stats)
 
-Shapes are bucketed (batch and KV capacity to powers of two, prompt chunks to a fixed set) so that
-repeated calls reuse compiled programs. Prompts longer than one chunk are prefilled in chunks.
+Shapes are bucketed (batch, output buffer and KV capacity to powers of two, prompt chunks to a
+fixed set) so that repeated calls with other prompts, lengths or batch sizes of a bucket reuse
+compiled programs; the compiled programs are also kept on disk across processes (JAX's persistent
+compilation cache, `bole_jax.compile_cache`: on by default, folder $BOLE_JAX_CACHE/xla or
+~/.cache/bole_jax/xla, `LLM(compile_cache=...)` or $BOLE_JAX_COMPILE_CACHE to move it, 0 for off).
+Prompts longer than one chunk are prefilled in chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax import compile_cache as compile_cache_mod, parallel
 from bole_jax.model import ModelConfig, init_cache, init_params
 from bole_jax.model.cache import with_pending
 from bole_jax.model.weights import load_hf_checkpoint
@@ -35,10 +39,33 @@ from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take several calls)
 SEGMENT_STEPS = 16  # decode steps per jitted segment (host checks stops / progress between)
+MIN_OUT_BUCKET = 16  # smallest output buffer (max_new_tokens is rounded up to a power of two)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
   return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+@jax.jit
+def _emit_first(light: loop.DecodeState, tok0: jax.Array) -> loop.DecodeState:
+  """Emit the first token tok0 [B] into a state without caches."""
+  return loop.emit(light, tok0[:, None], jnp.ones_like(tok0))
+
+
+@functools.partial(jax.jit, static_argnames=("p",))
+def _draft_rows(tok0: jax.Array, h_last: jax.Array, *, p: int):
+  """The drafter's pending rows after a prefill: tok0 [B] and h_last [B, H] as row 0 of p."""
+  b = tok0.shape[0]
+  toks = jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0)
+  hid = jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+  return toks, hid, jnp.ones((b,), jnp.int32)
+
+
+def out_bucket(max_new: int) -> int:
+  """Length of the output buffer for max_new_tokens: the power of two >= it (at least
+  MIN_OUT_BUCKET), so that other lengths of a bucket run the same compiled programs (each
+  request's `max_out` still stops it at its own max_new_tokens)."""
+  return _pow2(max_new, lo=MIN_OUT_BUCKET)
 
 
 @dataclasses.dataclass
@@ -100,17 +127,23 @@ class LLM:
     draft_vocab: the MTP drafter scores only this many tokens (the most frequent: the model
       folder's draft_vocab.json, else the first ids; spec_decode/draft_vocab.py). Lossless: it
       changes which drafts are proposed, never what is emitted. None: the whole vocabulary.
+    compile_cache: folder of JAX's persistent compilation cache (compiled programs reused by the
+      next process). None (default): $BOLE_JAX_COMPILE_CACHE, else jax's own setting, else
+      $BOLE_JAX_CACHE/xla or $XDG_CACHE_HOME/bole_jax/xla; False or "none": off. See
+      bole_jax/compile_cache.py.
   """
 
   def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
                dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
                params: Any = None, spec_options: dict | None = None, tp: int | None = None,
-               draft_vocab: int | None = None):
+               draft_vocab: int | None = None,
+               compile_cache: str | os.PathLike | bool | None = None):
     if max_batch_size < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if tp is not None:
       tp = parallel.check_tp(tp)
     self.max_batch_size = max_batch_size
+    self.compile_cache = compile_cache_mod.enable(compile_cache)  # the folder, None when off
     # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
     self.spec_options = dict(spec_options or {})
     self._resolved_spec_options: dict[int, dict] = {}  # batch bucket -> options + calibrated width
@@ -222,15 +255,18 @@ class LLM:
     for start in range(0, len(ids), self.max_batch_size):
       chunk = ids[start:start + self.max_batch_size]
       orc = None if oracle is None else oracle[start:start + self.max_batch_size]
+      # Every batch starts from key(seed) and each prompt samples from its own stream (its index
+      # here): the same seed gives the same outputs whatever max_batch_size (sampling.row_keys).
       outputs += self._generate_batch(chunk, max_new_tokens, temperature, top_p, top_k,
-                                      seed + start, stops, mode, bar, orc)
+                                      seed, stops, mode, bar, orc, first=start)
     if bar is not None:
       bar.close()
     return outputs
 
   def start_batch(self, ids: Sequence[Sequence[int]], max_new: int, *, mode: str = "ar",
                   temperature=0.0, top_p=1.0, top_k=0, seed: int = 0, oracle=None,
-                  extra_capacity: int = 0, spec_batch: int | None = None) -> loop.DecodeState:
+                  extra_capacity: int = 0, spec_batch: int | None = None,
+                  out_len: int | None = None, stream=-1) -> loop.DecodeState:
     """Prefill a batch of token-id prompts and return the DecodeState the jitted loop advances
     (the first generated token already emitted). Public for benchmarks and notebooks:
 
@@ -239,6 +275,9 @@ class LLM:
 
     spec_batch: the batch bucket whose (calibrated) tree shape to lay the state out for; pass
     the same value to `segment_fn` (default for both: max_batch_size).
+    out_len: length of the output buffer `out` [B, out_len] (>= max_new; default max_new). The KV
+    capacity is sized for it, so every max_new up to out_len gives the same shapes.
+    stream: each request's random stream ([n] ints, or one for all; -1: its row), see sampling.py.
     """
     cfg = self.cfg
     n = len(ids)
@@ -246,7 +285,8 @@ class LLM:
     lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
     spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
     slack = spec.slack if spec else 0
-    capacity = _pow2(int(lens.max()) + max_new + slack + extra_capacity + 1, lo=64)
+    out_len = max(out_len or max_new, max_new)
+    capacity = _pow2(int(lens.max()) + out_len + slack + extra_capacity + 1, lo=64)
     cache, draft_kv = self.prefill_caches(b, capacity, mode=mode, spec_batch=spec_batch)
     # Chunked prefill: every request advances by up to PREFILL_CHUNK tokens per call.
     toks = np.zeros((b, int(lens.max())), np.int32)
@@ -259,11 +299,13 @@ class LLM:
       width = min(chunk, toks.shape[1] - s)
       piece[:, :width] = toks[:, s:s + width]
       num_new = np.clip(lens - s, 0, chunk).astype(np.int32)
-      h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, jnp.asarray(piece),
-                                                   jnp.asarray(num_new), h_last, draft_kv, cfg=cfg)
+      # (numpy arguments: jnp.asarray would compile a program per shape)
+      h_last, cache, draft_kv = loop.prefill_chunk(self.params, cache, piece, num_new, h_last,
+                                                   draft_kv, cfg=cfg)
     return self.state_after_prefill(cache, draft_kv, h_last, n, max_new, mode=mode,
                                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                    oracle=oracle, spec_batch=spec_batch)
+                                    oracle=oracle, spec_batch=spec_batch, out_len=out_len,
+                                    stream=stream)
 
   def prefill_caches(self, batch: int, capacity: int, *, mode: str = "ar",
                      spec_batch: int | None = None):
@@ -281,16 +323,21 @@ class LLM:
 
   def state_after_prefill(self, cache, draft_kv, h_last, n: int, max_new: int, *,
                           mode: str = "ar", temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
-                          oracle=None, spec_batch: int | None = None) -> loop.DecodeState:
+                          oracle=None, spec_batch: int | None = None,
+                          out_len: int | None = None, stream=-1) -> loop.DecodeState:
     """The DecodeState once the prompts are in `cache` (and `draft_kv`): samples the first token
     from h_last [B, H] (each prompt's last hidden state) with `seed` and emits it. Rows >= n are
-    padding (done). Used by `start_batch` and by the serving engine's chunked prefill. The
+    padding (done). `out` is [B, out_len] (default max_new), `max_out` max_new. `stream`: the
+    requests' random streams ([n] ints or one int; -1 = the row, `sampling.SamplingParams`). Used by `start_batch` and by the serving engine's chunked prefill. The
     GDN caches get the mode's layout (`SpecConfig.pending_length`: lazy bole carries a pending
     commit, empty here)."""
     cfg = self.cfg
     b = h_last.shape[0]
+    out_len = max(out_len or max_new, max_new)
     spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
-    sp = SamplingParams.make(b, temperature, top_p, top_k)
+    streams = np.full((b,), -1, np.int32)
+    streams[:n] = stream
+    sp = SamplingParams.make(b, temperature, top_p, top_k, streams)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     tok0 = loop.first_token(self.params, h_last, sp, sub, cfg=cfg)
@@ -300,32 +347,33 @@ class LLM:
                          spec.pending_nodes if spec else None)
     extra = None
     if spec:
-      p = spec.shape.path_nodes
+      toks, hid, count = _draft_rows(tok0, h_last, p=spec.shape.path_nodes)
       extra = DraftState(
-          kv=draft_kv,
-          pend_tokens=jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0),
-          pend_hidden=jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last),
-          pend_count=jnp.ones((b,), jnp.int32),
-          oracle=None if oracle is None else jnp.asarray(self._pad_oracle(oracle, b, max_new)))
-    state = loop.DecodeState(
-        cache=cache,
-        out=jnp.full((b, max_new), -1, jnp.int32),
-        num_out=jnp.zeros((b,), jnp.int32),
-        next_token=jnp.zeros((b,), jnp.int32),
-        done=jnp.asarray(np.arange(b) >= n),
-        max_out=jnp.full((b,), max_new, jnp.int32),
-        steps=jnp.zeros((b,), jnp.int32),
-        sampling=sp, key=key, eos=jnp.asarray(self.eos_ids, jnp.int32), extra=extra)
-    return parallel.place(loop.emit(state, tok0[:, None], jnp.ones((b,), jnp.int32)), cfg)
+          kv=draft_kv, pend_tokens=toks, pend_hidden=hid, pend_count=count,
+          oracle=None if oracle is None else jax.device_put(self._pad_oracle(oracle, b, out_len)))
+    # Host-built fields and one jitted emit (eager jnp ops would compile a program each); the
+    # caches stay out of the jit, which would copy them.
+    light = loop.DecodeState(
+        cache=None,
+        out=np.full((b, out_len), -1, np.int32),
+        num_out=np.zeros((b,), np.int32),
+        next_token=np.zeros((b,), np.int32),
+        done=np.arange(b) >= n,
+        max_out=np.full((b,), max_new, np.int32),
+        steps=np.zeros((b,), np.int32),
+        sampling=sp, key=key, eos=np.asarray(self.eos_ids, np.int32), extra=None)
+    light = _emit_first(light, tok0)
+    return parallel.place(dataclasses.replace(light, cache=cache, extra=extra), cfg)
 
   def _generate_batch(self, ids, max_new, temperature, top_p, top_k, seed, stops, mode, bar,
-                      oracle=None):
+                      oracle=None, first: int = 0):
     n = len(ids)
     bucket = _pow2(n)  # the tree width follows the batch actually decoded
     spec = None if mode == "ar" else self._spec_config(mode, bucket)
     t0 = time.perf_counter()
     state = self.start_batch(ids, max_new, mode=mode, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, oracle=oracle, spec_batch=bucket)
+                             top_k=top_k, seed=seed, oracle=oracle, spec_batch=bucket,
+                             out_len=out_bucket(max_new), stream=np.arange(first, first + n))
     jax.block_until_ready(state.out)
     ttft = time.perf_counter() - t0
     segment = self.segment_fn(mode, bucket)

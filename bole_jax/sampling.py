@@ -6,9 +6,15 @@ serves any mix of greedy and stochastic requests in a batch:
   temperature [B] f32  (0 = greedy)
   top_p       [B] f32  (1 = off)
   top_k       [B] i32  (0 = off)
+  stream      [B] i32  (the request's random stream; -1 = its row in the batch)
 
 `target_probs` is the single definition of "the distribution the model samples from"; the
 stochastic tree acceptance uses the same function, which is what makes it lossless.
+
+Random draws are per row: row b draws with fold_in(step key, stream[b]) (`row_keys`), so a
+request's samples depend on the step key and its stream only, not on which other requests share
+its batch or on its row. `LLM.generate` gives each prompt its index in the call as its stream and
+starts every batch from key(seed), hence the same output for a seed whatever max_batch_size.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -27,14 +34,23 @@ class SamplingParams:
   temperature: jax.Array  # [B] f32, 0 = greedy
   top_p: jax.Array  # [B] f32 in (0, 1]
   top_k: jax.Array  # [B] i32, 0 = no limit
+  stream: jax.Array  # [B] i32, the request's random stream (-1: its row index)
 
   @staticmethod
-  def make(batch: int, temperature=0.0, top_p=1.0, top_k=0) -> "SamplingParams":
-    """Broadcast scalars (or per-request sequences) to [batch] arrays, validating them."""
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
-    p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,))
-    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch,))
-    return SamplingParams(t, p, k)
+  def make(batch: int, temperature=0.0, top_p=1.0, top_k=0, stream=-1) -> "SamplingParams":
+    """Broadcast scalars (or per-request sequences) to [batch] arrays."""
+    return SamplingParams(*(_per_row(x, d, batch) for x, d in (
+        (temperature, jnp.float32), (top_p, jnp.float32), (top_k, jnp.int32),
+        (stream, jnp.int32))))
+
+
+def _per_row(x, dtype, batch: int) -> jax.Array:
+  """x broadcast to [batch]: on the host for concrete values (an eager jnp broadcast compiles a
+  program per shape), traced otherwise."""
+  if isinstance(x, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer)
+                                           for v in (x if isinstance(x, (list, tuple)) else ())):
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+  return jax.device_put(np.array(np.broadcast_to(np.asarray(x, dtype), (batch,))))
 
 
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -66,8 +82,11 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   rank = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
   k = expand(sp.top_k)
   keep = (k <= 0) | (rank < k)
-  # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  # top-p on the top-k-renormalised distribution (as transformers' and vLLM's samplers): keep the
+  # smallest prefix whose mass reaches top_p (the token crossing it is kept).
+  in_k = jnp.where(keep, sorted_probs, 0.0)
+  in_k = in_k / jnp.sum(in_k, axis=-1, keepdims=True)
+  mass_before = jnp.cumsum(in_k, axis=-1) - in_k
   keep &= mass_before < expand(sp.top_p)
   kept = jnp.where(keep, sorted_probs, 0.0)
   kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
@@ -87,12 +106,30 @@ def sample(logits: jax.Array, sp: SamplingParams, key: jax.Array) -> jax.Array:
 
   def _stochastic(_):
     probs = target_probs(logits, sp)
-    return sample_from_probs(probs, key)
+    return sample_from_probs(probs, key, sp)
 
   return jax.lax.cond(jnp.all(sp.temperature <= 0.0), _greedy, _stochastic, None)
 
 
-def sample_from_probs(probs: jax.Array, key: jax.Array) -> jax.Array:
-  """Categorical sample from probabilities [B, V] -> [B] int32 (rows need not be normalised)."""
+def row_keys(key: jax.Array, sp: SamplingParams) -> jax.Array:
+  """One key per row [B]: fold_in(key, stream), the row index where stream is -1."""
+  rows = jnp.arange(sp.stream.shape[0], dtype=jnp.int32)
+  stream = jnp.where(sp.stream >= 0, sp.stream, rows)
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, stream)
+
+
+def sample_from_probs(probs: jax.Array, key: jax.Array, sp: SamplingParams | None = None
+                      ) -> jax.Array:
+  """Categorical sample from probabilities [B, V] -> [B] int32 (rows need not be normalised).
+
+  With `sp`, row b draws with its own key (`row_keys`); without, one draw over the batch."""
   logp = jnp.log(jnp.maximum(probs, 0.0))
-  return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+  if sp is None:
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+  draw = lambda k, lp: jax.random.categorical(k, lp, axis=-1)
+  return jax.vmap(draw)(row_keys(key, sp), logp).astype(jnp.int32)
+
+
+def uniform(key: jax.Array, sp: SamplingParams, shape: tuple[int, ...]) -> jax.Array:
+  """U[0, 1) f32 of shape [B, ...] (B = shape[0]), row b from its own key (`row_keys`)."""
+  return jax.vmap(lambda k: jax.random.uniform(k, shape[1:]))(row_keys(key, sp))

@@ -263,7 +263,11 @@ def test_bf16_params_forward(tiny_checkpoint):
     path, model = tiny_checkpoint("qwen3_next", moe=True, seed=2, mlp_only_layers=[1])
     cfg, p32 = load_hf_checkpoint(path)
     _, p16 = load_hf_checkpoint(path, dtype=jnp.bfloat16)
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+    # bf16 except the GDN A_log and norm weights, kept fp32 (model/weights.py FP32_GDN_LEAVES)
+    gdn32 = [p16["layers"][i]["gdn"][n] for i, t in enumerate(cfg.layer_types)
+             if t == "linear_attention" for n in ("A_log", "norm_w")]
+    assert gdn32 and all(x.dtype == jnp.float32 for x in gdn32)
+    assert sum(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16)) == len(jax.tree.leaves(p16)) - len(gdn32)
     ids = jnp.asarray(_rng(8).integers(0, cfg.vocab_size, (2, 70)))
     h32, _ = _forward(p32, cfg, ids, init_cache(cfg, 2, 80))
     h16, c16 = _forward(p16, cfg, ids, init_cache(cfg, 2, 80, jnp.bfloat16))

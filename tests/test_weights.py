@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_tiny import load_torch_model, make_tiny_hf_model, tiny_hf_config, torch_logits
+from hf_tiny import load_torch_model, make_tiny_hf_model, rel_err, tiny_hf_config, torch_logits
 
 from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits
 from bole_jax.model.checkpoint import load_config, restore_params, save_params
@@ -90,7 +90,9 @@ def test_bf16_checkpoint_loads(tmp_path):
     model.save_pretrained(path)
     cfg, params = load_hf_checkpoint(path)
     assert cfg.dtype == "bfloat16"
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    dtypes = _leaf_dtypes(params)
+    assert {p for p, d in dtypes.items() if d == jnp.float32} == _fp32_gdn_paths(cfg)
+    assert all(d == jnp.bfloat16 for p, d in dtypes.items() if p not in _fp32_gdn_paths(cfg))
     sd = model.state_dict()
     as_np = lambda t: t.float().numpy()
     np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), as_np(sd["model.embed_tokens.weight"]))
@@ -102,6 +104,56 @@ def test_bf16_checkpoint_loads(tmp_path):
     assert bool(jnp.all(jnp.isfinite(logits(params, cfg, hidden))))
 
 
+def _leaf_dtypes(params) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): x.dtype for path, x in flat}
+
+
+def _fp32_gdn_paths(cfg) -> set:
+    return {("layers", i, "gdn", n) for i, t in enumerate(cfg.layer_types) if t == "linear_attention"
+            for n in ("A_log", "norm_w")}
+
+
+def test_bf16_checkpoint_keeps_fp32_gdn_leaves(tiny_checkpoint, tmp_path):
+    """A checkpoint as released: bf16 weights, A_log and linear_attn.norm.weight stored fp32.
+    Loading into bf16 keeps those two fp32, bit for bit (bf16 would round them: exp(A_log) is
+    the decay rate), and the forward reads them unrounded: its logits are those of the same
+    model with the two leaves rounded to bf16 only when the checkpoint rounds them."""
+    path, _ = tiny_checkpoint("qwen3_5", seed=3)
+    tensors = {k: v if k.endswith(("A_log", "linear_attn.norm.weight"))
+               else v.astype(jnp.bfloat16) for k, v in _read_all(path).items()}
+    assert all(tensors[k].dtype == np.float32 for k in tensors if k.endswith("A_log"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = {**json.load(f), "torch_dtype": "bfloat16", "dtype": "bfloat16"}
+    folder = _rewrite(path, str(tmp_path / "mixed"), tensors, config)
+    cfg, params = load_hf_checkpoint(folder)
+    assert cfg.dtype == "bfloat16" and params["embed"].dtype == jnp.bfloat16
+    stored32 = _read_all(path)
+    for i in (0, 1, 2):
+        if cfg.layer_types[i] != "linear_attention":
+            continue
+        gdn = params["layers"][i]["gdn"]
+        assert gdn["A_log"].dtype == jnp.float32 and gdn["norm_w"].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(gdn["A_log"]),
+                                      stored32[f"model.layers.{i}.linear_attn.A_log"])
+        np.testing.assert_array_equal(np.asarray(gdn["norm_w"]),
+                                      stored32[f"model.layers.{i}.linear_attn.norm.weight"])
+        assert not np.array_equal(np.asarray(gdn["A_log"].astype(jnp.bfloat16).astype(jnp.float32)),
+                                  stored32[f"model.layers.{i}.linear_attn.A_log"])
+    # The forward uses the fp32 leaves: rounding them to bf16 changes the logits.
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 12)))
+    rounded = jax.tree_util.tree_map_with_path(
+        lambda p, x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+    out = [logits(q, cfg, _forward(q, cfg, ids, init_cache(cfg, 1, 16, jnp.bfloat16))[0])
+           for q in (params, rounded)]
+    assert bool(jnp.all(jnp.isfinite(out[0]))) and not np.array_equal(np.asarray(out[0]),
+                                                                       np.asarray(out[1]))
+    # Resaved, the mixed dtypes survive.
+    save_hf_checkpoint(tmp_path / "resaved", cfg, params)
+    again = _read_all(tmp_path / "resaved")
+    assert {k: v.dtype for k, v in again.items()} == {k: v.dtype for k, v in tensors.items()}
+
+
 def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
     path, model = tiny_checkpoint("qwen3_next", moe=True, seed=2, mlp_only_layers=[1])
     sharded = str(tmp_path / "sharded")
@@ -109,6 +161,89 @@ def test_sharded_checkpoint_loads(tiny_checkpoint, tmp_path):
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 2
     _tree_equal(load_hf_checkpoint(sharded)[1], load_hf_checkpoint(path)[1])
+
+
+def test_mixed_dtype_sharded_round_trip(tiny_checkpoint, tmp_path):
+    """bf16 params with the fp32 GDN leaves -> save_hf_checkpoint over several shards + index
+    -> load: the same tree, dtypes and values; transformers loads the folder to the same logits
+    as the bf16 values; the shards are plain safetensors (the library reads them)."""
+    from safetensors.numpy import load_file
+
+    path, _ = tiny_checkpoint("qwen3_next", moe=True, seed=2, mlp_only_layers=[1])
+    cfg, params = load_hf_checkpoint(path, dtype=jnp.bfloat16)
+    out = tmp_path / "sharded"
+    save_hf_checkpoint(out, cfg, params, max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    dtypes = set()
+    for fn in shards:
+        dtypes |= {str(a.dtype) for a in load_file(str(out / fn)).values()}
+    assert dtypes == {"bfloat16", "float32"}
+    cfg2, params2 = load_hf_checkpoint(out)
+    assert cfg2 == dataclasses.replace(cfg, dtype="bfloat16")
+    assert _leaf_dtypes(params2) == _leaf_dtypes(params)
+    _tree_equal(params2, params)
+    ref = load_torch_model(str(out))
+    cfg32, p32 = load_hf_checkpoint(out, dtype=jnp.float32)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 7))
+    hidden, _ = _forward(p32, cfg32, jnp.asarray(ids), init_cache(cfg32, 1, 8, jnp.float32))
+    assert rel_err(np.asarray(logits(p32, cfg32, hidden)), torch_logits(ref, ids)) < 1e-5
+
+
+def test_reader_without_the_library_reads_the_same(tiny_checkpoint, monkeypatch):
+    """The built-in fallback reader (no `safetensors` package, or a dtype its numpy binding lacks)
+    reads what the library reads; fp8 goes through it."""
+    import ml_dtypes
+
+    from bole_jax.model import weights
+
+    path, _ = tiny_checkpoint("qwen3_5", seed=3)
+    with_lib = load_hf_checkpoint(path)[1]
+    monkeypatch.setattr(weights, "_safetensors_lib", lambda: None)
+    _tree_equal(load_hf_checkpoint(path)[1], with_lib)
+    monkeypatch.undo()
+    fn = os.path.join(os.path.dirname(path) if os.path.isfile(path) else path, "fp8.safetensors")
+    t = {"a": np.linspace(-2, 2, 8).astype(ml_dtypes.float8_e4m3fn), "b": np.ones(3, np.float32)}
+    write_safetensors(fn, t)
+    f = SafetensorsFile(fn)
+    assert f.dtypes == {"a": "F8_E4M3", "b": "F32"}
+    for k in t:
+        np.testing.assert_array_equal(np.asarray(f.get(k)).astype(np.float32), t[k].astype(np.float32))
+    os.remove(fn)
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "symlink"])
+def test_error_shard_path_outside_the_folder(tiny_checkpoint, tmp_path, kind):
+    """model.safetensors.index.json may only name files inside the model folder."""
+    _, model = tiny_checkpoint("qwen3_5", seed=3)
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="100KB")
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    victim = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(str(folder / victim), str(outside / victim))
+    if kind == "absolute":
+        new = str(outside / victim)
+    elif kind == "dotdot":
+        new = f"../outside/{victim}"
+    else:
+        os.symlink(outside / victim, folder / victim)
+        new = victim
+    index["weight_map"] = {k: new if v == victim else v for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    why = {"absolute": "is absolute", "dotdot": r"leaves the folder \('\.\.'\)",
+           "symlink": "resolves outside the folder"}[kind]
+    with pytest.raises(CheckpointError, match=f"shard path .*{why}.*inside the model folder"):
+        load_hf_checkpoint(folder)
+    # A symlink that stays inside the folder is fine.
+    if kind == "symlink":
+        os.remove(folder / victim)
+        shutil.move(str(outside / victim), str(folder / ("real_" + victim)))
+        os.symlink(folder / ("real_" + victim), folder / victim)
+        load_hf_checkpoint(folder)
 
 
 def test_multimodal_prefix_fused_experts_and_mtp(tiny_checkpoint, tmp_path):

@@ -16,8 +16,11 @@ to the device and converted to the flat layout of params.py:
   accepted; the vision tower (`model.visual.*`) is ignored; `mtp.*` goes to params["mtp"].
 - Tied embeddings: no lm_head param (a stored lm_head.weight is ignored).
 
-`save_hf_checkpoint(path, cfg, params)` is the inverse (config.json + model.safetensors in the
-family's own layout, per-expert MoE keys), loadable by transformers' *ForCausalLM.from_pretrained.
+`save_hf_checkpoint(path, cfg, params)` is the inverse (config.json + model.safetensors, or shards
+with an index, in the family's own layout, per-expert MoE keys), loadable by transformers'
+*ForCausalLM.from_pretrained. Files are read and written with the `safetensors` library (with a
+built-in fallback for what its numpy binding lacks: `SafetensorsFile`). Shard paths of an index
+must stay inside the model folder.
 """
 
 from __future__ import annotations
@@ -54,43 +57,104 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+def _safetensors_lib():
+    """The `safetensors` package's (safe_open, numpy save_file), or None without it."""
+    try:
+        from safetensors import safe_open
+        from safetensors.numpy import save_file
+    except ImportError:
+        return None
+    return safe_open, save_file
+
+
 class SafetensorsFile:
-    """A memory-mapped .safetensors file: `.shapes` from the header, `.get(name)` as a numpy view."""
+    """A .safetensors file: `.shapes` / `.dtypes` from the header, `.get(name)` as a numpy array.
+
+    Read with the `safetensors` library (safe_open, framework="numpy": memory-mapped, bf16 as
+    ml_dtypes.bfloat16 on safetensors >= 0.4); dtypes its numpy binding cannot give (fp8 on
+    0.8, bf16 on old versions) and installs without the library are read by the memory-mapped
+    parser below (the format: 8-byte little-endian header length, JSON header, raw data)."""
 
     def __init__(self, filename: str):
         self.filename = filename
+        self._mm = None
+        self._header = None
+        lib = _safetensors_lib()
+        self._lib = None
         try:
-            with open(filename, "rb") as f:
+            if lib is not None:
+                self._lib = lib[0](filename, framework="numpy")
+                slices = {k: self._lib.get_slice(k) for k in self._lib.keys()}
+                self.shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+                self.dtypes = {k: v.get_dtype() for k, v in slices.items()}
+            else:
+                self._read_header()
+                self.shapes = {k: tuple(v["shape"]) for k, v in self._header.items()}
+                self.dtypes = {k: v["dtype"] for k, v in self._header.items()}
+        except CheckpointError:
+            raise
+        except Exception as e:  # OSError, ValueError, safetensors' SafetensorError
+            raise CheckpointError(f"cannot read safetensors file {self.filename}: {e}") from e
+
+    def _read_header(self):
+        try:
+            with open(self.filename, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(n))
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read safetensors file {filename}: {e}") from e
+            raise CheckpointError(f"cannot read safetensors file {self.filename}: {e}") from e
         header.pop("__metadata__", None)
-        self._header = header
-        self._data_start = 8 + n
-        self._mm = None
-        self.shapes = {k: tuple(v["shape"]) for k, v in header.items()}
+        self._header, self._data_start = header, 8 + n
 
     def get(self, name: str) -> np.ndarray:
+        if self.dtypes[name] not in _ST_DTYPES:
+            raise CheckpointError(f"tensor {name} in {self.filename} has unsupported dtype "
+                                  f"{self.dtypes[name]}")
+        if self._lib is not None:
+            try:
+                a = self._lib.get_tensor(name)
+            except (TypeError, ValueError, AttributeError):  # a dtype its numpy binding lacks
+                pass
+            else:
+                if a.dtype == _ST_DTYPES[self.dtypes[name]]:
+                    return a
+        return self._raw(name)
+
+    def _raw(self, name: str) -> np.ndarray:
+        if self._header is None:
+            self._read_header()
         if self._mm is None:
             self._mm = np.memmap(self.filename, dtype=np.uint8, mode="r")
         info = self._header[name]
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name} in {self.filename} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         raw = self._mm[self._data_start + start:self._data_start + end]
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def write_safetensors(filename: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
-    """Write numpy arrays (bf16 via ml_dtypes) as one .safetensors file."""
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    """Write numpy arrays (bf16 / fp8 via ml_dtypes, mixed dtypes allowed) as one .safetensors
+    file, with the `safetensors` library when it takes every dtype, else the writer below."""
+    metadata = {str(k): str(v) for k, v in (metadata or {"format": "pt"}).items()}
+    for name, a in tensors.items():
+        if np.asarray(a).dtype not in _ST_NAMES:
+            raise ValueError(f"cannot write tensor {name} of dtype {np.asarray(a).dtype}")
+    lib = _safetensors_lib()
+    if lib is not None:
+        try:
+            lib[1]({k: np.ascontiguousarray(v) for k, v in tensors.items()}, filename,
+                   metadata=metadata)
+            return
+        except (TypeError, ValueError, AttributeError):  # e.g. fp8, unknown to its numpy binding
+            pass
+    _write_raw(filename, tensors, metadata)
+
+
+def _write_raw(filename: str, tensors: dict[str, np.ndarray], metadata: dict):
+    header: dict = {"__metadata__": metadata}
     offset = 0
     arrays = []
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in _ST_NAMES:
-            raise ValueError(f"cannot write tensor {name} of dtype {a.dtype}")
         header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
@@ -138,7 +202,7 @@ def _gdn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
             v, z = w[:, 2 * dk:2 * dk + r * dv].reshape(-1, H), w[:, 2 * dk + r * dv:].reshape(-1, H)
             ba = ba.reshape(Hk, 2 * r, H)
             b, a = ba[:, :r].reshape(HV, H), ba[:, r:].reshape(HV, H)
-            return jnp.concatenate([q, k, v], axis=0).T, z.T, b.T, a.T
+            return np.concatenate([q, k, v], axis=0).T, z.T, b.T, a.T
 
         def qkvz_to_hf(w_qkv, w_z, w_b, w_a):
             qkv = w_qkv.T
@@ -146,8 +210,8 @@ def _gdn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
             k = qkv[Hk * dk:2 * Hk * dk].reshape(Hk, dk, H)
             v = qkv[2 * Hk * dk:].reshape(Hk, r * dv, H)
             z = w_z.T.reshape(Hk, r * dv, H)
-            qkvz = jnp.concatenate([q, k, v, z], axis=1).reshape(-1, H)
-            ba = jnp.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
+            qkvz = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
+            ba = np.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
             return qkvz, ba
 
         out.append(_Entry({pre + "in_proj_qkvz.weight": (C + HV * dv, H), pre + "in_proj_ba.weight": (2 * HV, H)},
@@ -177,7 +241,7 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
         return w[:, :D].reshape(-1, H).T, w[:, D:].reshape(-1, H).T
 
     def q_to_hf(w_q, w_gate):
-        return (jnp.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(-1, H),)
+        return (np.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(-1, H),)
 
     return [
         _Entry({pre + "q_proj.weight": (2 * Hq * D, H)}, (root + ("w_q",), root + ("w_gate",)), q_to_params, q_to_hf),
@@ -191,7 +255,7 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
 
 def _gate_up_entry(gate_name, up_name, path, H, I) -> _Entry:
     return _Entry({gate_name: (I, H), up_name: (I, H)}, (path,),
-                  lambda g, u: (jnp.concatenate([g.T, u.T], axis=1),),
+                  lambda g, u: (np.concatenate([g.T, u.T], axis=1),),
                   lambda w: (w[:, :I].T, w[:, I:].T))
 
 
@@ -207,9 +271,9 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
     if fused_experts:
         out += [
             _Entry({pre + "experts.gate_up_proj": (E, 2 * Ie, H)}, (root + ("w_gate_up",),),
-                   lambda w: (jnp.swapaxes(w, 1, 2),), lambda w: (jnp.swapaxes(w, 1, 2),)),
+                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
             _Entry({pre + "experts.down_proj": (E, H, Ie)}, (root + ("w_down",),),
-                   lambda w: (jnp.swapaxes(w, 1, 2),), lambda w: (jnp.swapaxes(w, 1, 2),)),
+                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
         ]
     else:
         names = {f"{pre}experts.{e}.{p}_proj.weight": s for e in range(E)
@@ -217,8 +281,8 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
 
         def experts_to_params(*ws):
             g, u, d = ws[0::3], ws[1::3], ws[2::3]
-            gu = jnp.concatenate([jnp.swapaxes(jnp.stack(g), 1, 2), jnp.swapaxes(jnp.stack(u), 1, 2)], axis=2)
-            return gu, jnp.swapaxes(jnp.stack(d), 1, 2)
+            gu = np.concatenate([np.swapaxes(np.stack(g), 1, 2), np.swapaxes(np.stack(u), 1, 2)], axis=2)
+            return gu, np.swapaxes(np.stack(d), 1, 2)
 
         def experts_to_hf(gu, d):
             out = []
@@ -300,6 +364,26 @@ def _canonical(name: str) -> str | None:
     return name
 
 
+def _check_shard_path(folder: str, fn, index: str) -> None:
+    """A shard named by the index must be a file inside the model folder: a relative path with no
+    `..`, not absolute, and not resolving (through symlinks) outside the folder."""
+    def bad(why):
+        raise CheckpointError(f"{index}: shard path {fn!r} {why}; shard paths must be file names "
+                              "inside the model folder (fix or regenerate the index)")
+
+    if not isinstance(fn, str) or not fn:
+        bad("is not a file name")
+    parts = fn.replace("\\", "/").split("/")
+    if os.path.isabs(fn) or fn.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", fn):
+        bad("is absolute")
+    if ".." in parts:
+        bad("leaves the folder ('..')")
+    root = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(folder, fn))
+    if os.path.commonpath([root, target]) != root:
+        bad(f"resolves outside the folder (to {target})")
+
+
 def _index_files(path: str) -> dict[str, str]:
     """Map checkpoint tensor name -> safetensors file path (validating that files exist)."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -310,6 +394,10 @@ def _index_files(path: str) -> dict[str, str]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"bad index file {index}: {e}") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"bad index file {index}: weight_map is not an object")
+        for fn in sorted(set(weight_map.values())):
+            _check_shard_path(path, fn, index)
         missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(path, fn))})
         if missing:
             raise CheckpointError(f"checkpoint {path}: shard file(s) listed in model.safetensors.index.json "
@@ -320,6 +408,20 @@ def _index_files(path: str) -> dict[str, str]:
     found = sorted(os.listdir(path))
     raise CheckpointError(f"checkpoint {path}: no model.safetensors or model.safetensors.index.json "
                           f"(found: {', '.join(found) or 'nothing'}); only safetensors checkpoints are supported")
+
+
+# GDN leaves kept in fp32 whatever the params dtype: real Qwen3-Next / Qwen3.5 checkpoints store
+# A_log and the gated norm weight (linear_attn.norm.weight) in fp32 next to bf16 weights, and vLLM
+# and SGLang keep them fp32 (the decay exp(A_log) and the norm scale lose 3 digits in bf16). The
+# forward reads them as fp32 (layers.gdn_in_proj, layers.gated_rms_norm).
+FP32_GDN_LEAVES = ("A_log", "norm_w")
+
+
+def leaf_dtype(path: tuple, dtype) -> jnp.dtype:
+    """The dtype a converted leaf at params `path` gets when loading into params of `dtype`."""
+    if len(path) >= 2 and path[-2] == "gdn" and path[-1] in FP32_GDN_LEAVES:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
 
 
 def _name_list(names, limit=12) -> str:
@@ -335,7 +437,8 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
     Args:
       path: folder with config.json and model.safetensors (or an index + shards).
       cfg: use this config instead of reading config.json.
-      dtype: params dtype (default cfg.dtype, the checkpoint's own).
+      dtype: params dtype (default cfg.dtype, the checkpoint's own); the GDN A_log and norm
+        weights stay fp32 (`FP32_GDN_LEAVES`), as the checkpoints store them.
       place: called on each converted leaf as place(path in params, leaf) -> leaf, before the next
         tensor is read (tensor parallelism: `parallel.layout_leaf` puts each leaf on the mesh at
         once, so no device holds the whole model).
@@ -390,14 +493,16 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
                                       f"expected {tuple(shape)} for this config")
 
     params = _empty_tree(cfg)
+    # Converted on the host (numpy), then one transfer per leaf: device-side conversions would
+    # compile a program per tensor shape (dozens on every start, cached or not).
     for e in entries:
         arrays = []
         for n in e.hf:
             fn, stored = present[n]
-            arrays.append(jnp.asarray(readers[fn].get(stored)))
+            arrays.append(readers[fn].get(stored))
         for p, leaf in zip(e.paths, e.to_params(*arrays)):
-            leaf = leaf.astype(dtype)
-            _set(params, p, leaf if place is None else place(p, leaf))
+            leaf = np.asarray(leaf).astype(leaf_dtype(p, dtype), copy=False)
+            _set(params, p, jax.device_put(leaf) if place is None else place(p, leaf))
     return cfg, params
 
 
@@ -423,10 +528,15 @@ def hf_state_dict(cfg: ModelConfig, params: dict, dtype=None) -> dict[str, np.nd
     return out
 
 
-def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, dtype=None):
+def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, dtype=None,
+                       max_shard_bytes: int | None = None):
     """Write `cfg` and `params` as a Hugging Face folder (config.json + model.safetensors).
 
-    dtype: tensor dtype to write (default: the params' own). config.json's dtype follows it."""
+    dtype: tensor dtype to write (default: the params' own, e.g. bf16 with the fp32 GDN leaves).
+      config.json's dtype follows the embedding's.
+    max_shard_bytes: split the tensors over model-0000i-of-0000n.safetensors files of about this
+      size (a tensor is never split) with a model.safetensors.index.json, as save_pretrained's
+      max_shard_size does (default: one model.safetensors)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = hf_state_dict(cfg, params, dtype)
@@ -437,4 +547,24 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, 
     d["dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}.get(written, cfg.dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
-    write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+    if max_shard_bytes is None:
+        write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+        return
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(path, fn), shard)
+        weight_map.update({name: fn for name in shard})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": weight_map}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)

@@ -1,29 +1,122 @@
 """`bole-jax` command line (also `python -m bole_jax`).
 
   bole-jax generate "def fibonacci(n):"                     # embedded demo model
-  bole-jax generate --model DIR --file prompts.txt --output out.jsonl --json
+  bole-jax generate --model DIR --file prompts.jsonl --output out.jsonl --json
   bole-jax serve --model DIR --port 8000                    # OpenAI-compatible server
-  echo "hello" | bole-jax generate --max-new-tokens 32
+  echo "hello" | bole-jax generate --max-tokens 32 --temperature 0.8 --top-p 0.95
   bole-jax calibrate --preset qwen3.5-9b --out table.json   # verify budget per batch bucket
   bole-jax bench --preset qwen3.5-9b --out DIR              # ar / bole / pernode / chain
   bole-jax draft-vocab --model DIR corpus/                  # token counts for --draft-vocab
+
+Every command keeps compiled programs in JAX's persistent compilation cache (--compile-cache,
+default $BOLE_JAX_CACHE/xla or ~/.cache/bole_jax/xla; BOLE_JAX_COMPILE_CACHE=DIR moves it, =0
+turns it off), so the second run of a command skips most compilation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 
+from bole_jax import compile_cache
+
 BENCH_MODES = ("ar", "bole", "pernode", "chain")
-XLA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                         "bole_jax", "xla")  # persistent compilation cache of calibrate / bench
+SPEC_CHOICES = BENCH_MODES
+XLA_CACHE = compile_cache.flag_default()  # persistent compilation cache of every command
 
 
-def _read_prompts(args) -> list[str]:
-  prompts = list(args.prompts)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Shows "(default: X)" after every option whose help does not already state its default
+  (options whose default is None say in words what happens when they are absent)."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if "default" in text.lower() or action.default is None or action.default is argparse.SUPPRESS:
+      return text
+    return super()._get_help_string(action)
+
+
+def version() -> str:
+  """The installed distribution's version, else the package's own (a source checkout)."""
+  from importlib import metadata
+
+  try:
+    return metadata.version("bole-jax")
+  except metadata.PackageNotFoundError:
+    from bole_jax import __version__
+
+    return __version__
+
+
+class _Alias(argparse.Action):
+  """Stores into `dest` and into every name of `also` (old spellings read by code not yet
+  renamed); as a hidden alias (help=SUPPRESS) it just forwards to the main option's dest."""
+
+  def __init__(self, option_strings, dest, also=(), **kw):
+    self.also = tuple(also)
+    super().__init__(option_strings, dest, **kw)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    for d in (self.dest,) + self.also:
+      setattr(namespace, d, values)
+
+
+def add_batch_size_arg(ap, default: int, help: str, also: tuple[str, ...] = ()) -> None:
+  """--max-batch-size (LLM's max_batch_size); --batch-size and --max-batch stay as hidden
+  aliases. `also`: extra namespace names given the same value (e.g. "max_batch")."""
+  ap.add_argument("--max-batch-size", type=int, default=default, action=_Alias, also=also,
+                  help=help)
+  ap.add_argument("--batch-size", "--max-batch", type=int, dest="max_batch_size",
+                  default=argparse.SUPPRESS, action=_Alias, also=also, help=argparse.SUPPRESS)
+  if also:
+    ap.set_defaults(**{d: default for d in also})
+
+
+def add_tree_args(ap) -> None:
+  """Tree shape of the speculative modes (LLM(spec_options=...), spec_decode/step.py SpecConfig);
+  read them back with `spec_options_from_args`."""
+  g = ap.add_argument_group("draft tree (bole / pernode / chain)")
+  g.add_argument("--tree-nodes", type=int, default=None, metavar="N",
+                 help="verified tree nodes per request (default: the calibration table at this "
+                 "batch bucket, else a safe default: about 256 nodes per step over the batch, "
+                 "4-64 per request)")
+  g.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                 help="children tried per node (default: 4; chain mode uses 1)")
+  g.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                 help="draft depth, tokens proposed past the root (default: 8)")
+  g.add_argument("--tree-budget", type=int, default=None, metavar="K",
+                 help="total verified nodes per step across the batch, shared by the requests' "
+                 "best-scored drafts (default: the calibration table, else N per request)")
+  g.add_argument("--calibration", default=None, metavar="TABLE",
+                 help="calibration table of `bole-jax calibrate` (default: the model folder's "
+                 "bole_calibration.json, then the user cache)")
+
+
+def spec_options_from_args(args) -> dict | None:
+  """`LLM(spec_options=...)` from the flags of `add_tree_args` (None when none was given)."""
+  opts = {k: getattr(args, a, None) for k, a in (
+      ("num_nodes", "tree_nodes"), ("topk", "tree_topk"), ("depth", "tree_depth"),
+      ("budget", "tree_budget"), ("calibration", "calibration"))}
+  opts = {k: v for k, v in opts.items() if v is not None}
+  for k in ("num_nodes", "topk", "depth", "budget"):
+    if k in opts and opts[k] < 1:
+      raise ValueError(f"--tree-{'nodes' if k == 'num_nodes' else k} must be >= 1, got {opts[k]}")
+  return opts or None
+
+
+def add_compile_cache_arg(ap) -> None:
+  ap.add_argument("--compile-cache", default=XLA_CACHE, metavar="DIR",
+                  help="persistent XLA compilation cache folder, 'none' = off (env "
+                  "BOLE_JAX_COMPILE_CACHE=DIR or 0; default: %(default)s)")
+
+
+def _read_prompts(args) -> list[tuple[str, dict]]:
+  """(prompt, the other fields of its JSONL object, passed through to the output) per prompt."""
+  prompts = [(p, {}) for p in args.prompts]
   if args.file:
     try:
       with open(args.file, encoding="utf-8") as f:
@@ -41,11 +134,12 @@ def _read_prompts(args) -> list[str]:
           if not isinstance(p, str):
             raise SystemExit(f"error: {args.file}:{n}: expected a string or an object with a "
                              "'prompt' string")
-          prompts.append(p)
+          extra = {k: v for k, v in obj.items() if k != "prompt"} if isinstance(obj, dict) else {}
+          prompts.append((p, extra))
     else:
-      prompts += [line for line in text.splitlines() if line.strip()]
+      prompts += [(line, {}) for line in text.splitlines() if line.strip()]
   if not prompts and not sys.stdin.isatty():
-    prompts += [line for line in sys.stdin.read().splitlines() if line.strip()]
+    prompts += [(line, {}) for line in sys.stdin.read().splitlines() if line.strip()]
   if not prompts:
     raise SystemExit("error: no prompts: pass them as arguments, with --file, or on stdin")
   return prompts
@@ -55,19 +149,25 @@ def _cmd_generate(args) -> int:
   from bole_jax.llm import LLM
 
   prompts = _read_prompts(args)
-  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.batch_size, tp=args.tp,
-            draft_vocab=args.draft_vocab)
-  outs = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
-                      spec=args.spec, progress=not args.no_progress)
-  records = [dict(prompt=p, text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,
-                  stats=o.stats) for p, o in zip(prompts, outs)]
+  llm = LLM(args.model, dtype=args.dtype, max_batch_size=args.max_batch_size, tp=args.tp,
+            draft_vocab=args.draft_vocab, spec_options=spec_options_from_args(args),
+            compile_cache=args.compile_cache)
+  outs = llm.generate([p for p, _ in prompts], max_new_tokens=args.max_tokens,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                      seed=args.seed, stop=args.stop or None, spec=args.spec,
+                      progress=not args.no_progress)
+  # The input's other JSONL fields (e.g. "id") first, so that an output field of the same name
+  # wins over them.
+  records = [{**extra, **dict(prompt=p, text=o.text, token_ids=o.token_ids,
+                              finish_reason=o.finish_reason, stats=o.stats)}
+             for (p, extra), o in zip(prompts, outs)]
   if args.output:
     with open(args.output, "w", encoding="utf-8") as f:
       for r in records:
         f.write(json.dumps(r) + "\n")
-  if args.json:
-    print(json.dumps(records, indent=1))
+  if args.json:  # JSON lines: one object per prompt, in prompt order
+    for r in records:
+      print(json.dumps(r))
   elif not args.output:
     for r in records:
       print(r["prompt"] + r["text"])
@@ -85,8 +185,7 @@ def _cmd_serve(args) -> int:
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
   logging.getLogger("bole_jax").setLevel(logging.INFO)
   tp = {}
-  opts = {k: v for k, v in (("num_nodes", args.tree_nodes), ("calibration", args.calibration))
-          if v is not None}
+  opts = spec_options_from_args(args)
   if args.tp != 1 or opts or args.draft_vocab:  # the server builds its own LLM otherwise
     from bole_jax.llm import LLM
 
@@ -120,17 +219,14 @@ def _cmd_serve(args) -> int:
 def _cmd_calibrate(args) -> int:
   from pathlib import Path
 
-  from bole_jax import bench
   from bole_jax.spec_decode import budget
 
   budget.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
                                 repeats=args.repeats)
-  if args.compile_cache and args.compile_cache.lower() != "none":
-    bench.enable_compile_cache(args.compile_cache)
   if args.model is not None:
     from bole_jax.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, tp=args.tp)
+    llm = LLM(args.model, dtype=args.dtype, tp=args.tp, compile_cache=args.compile_cache)
     cfg, params = llm.cfg, llm.params
   else:
     import jax
@@ -174,17 +270,21 @@ def add_bench_args(ap) -> None:
   src = ap.add_mutually_exclusive_group()
   src.add_argument("--preset", help="random-weight model dims with the synthetic-acceptance "
                    "drafter (default qwen3.5-9b; see bole_jax/model/presets.py, or tiny)")
-  src.add_argument("--model", help="local Hugging Face folder (with an MTP head): MTP drafter")
+  src.add_argument("--model", help="local Hugging Face folder (with an MTP head): MTP drafter "
+                   "(default: --preset)")
   ap.add_argument("--prompts-file", help="with --model: .jsonl with 'prompt' (HumanEval) or "
-                  "'turns' (Spec-Bench), .jsonl.gz, or one prompt per line")
-  ap.add_argument("--modes", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES)
-  ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+                  "'turns' (Spec-Bench), .jsonl.gz, or one prompt per line (default: random "
+                  "prompts of --prompt-len tokens)")
+  ap.add_argument("--modes", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
+                  help="decoding modes timed")
+  ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64],
+                  help="batch sizes timed")
   ap.add_argument("--prompt-len", type=int, default=128,
                   help="random prompt tokens (presets) / max prompt tokens kept (--model)")
   ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
   ap.add_argument("--warm", type=int, default=3, help="warm-up decode steps per point")
-  ap.add_argument("--topk", type=int, default=4)
-  ap.add_argument("--depth", type=int, default=8)
+  ap.add_argument("--topk", type=int, default=4, help="tree: children tried per node")
+  ap.add_argument("--depth", type=int, default=8, help="tree: draft depth")
   ap.add_argument("--nodes", default="auto",
                   help="tree width N per request, or 'auto': calibration table / safe default")
   ap.add_argument("--budget", default="auto",
@@ -192,8 +292,10 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--calibration", help="calibration table (default: the usual locations)")
   ap.add_argument("--accept-mean", type=float, default=6.4,
                   help="synthetic drafter: target mean tokens per step (sets p)")
-  ap.add_argument("--accept-prob", type=float, help="synthetic drafter: p itself")
-  ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"])
+  ap.add_argument("--accept-prob", type=float,
+                  help="synthetic drafter: p itself (default: from --accept-mean)")
+  ap.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"],
+                  help="tree kernels: pallas, the jnp reference, or auto (pallas on GPU)")
   ap.add_argument("--lazy-commit", action="store_true",
                   help="bole: the commit keeps the step's factors and accepted path, whose rows "
                   "the next verify folds into the state (default: rebuild each GDN state in the "
@@ -205,7 +307,7 @@ def add_bench_args(ap) -> None:
                   help="batch whose step is split into stages (nearest run batch; 0 = off)")
   ap.add_argument("--breakdown-modes", nargs="+", choices=BENCH_MODES[1:],
                   help="spec modes whose step is split (default: all run)")
-  ap.add_argument("--breakdown-reps", type=int, default=5)
+  ap.add_argument("--breakdown-reps", type=int, default=5, help="timed repeats per stage")
   ap.add_argument("--quick", action="store_true", help="short timing windows (smoke runs)")
   ap.add_argument("--time-budget", type=float, default=480.0,
                   help="seconds from the start (setup, prefill and compilation count); "
@@ -213,15 +315,14 @@ def add_bench_args(ap) -> None:
                   "skipped")
   ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                   help="threads compiling programs ahead of their points")
-  ap.add_argument("--compile-cache", default=XLA_CACHE,
-                  help="persistent XLA compilation cache folder ('none' = off)")
+  add_compile_cache_arg(ap)
   ap.add_argument("--stop-at-eos", action="store_true",
                   help="let EOS end requests (default: ignore EOS, full batches throughout)")
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=int, default=0, help="random weights, prompts and sampling")
   add_draft_vocab_arg(ap)
   add_tp_arg(ap)
   ap.add_argument("--out", default="benchmarks/results/e2e", help="folder for JSON and plots")
-  ap.add_argument("--no-plots", action="store_true")
+  ap.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
 
 def add_draft_vocab_arg(ap) -> None:
@@ -267,37 +368,55 @@ def add_tp_arg(ap) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="bole-jax", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="bole-jax", description=__doc__.split("\n")[0],
+                              epilog=__doc__.split("\n", 1)[1], formatter_class=HelpFormatter)
+  p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
   sub = p.add_subparsers(dest="cmd", required=True)
-  g = sub.add_parser("generate", help="offline batch generation")
-  g.add_argument("prompts", nargs="*", help="prompt strings (else --file or stdin)")
+  sp = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
+  g = sp("generate", help="offline batch generation",
+         description="Generate continuations of prompts (arguments, --file, or stdin lines).")
+  g.add_argument("prompts", nargs="*", help="prompt strings (default: --file, else stdin lines)")
   g.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
-  g.add_argument("--file", help="prompts file: one per line, or .jsonl with a 'prompt' field")
-  g.add_argument("--output", help="write results as jsonl here")
-  g.add_argument("--json", action="store_true", help="print machine-readable results")
-  g.add_argument("--max-new-tokens", type=int, default=64)
-  g.add_argument("--temperature", type=float, default=0.0)
-  g.add_argument("--top-p", type=float, default=1.0)
-  g.add_argument("--top-k", type=int, default=0)
-  g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--stop", action="append", help="stop string (repeatable)")
-  g.add_argument("--spec", default=None, help="decoding mode: ar (default for now)")
-  g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-  g.add_argument("--batch-size", type=int, default=64, help="max requests decoded together")
-  g.add_argument("--no-progress", action="store_true")
+  g.add_argument("--file", help="prompts file: one per line, or .jsonl of strings or objects "
+                 "with a 'prompt' field (their other fields, e.g. 'id', are copied to the "
+                 "output records) (default: none)")
+  g.add_argument("--output", help="write the records as JSON lines to this file (default: "
+                 "print the texts)")
+  g.add_argument("--json", action="store_true",
+                 help="print the records as JSON lines, one object per prompt (default: the "
+                 "prompt and its text, stats on stderr)")
+  g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=64,
+                 help="new tokens per prompt, at most")
+  g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (measured "
+                 "after top-k)")
+  g.add_argument("--top-k", type=int, default=0, help="0 = off")
+  g.add_argument("--seed", type=int, default=0, help="sampling seed: each prompt gets the same "
+                 "sample whatever --max-batch-size")
+  g.add_argument("--stop", action="append",
+                 help="stop string, repeatable (default: EOS and --max-tokens only)")
+  g.add_argument("--spec", default=None, choices=SPEC_CHOICES,
+                 help="decoding mode (default: bole when the model has an MTP head, else ar)")
+  g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="weights dtype (default: float32 on CPU, else the checkpoint's)")
+  add_batch_size_arg(g, 64, "requests decoded together; more prompts run in several batches")
+  g.add_argument("--no-progress", action="store_true", help="no progress bar")
+  add_tree_args(g)
   add_draft_vocab_arg(g)
   add_tp_arg(g)
+  add_compile_cache_arg(g)
   g.set_defaults(func=_cmd_generate)
-  s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+  s = sp("serve", help="OpenAI-compatible HTTP server (continuous batching)")
   s.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
   s.add_argument("--spec", default=None, choices=["ar", "bole", "pernode", "chain"],
                  help="decoding mode (default: bole when the model has an MTP head, else ar)")
   s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-  s.add_argument("--port", type=int, default=8000)
-  s.add_argument("--max-batch", type=int, default=8,
-                 help="decode slots (requests decoded together); capped by device memory")
+  s.add_argument("--port", type=int, default=8000, help="TCP port")
+  add_batch_size_arg(s, 8, "decode slots (requests decoded together); capped by device memory",
+                     also=("max_batch",))
   s.add_argument("--max-context", type=int, default=None,
-                 help="prompt + max_tokens limit per request (sets the KV capacity per slot)")
+                 help="prompt + max_tokens limit per request (sets the KV capacity per slot; "
+                 "default: the model's max_position_embeddings)")
   s.add_argument("--segment-steps", type=int, default=8,
                  help="decode steps per jitted segment, at most (requests join/leave between "
                  "segments)")
@@ -305,10 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="target duration of a decode segment: the steps per segment adapt to the "
                  "measured step time so that a cancel or a new request waits about this long at "
                  "most (0 = always --segment-steps)")
-  s.add_argument("--tree-nodes", type=int, default=None,
-                 help="draft tree width per request (default: the calibration table at "
-                      "--max-batch, else a safe default)")
-  s.add_argument("--calibration", default=None, help="calibration table (bole-jax calibrate)")
+  add_tree_args(s)
   s.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
   s.add_argument("--prefill-chunk", type=int, default=1024,
                  help="prompt tokens prefilled between two decode segments, at most (rounded up to "
@@ -322,8 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "1 GiB when the backend reports none)")
   s.add_argument("--memory-gb", type=float, default=None,
                  help="cap in GiB on what the decode slots and the prefix cache may use (e.g. to "
-                 "make admission and eviction bind on a small model); see /metrics bole_memory_*")
-  s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+                 "make admission and eviction bind on a small model); see /metrics bole_memory_* "
+                 "(default: no cap)")
+  s.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="weights dtype (default: float32 on CPU, else the checkpoint's)")
   h = s.add_argument_group("HTTP limits (docs/serving.md)")
   h.add_argument("--api-key", default=None,
                  help="require 'Authorization: Bearer KEY' on /v1/* (default: $BOLE_JAX_API_KEY, "
@@ -361,9 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "verified position")
   add_draft_vocab_arg(s)
   add_tp_arg(s)
+  add_compile_cache_arg(s)
   s.set_defaults(func=_cmd_serve)
 
-  c = sub.add_parser("calibrate", help="time tree verify vs decode and write the budget table")
+  c = sp("calibrate", help="time tree verify vs decode and write the budget table")
   src = c.add_mutually_exclusive_group()
   src.add_argument("--model", help="local Hugging Face folder (table default: DIR/"
                    "bole_calibration.json)")
@@ -371,39 +490,49 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--out", help="table path (default: next to the model, or the user cache)")
   c.add_argument("--eps", type=float, default=0.1,
                  help="B_ver = max N with T_ver(N) <= (1 + eps) T_dec")
-  c.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-  c.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+  c.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64],
+                 help="batch buckets timed")
+  c.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128],
+                 help="tree widths timed")
   c.add_argument("--kv", type=int, nargs="+", default=[1024], help="KV capacity buckets")
-  c.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"])
-  c.add_argument("--topk", type=int, default=4)
-  c.add_argument("--depth", type=int, default=8)
-  c.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"])
-  c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-  c.add_argument("--repeats", type=int, default=10)
+  c.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"],
+                 help="tree mode timed")
+  c.add_argument("--topk", type=int, default=4, help="tree: children tried per node")
+  c.add_argument("--depth", type=int, default=8, help="tree: draft depth")
+  c.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"],
+                 help="tree kernels: pallas, the jnp reference, or auto (pallas on GPU)")
+  c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="weights dtype (default: bfloat16 for presets, the checkpoint's for "
+                 "--model)")
+  c.add_argument("--repeats", type=int, default=10, help="timed repeats per point")
   c.add_argument("--compile-workers", type=int, default=8,
                  help="programs compiled at once (threads) before each timing wave")
-  c.add_argument("--compile-cache", default=XLA_CACHE,
-                 help="persistent XLA compilation cache folder ('none' = off)")
-  c.add_argument("--no-early-stop", action="store_true", help="time every node bucket")
+  add_compile_cache_arg(c)
+  c.add_argument("--no-early-stop", action="store_true",
+                 help="time every node bucket (default: stop once past the budget)")
   c.add_argument("--merge", action="store_true",
-                 help="keep the buckets of an existing --out table that this run does not time")
-  c.add_argument("--no-progress", action="store_true")
+                 help="keep the buckets of an existing --out table that this run does not time "
+                 "(default: overwrite)")
+  c.add_argument("--no-progress", action="store_true", help="no progress bar")
   add_tp_arg(c)
   c.set_defaults(func=_cmd_calibrate)
-  b = sub.add_parser("bench", help="offline decode throughput: ar / bole / pernode / chain")
+  b = sp("bench", help="offline decode throughput: ar / bole / pernode / chain")
   add_bench_args(b)
   b.set_defaults(func=_cmd_bench)
-  d = sub.add_parser("draft-vocab", help="count token frequencies over text files and write the "
-                     "model folder's draft_vocab.json (for --draft-vocab)")
+  d = sp("draft-vocab", help="count token frequencies over text files and write the "
+         "model folder's draft_vocab.json (for --draft-vocab)")
   d.add_argument("text", nargs="+", help="text files or folders (.py .txt .rst .md)")
   d.add_argument("--model", default=None, help="local Hugging Face folder (default: embedded demo)")
   d.add_argument("--max-mb", type=float, default=64.0, help="text read, at most (MiB)")
+  add_compile_cache_arg(d)
   d.set_defaults(func=_cmd_draft_vocab)
   return p
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
+  # Before anything compiles: on for every command (calibrate / bench read the folder back).
+  args.compile_cache = compile_cache.enable(args.compile_cache) or "none"
   try:
     return args.func(args)
   except (ValueError, FileNotFoundError) as e:

@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bole_jax.sampling import SamplingParams, sample_from_probs, target_probs
+from bole_jax.sampling import SamplingParams, sample_from_probs, target_probs, uniform
 from bole_jax.spec_decode.tree import Tree
 
 
@@ -95,7 +95,7 @@ def accept_stochastic(tree: Tree, logits: jax.Array, sp: SamplingParams, key: ja
     r = target_probs(row, sp)
     kids, kid_ok = _children(tree, cur, max_children)
     kid_tok = jnp.take_along_axis(tree.tokens, kids, axis=1)  # [B, C]
-    u = jax.random.uniform(k_try, kid_ok.shape)
+    u = uniform(k_try, sp, kid_ok.shape)  # per row: independent of the batch (sampling.py)
     acc_any = jnp.zeros((b,), bool)
     acc_idx = jnp.zeros((b,), jnp.int32)
     for c in range(max_children):  # children in index order, residual updated on rejection
@@ -122,7 +122,7 @@ def accept_stochastic(tree: Tree, logits: jax.Array, sp: SamplingParams, key: ja
   # Walks that reached max_depth still alive stop at a leaf-by-depth: sample from its full p.
   row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
   resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
-  bonus = sample_from_probs(resid, k_bonus)
+  bonus = sample_from_probs(resid, k_bonus, sp)
   return _finish(tree, path, num, bonus)
 
 
