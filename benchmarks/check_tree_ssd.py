@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_tree_gdn import L2_BYTES, Timer, deepest_nodes, make_trees, rel  # noqa: E402
-from bole_jax.bench import environment  # noqa: E402
+from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.pallas import tree_ssd_ref  # noqa: E402
 from bole_jax.pallas.tree_ssd import TreeSSDConfig, tree_ssd_verify  # noqa: E402
 from bole_jax.pallas.tree_utils import tree_depth, tree_structure  # noqa: E402

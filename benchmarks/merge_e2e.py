@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bole_jax.bench import plot_e2e, print_table, write_json  # noqa: E402
+from bole_jax.measure.bench import plot_e2e, print_table, write_json  # noqa: E402
 
 KEYS = ("dtype",)
 ENV_KEYS = ("device", "jax")

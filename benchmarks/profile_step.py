@@ -6,7 +6,7 @@
         --accept-mean 2.5 --draft-vocab 0 --reps 3 --out /tmp/profile_tiny.json     # CPU
 
 The model, prompts, prefill and synthetic-acceptance drafter are the ones of `bole-jax bench`
-(bole_jax/bench.py: random weights of a preset, the drafter's oracle from an AR run of the same
+(bole_jax/measure/bench.py: random weights of a preset, the drafter's oracle from an AR run of the same
 prompts). Every program is compiled ahead of time, warmed up, then `--reps` repetitions run
 inside `jax.profiler.trace`, and the trace is read back:
 
@@ -61,7 +61,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax import bench, parallel  # noqa: E402
+from bole_jax import parallel  # noqa: E402
+from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.env import enable_compile_cache, environment, progress_bar  # noqa: E402
 
 STAGES = bench.STAGES  # draft select verify accept commit emit
 PROGRAMS = ("ar", *STAGES, "step")
@@ -554,7 +556,7 @@ def _e2e_args(a) -> argparse.Namespace:
 def compile_programs(low: dict, workers: int) -> dict:
   pool = cf.ThreadPoolExecutor(workers)
   jobs = {name: pool.submit(lw.compile) for name, lw in low.items()}
-  with bench.progress_bar(len(jobs), "compile", "prog") as bar:
+  with progress_bar(len(jobs), "compile", "prog") as bar:
     for _ in cf.as_completed(jobs.values()):
       bar.update(1)
   pool.shutdown()
@@ -566,9 +568,9 @@ def run(a) -> dict:
   program in `a.programs`. Returns the result dict (what --out gets)."""
   say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
   t_start = time.perf_counter()
-  env = bench.environment()
+  env = environment()
   if a.compile_cache.lower() != "none":
-    bench.enable_compile_cache(a.compile_cache)
+    enable_compile_cache(a.compile_cache)
   e2e = _e2e_args(a)
   stages = [s for s in STAGES if s in a.programs]
   spec_wanted = bool(stages) or "step" in a.programs

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bole_jax import ModelConfig, bench
+from bole_jax import ModelConfig
+from bole_jax.measure import bench, calibrate
 from bole_jax.model import init_params
 from bole_jax.serving import cli
 from bole_jax.spec_decode import budget
@@ -150,7 +151,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def table(tiny):
-  return budget.calibrate(tiny, [2], [1, 4], [64], eps=0.1, repeats=2, workers=2,
+  return calibrate.calibrate(tiny, [2], [1, 4], [64], eps=0.1, repeats=2, workers=2,
                           progress=False)
 
 
@@ -164,28 +165,28 @@ def test_calibration_table(table, tiny, tmp_path):
   assert e["nodes"] in (1, 4) and e["budget"] == 2 * e["nodes"]
   for n, t in e["t_ver_ms"].items():
     assert t > 0 and e["ratio"][n] == pytest.approx(t / e["t_dec_ms"])
-  text = budget.format_table(table)
+  text = calibrate.format_table(table)
   assert "T_dec" in text and "N=4" in text
-  path = budget.save_table(table, tmp_path / "t.json")
+  path = calibrate.save_table(table, tmp_path / "t.json")
   assert budget.load_table(path) == json.loads(json.dumps(table))
   # Calibrating in several runs: entries of other buckets are kept, re-measured ones replaced.
   other = json.loads(json.dumps(table))
   other["entries"] = [dict(e, batch=8, budget=8 * e["nodes"]), dict(e, t_dec_ms=-1.0)]
   other["batch_buckets"] = [2, 8]
-  merged = budget.merge_tables(other, table)
+  merged = calibrate.merge_tables(other, table)
   assert [(x["batch"], x["t_dec_ms"]) for x in merged["entries"]] == [(2, e["t_dec_ms"]),
                                                                      (8, e["t_dec_ms"])]
   assert merged["batch_buckets"] == [2, 8]
   with pytest.raises(ValueError, match="differ in eps"):
-    budget.merge_tables(dict(other, eps=0.5), table)
+    calibrate.merge_tables(dict(other, eps=0.5), table)
 
 
 def test_choice_rule_and_lookup():
   t_ver = {1: 1.0, 2: 1.05, 4: 1.08, 8: 1.3, 16: 2.0}
-  e = budget._entry(4, 1024, 900, 1.0, t_ver, {}, 0.1, list(t_ver))
+  e = calibrate._entry(4, 1024, 900, 1.0, t_ver, {}, 0.1, list(t_ver))
   assert (e["nodes"], e["budget"], e["within_eps"]) == (4, 16, True)
   # A fixed tree-path overhead: nothing within eps of T_dec, the knee is taken instead.
-  e = budget._entry(4, 1024, 900, 0.8, t_ver, {}, 0.1, list(t_ver))
+  e = calibrate._entry(4, 1024, 900, 0.8, t_ver, {}, 0.1, list(t_ver))
   assert (e["nodes"], e["within_eps"]) == (4, False)
   table = dict(entries=[dict(batch=b, kv=s, nodes=n, budget=b * n)
                         for b, s, n in [(1, 512, 64), (4, 512, 32), (16, 512, 8),
@@ -205,7 +206,7 @@ def test_engine_finds_table_or_warns_once(table, tiny, tmp_path, monkeypatch, ca
   monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
   model_dir = tmp_path / "model"
   model_dir.mkdir()
-  budget.save_table(table, model_dir / budget.CALIBRATION_FILE)
+  calibrate.save_table(table, model_dir / budget.CALIBRATION_FILE)
   want = dict(topk=4, num_nodes=table["entries"][0]["nodes"],
               budget=table["entries"][0]["budget"])
   assert budget.resolve_spec_options(cfg, {"topk": 4}, param_dtype=dtype, batch=2,
@@ -216,7 +217,7 @@ def test_engine_finds_table_or_warns_once(table, tiny, tmp_path, monkeypatch, ca
   assert budget.resolve_spec_options(cfg, {"num_nodes": 7}, param_dtype=dtype,
                                      batch=2, model_dir=model_dir) == {"num_nodes": 7}
   # The user cache is searched too.
-  budget.save_table(table, budget.default_table_dir() / "tiny.json")
+  calibrate.save_table(table, budget.default_table_dir() / "tiny.json")
   assert budget.choice_for(cfg, dtype, 2).num_nodes == want["num_nodes"]
   # Other model dims: no match -> the safe default, with one warning.
   other = ModelConfig.tiny("qwen3_next", mtp_num_layers=1, hidden_size=32)
@@ -241,13 +242,13 @@ def test_engine_finds_table_or_warns_once(table, tiny, tmp_path, monkeypatch, ca
 
 def test_calibrate_rejects_bad_buckets(tiny):
   with pytest.raises(ValueError, match="positive integers"):
-    budget.calibrate(tiny, [0, 2], [1], [64])
+    calibrate.calibrate(tiny, [0, 2], [1], [64])
   with pytest.raises(ValueError, match="at most 128 nodes"):
-    budget.calibrate(tiny, [1], [256], [1024])
+    calibrate.calibrate(tiny, [1], [256], [1024])
   with pytest.raises(ValueError, match="leave no room"):
-    budget.calibrate(tiny, [1], [64], [32])
+    calibrate.calibrate(tiny, [1], [64], [32])
   with pytest.raises(ValueError, match="at least one"):
-    budget.calibrate(tiny, [], [1], [64])
+    calibrate.calibrate(tiny, [], [1], [64])
 
 
 # ----------------------------------------------------------------------------- end to end

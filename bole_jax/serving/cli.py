@@ -107,13 +107,14 @@ def _cmd_serve(args) -> int:
 def _cmd_calibrate(args) -> int:
   from pathlib import Path
 
-  from bole_jax import bench
+  from bole_jax.measure import calibrate
+  from bole_jax.measure.env import enable_compile_cache
   from bole_jax.spec_decode import budget
 
-  budget.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
+  calibrate.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
                                 repeats=args.repeats)
   if args.compile_cache and args.compile_cache.lower() != "none":
-    bench.enable_compile_cache(args.compile_cache)
+    enable_compile_cache(args.compile_cache)
   if args.model is not None:
     from bole_jax.llm import LLM
 
@@ -128,7 +129,7 @@ def _cmd_calibrate(args) -> int:
     cfg = preset(args.preset or "qwen3.5-9b", mtp=False, tp=parallel.check_tp(args.tp))
     parallel.log_layout(cfg)
     params = parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
-  table = budget.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
+  table = calibrate.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
                            mode=args.mode, topk=args.topk, depth=args.depth,
                            backend=args.backend, repeats=args.repeats,
                            early_stop=not args.no_early_stop, workers=args.compile_workers,
@@ -139,14 +140,14 @@ def _cmd_calibrate(args) -> int:
            budget.default_table_dir() / f"{args.preset or 'qwen3.5-9b'}_"
            f"{table['device'].replace(' ', '_')}.json")
   if args.merge and Path(out).is_file():
-    table = budget.merge_tables(budget.load_table(out), table)
-  print(budget.format_table(table))
-  print(f"wrote {budget.save_table(table, out)}")
+    table = calibrate.merge_tables(budget.load_table(out), table)
+  print(calibrate.format_table(table))
+  print(f"wrote {calibrate.save_table(table, out)}")
   return 0
 
 
 def _cmd_bench(args) -> int:
-  from bole_jax import bench
+  from bole_jax.measure import bench
 
   result = bench.run_e2e(args)
   if result["compiles_pending"]:  # do not wait for compilations of skipped points
