@@ -63,13 +63,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bole_jax.pallas import tree_conv, tree_gdn_mgpu, tree_gdn_ref, tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
-                                      gather_pending_path, mosaic_launch, pending_commit,
-                                      tree_gdn_verify)
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, mosaic_launch, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import (accepted_rows, gather_pending_path,  # noqa: E402
+                                             pending_commit)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import (PendingPath, dfs_order, random_parents,  # noqa: E402
                                         tree_depth, tree_structure)
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next GDN at TP1
 CONV_C = 2 * HK * DK + HV * DV
@@ -899,7 +899,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
         # slower everywhere: 27.6 vs 25.8 us at B = 16 N = 64, 11.2 vs 3.7 at B = 1. Session 10
         # dropped the 16-column and 2/8-warp dots (never the fastest) and added the unrolled
-        # fold, "auto" being the engine's default launch, `tree_gdn.commit_launch`.)
+        # fold, "auto" being the engine's default launch, `tree_gdn_commit.commit_launch`.)
         pallas = dict(backend="pallas", num_warps=4)
         variants = [dict(pallas, block_v=32, fold="loop"),
                     dict(pallas, block_v=32, fold="dot"),

@@ -47,7 +47,7 @@ from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.pallas import tree_ssd_ref  # noqa: E402
 from bole_jax.pallas.tree_ssd import TreeSSDConfig, tree_ssd_verify  # noqa: E402
 from bole_jax.pallas.tree_utils import tree_depth, tree_structure  # noqa: E402
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 DIMS = dict(hk=8, hv=128, dk=128, dv=64)  # Nemotron-H-8B Mamba2 layer
 DRY_DIMS = dict(hk=2, hv=4, dk=16, dv=32)

@@ -116,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
-    from bole_jax.spec_decode.state_factors import commit_state
+    from bole_jax.pallas.tree_gdn_commit import commit_state
 
     names = [n for n in ("bole_tree_gdn", "bole_commit_state")
              if os.path.exists(os.path.join(args.dir, f"{n}.json"))]

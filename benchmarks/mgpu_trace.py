@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from benchmarks.bench_tree_gdn_mgpu import VARIANTS, parse_variants, point_inputs  # noqa: E402
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref  # noqa: E402
-from bole_jax.pallas.tree_gdn import accepted_rows, pending_commit  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import accepted_rows, pending_commit  # noqa: E402
 from bole_jax.pallas.tree_utils import accepted_path  # noqa: E402
 
 

@@ -30,10 +30,11 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import TreeGDNConfig, pending_commit, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import pending_commit  # noqa: E402
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.tree_utils import PendingPath  # noqa: E402
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 
 def main(argv=None):

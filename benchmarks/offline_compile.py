@@ -9,9 +9,9 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
         --B 16 --N 64 --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix",
         "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending [path]] [--out DIR]
 
-`--kernel commit` compiles the selected-state commit (`tree_gdn.commit_state_pallas`) instead,
+`--kernel commit` compiles the selected-state commit (`tree_gdn_commit.commit_state_pallas`) instead,
 with the accepted path handed in as the decode step does; --config then takes its launch
-(`{"block_v": null, "num_warps": 4, "fold": "auto"}`, the defaults: `tree_gdn.commit_launch`).
+(`{"block_v": null, "num_warps": 4, "fold": "auto"}`, the defaults: `tree_gdn_commit.commit_launch`).
 
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
 opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
@@ -125,7 +125,7 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
     import jax.numpy as jnp
 
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
-    from bole_jax.pallas.tree_gdn import commit_state_pallas
+    from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
     from bole_jax.pallas.tree_utils import TreeFactors
 
     sd = jax.ShapeDtypeStruct
@@ -251,15 +251,14 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     `kernel_operands` does for the verify: bench_tree_gdn's inputs, the closed form's factors,
     the deepest node of each tree accepted (its root path handed in), and those
     (state, factors, parents, accepted, path, count)."""
-    import bole_jax.pallas.tree_gdn as tg
     from benchmarks import bench_tree_gdn as btg
-    from bole_jax.pallas import tree_gdn_ref
+    from bole_jax.pallas import tree_gdn_commit, tree_gdn_ref
 
     (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
     _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
     tc = btg.tree_context(parents)
     accepted, path, count = tc.accepted, tc.path, tc.count
-    operands = _recorded_operands(lambda: tg.commit_state_pallas(
+    operands = _recorded_operands(lambda: tree_gdn_commit.commit_state_pallas(
         state, fac, parents, accepted, path=path, count=count, **commit_cfg))
     return operands, (state, fac, parents, accepted, path, count)
 
@@ -391,7 +390,7 @@ def main(argv=None):
 
 def commit_config(fields: dict) -> dict:
     """The commit launch of --config: block_v, num_warps, fold (defaults None, 4, "auto", as
-    the engine runs it: `tree_gdn.commit_launch`); other keys are an error."""
+    the engine runs it: `tree_gdn_commit.commit_launch`); other keys are an error."""
     cfg = dict(block_v=None, num_warps=4, fold="auto")
     unknown = set(fields) - set(cfg)
     if unknown:

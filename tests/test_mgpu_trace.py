@@ -78,8 +78,7 @@ def test_pending_rows_fold_to_the_deepest_nodes_state(rows):
     from benchmarks import bench_tree_gdn as btg
     from benchmarks.bench_tree_gdn_mgpu import point_inputs
     from bole_jax.pallas import tree_gdn_ref
-    from bole_jax.pallas.tree_gdn import apply_pending
-    from bole_jax.spec_decode.state_factors import commit_state
+    from bole_jax.pallas.tree_gdn_commit import apply_pending, commit_state
 
     parents, tree, (x,) = point_inputs(2, 8, int.from_bytes(os.urandom(2), "little"), 1)
     pend = mgpu_trace.pending_rows(x, parents, tree, 8, rows)

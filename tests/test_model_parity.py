@@ -17,7 +17,7 @@ from hf_tiny import rel_err, torch_greedy_run, torch_logits
 
 from bole_jax.model import Cache, ModelConfig, abstract_params, forward, init_cache, init_params, logits
 from bole_jax.model.cache import AttnCache, GDNCache
-from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.model.layers import (moe_experts_dense, moe_experts_gather, moe_experts_sorted, moe_route, rms_norm,
                                    rope_cos_sin)
 from bole_jax.model.weights import load_hf_checkpoint

@@ -78,8 +78,7 @@ def test_commit_operands_match_the_lowered_commit():
     (interpret mode) gives the reference commit's state."""
     import numpy as np
 
-    from bole_jax.pallas.tree_gdn import commit_state_pallas
-    from bole_jax.spec_decode.state_factors import commit_state
+    from bole_jax.pallas.tree_gdn_commit import commit_state, commit_state_pallas
 
     cfg = offline_compile.commit_config({"block_v": 64})
     assert cfg == dict(block_v=64, num_warps=4, fold="auto")

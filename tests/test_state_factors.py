@@ -10,7 +10,8 @@ import pytest
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees
-from bole_jax.spec_decode.state_factors import accepted_path, commit_conv_state, commit_state
+from bole_jax.pallas.tree_gdn_commit import commit_state
+from bole_jax.spec_decode.state_factors import accepted_path, commit_conv_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -180,7 +181,7 @@ def test_commit_launch_policy():
     """fold "auto" unrolls a decode step's short paths from B = 4 on and takes the dot at
     B < 4 and for long walks; block_v None: 64 columns for the unrolled fold at B >= 16, else
     32; explicit values win."""
-    from bole_jax.pallas.tree_gdn import UNROLL_MAX_ROWS, commit_launch
+    from bole_jax.pallas.tree_gdn_commit import UNROLL_MAX_ROWS, commit_launch
     assert commit_launch(16, 9) == ("unroll", 64)
     assert commit_launch(4, 9) == ("unroll", 32)
     assert commit_launch(1, 9) == ("dot", 32)

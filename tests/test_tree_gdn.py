@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_ref as ref
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows, apply_pending,
-                                      gather_pending_path, pending_commit, tree_gdn_verify)
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
+from bole_jax.pallas.tree_gdn_commit import (accepted_rows, apply_pending, gather_pending_path,
+                                             pending_commit)
 from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors, accepted_path,
                                         check_parents, random_gdn_inputs, random_parents,
                                         random_trees, tree_structure)
-from bole_jax.spec_decode.state_factors import commit_state
+from bole_jax.pallas.tree_gdn_commit import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

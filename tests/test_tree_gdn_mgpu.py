@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
-from bole_jax.pallas.tree_gdn import apply_pending, pending_commit
+from bole_jax.pallas.tree_gdn_commit import apply_pending, pending_commit
 from bole_jax.pallas.tree_utils import (PendingCommit, random_gdn_inputs, random_trees,
                                         tree_structure)
 

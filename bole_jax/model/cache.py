@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model.config import LINEAR, ModelConfig
-from bole_jax.pallas.tree_utils import PendingCommit, PendingPath  # (imports no model code)
+from bole_jax.pallas.tree_gdn_commit import apply_pending, gather_pending_path
+from bole_jax.pallas.tree_utils import PendingCommit, PendingPath
 
 
 @jax.tree_util.register_dataclass
@@ -85,9 +86,6 @@ def committed_state(c: GDNCache) -> jax.Array:
     (a `PendingPath`'s rows gathered first; `state` itself when nothing is pending)."""
     if c.pending is None:
         return c.state
-    # Imported here: pallas.tree_gdn imports model code (tree_gdn_ref -> model.gdn).
-    from bole_jax.pallas.tree_gdn import apply_pending, gather_pending_path
-
     pending = c.pending
     if isinstance(pending, PendingPath):
         pending = gather_pending_path(pending, backend="reference")

@@ -20,7 +20,7 @@ import numpy as np
 from bole_jax import parallel
 from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
-from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.pallas import moe_gmm
 from bole_jax.pallas.gdn_decode import gdn_decode
 from bole_jax.pallas.tree_utils import resolve_backend

@@ -475,7 +475,7 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     automatic warpgroup barriers around every shared-memory store (`unsafe_no_auto_barriers`);
     the kernel then places its own where a store can meet another warp's read (after the
     column vectors' stores, before the stores into reused buffers). pending: a lazy commit
-    (`tree_gdn.pending_commit`; the engine's lazy verify at 64 nodes since session 15): each
+    (`tree_gdn_commit.pending_commit`; the engine's lazy verify at 64 nodes since session 15): each
     program folds its rows into the fp32 state tile it loads (fp32 rank-1 updates, as the
     Triton kernel's fold "unroll"; a row whose weight is 0 or not finite is skipped),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.model.gdn import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
+from bole_jax.pallas.gdn_ref import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
 from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
                                         tree_structure)
 

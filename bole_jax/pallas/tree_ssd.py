@@ -9,7 +9,7 @@ request and value head, all N tree nodes at once from the ONE committed state S_
     O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) V
 Unlike GDN (`tree_gdn.py`) there is no (I + G)^-1, no key normalisation and no pseudo values: the
 kernel is two dots per value tile, and the token-level factors are the inputs themselves,
-(k, u = v, gamma), of which only gamma is computed here. `state_factors.commit_state` rebuilds the
+(k, u = v, gamma), of which only gamma is computed here. `tree_gdn_commit.commit_state` rebuilds the
 accepted node's state from them exactly as for GDN.
 
 Program layout (as tree_gdn.py): grid (dv / block_v, HV / heads_per_program, B). A program owns
@@ -163,7 +163,7 @@ def tree_ssd_verify(q, k, v, a, state, parents, num_nodes=None, *,
     "reference".
 
     Returns (o [B, N, HV, dv] in v.dtype, without D x and the gate; TreeFactors(k [B, N, Hk, dk],
-    u = v [B, N, HV, dv], gamma [B, N, HV]), fp32) for `state_factors.commit_state`.
+    u = v [B, N, HV, dv], gamma [B, N, HV]), fp32) for `tree_gdn_commit.commit_state`.
     """
     b, n, hk, dk = q.shape
     hv = v.shape[2]

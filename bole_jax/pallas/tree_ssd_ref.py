@@ -38,6 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.pallas.tree_gdn_ref import decay_matrix, node_states_from_factors, root_path_gamma
 from bole_jax.pallas.tree_utils import TreeFactors, TreeStructure, node_validity, tree_structure
 
@@ -158,13 +159,9 @@ def commit(state, factors: TreeFactors, parents, accepted, *, max_path: int | No
 
     S_sel = P_sel S_pre + K_path^T diag(w) V_path, w_j = exp(gamma_sel - gamma_j) along the
     accepted root path: a walk up the parent pointers (gathers) and one batched einsum. This is
-    GDN's `state_factors.commit_state` (backend "reference"), which applies as is since the SSD
-    factors are TreeFactors with u = v; its Pallas backend (`tree_gdn.commit_state_pallas`) does
+    GDN's `tree_gdn_commit.commit_state` (backend "reference"), which applies as is since the SSD
+    factors are TreeFactors with u = v; its Pallas backend (`tree_gdn_commit.commit_state_pallas`) does
     too. max_path: static bound on nodes on any root path (None = N, always exact).
     """
-    # One commit for GDN and SSD; imported here so that the kernels package does not import
-    # spec_decode (which imports it) at module load.
-    from bole_jax.spec_decode.state_factors import commit_state
-
     return commit_state(state, factors, parents, accepted, max_path=max_path,
                         backend="reference")

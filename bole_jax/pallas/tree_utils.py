@@ -103,7 +103,7 @@ class PendingPath:
     straight from the factors, so the lazy commit needs no launch of its own (no gather).
         S = p_sel S + sum_{m < count} w_m k_m u_m^T,   row m = node path[m],
         w_m = exp(gamma_sel - gamma_m), p_sel = exp(gamma_sel), gamma_sel = gamma[sel]
-    (`tree_gdn.pending_commit` gathers the same rows). Nothing is pending when sel < 0 or
+    (`tree_gdn_commit.pending_commit` gathers the same rows). Nothing is pending when sel < 0 or
     count is 0 (then p_sel = 1 and no row is read; `empty`).
     """
 

@@ -14,7 +14,7 @@ to consecutive slots, lengths advanced.
 Lazy commit (bole, when the cache's GDN layers carry a `pending`: model/cache.py). The commit
 does not rebuild the state: it keeps the step's factors and accepted path in the cache
 (`PendingPath`: no kernel at all; or, `BOLE_LAZY_ROWS=gather`, the path's rows gathered by
-`tree_gdn.pending_commit`), and the next step's verify folds the path's rows into the state tile
+`tree_gdn_commit.pending_commit`), and the next step's verify folds the path's rows into the state tile
 it loads anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending
 then being cleared: one read + write of the fp32 state per step instead of the eager commit's
 read + write plus the verify's read. The committed state is `committed_state` throughout.
@@ -37,7 +37,7 @@ from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state, e
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
-from bole_jax.pallas import tree_conv, tree_gdn, tree_pernode
+from bole_jax.pallas import tree_conv, tree_gdn, tree_gdn_commit, tree_pernode
 from bole_jax.pallas.tree_utils import PendingPath, TreeFactors, TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
@@ -186,10 +186,10 @@ COMMIT_FOLD = os.environ.get("BOLE_COMMIT_FOLD", "auto")
 
 
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
-  """state_factors.commit_state with the step's accepted path (no walk per layer), per device
+  """tree_gdn_commit.commit_state with the step's accepted path (no walk per layer), per device
   on its own heads under tensor parallelism."""
   def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
-    return state_factors.commit_state(s, f, p, a, path=pa, count=c, fold=COMMIT_FOLD)
+    return tree_gdn_commit.commit_state(s, f, p, a, path=pa, count=c, fold=COMMIT_FOLD)
 
   if cfg is None:
     return commit(state, factors, parents, last, path, count)
@@ -217,11 +217,11 @@ def _commit_pernode_state(state, node_states, last, cfg: ModelConfig | None):
 
 
 def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelConfig | None):
-  """tree_gdn.pending_commit with the step's accepted path, per device on its own heads under
+  """tree_gdn_commit.pending_commit with the step's accepted path, per device on its own heads under
   tensor parallelism (the rows come out split like the cache's pending:
   `parallel.pending_specs`)."""
   def rows(f, p, a, pa, c):
-    return tree_gdn.pending_commit(f, p, a, length, pa, c)
+    return tree_gdn_commit.pending_commit(f, p, a, length, pa, c)
 
   if cfg is None:
     return rows(factors, parents, last, path, count)
