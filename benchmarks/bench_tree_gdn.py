@@ -67,8 +67,9 @@ from bole_jax.pallas.tree_gdn import TreeGDNConfig, mosaic_launch, tree_gdn_veri
 from bole_jax.pallas.tree_gdn_commit import (accepted_rows, gather_pending_path,  # noqa: E402
                                              pending_commit)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import (PendingPath, dfs_order, random_parents,  # noqa: E402
-                                        tree_depth, tree_structure)
+from bole_jax.pallas.factors import PendingPath  # noqa: E402
+from bole_jax.pallas.testing import random_parents, tree_depth  # noqa: E402
+from bole_jax.pallas.tree_utils import dfs_order, tree_structure  # noqa: E402
 from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next GDN at TP1

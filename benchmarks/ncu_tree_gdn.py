@@ -33,7 +33,7 @@ from bole_jax.pallas import tree_pernode  # noqa: E402
 from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify  # noqa: E402
 from bole_jax.pallas.tree_gdn_commit import pending_commit  # noqa: E402
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import PendingPath  # noqa: E402
+from bole_jax.pallas.factors import PendingPath  # noqa: E402
 from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 

@@ -89,8 +89,8 @@ def _lower(b: int, n: int, cfg, pending):
 
     import bole_jax.pallas.tree_gdn as tg
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
-    from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors,
-                                            tree_structure)
+    from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
+    from bole_jax.pallas.tree_utils import tree_structure
 
     sd = jax.ShapeDtypeStruct
     q, v = sd((b, n, HK, DK), jnp.bfloat16), sd((b, n, HV, DV), jnp.bfloat16)
@@ -126,7 +126,7 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
 
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
     from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
-    from bole_jax.pallas.tree_utils import TreeFactors
+    from bole_jax.pallas.factors import TreeFactors
 
     sd = jax.ShapeDtypeStruct
     fac = TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16), u=sd((b, n, HV, DV), jnp.float32),

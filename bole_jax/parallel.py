@@ -58,7 +58,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.params import key_path
-from bole_jax.pallas.tree_utils import PendingCommit, PendingPath, TreeFactors
+from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
 
 log = logging.getLogger(__name__)
 

@@ -82,7 +82,8 @@ def test_pernode_walk_relabel_makes_preorder_the_index_order():
     import jax.numpy as jnp
     import numpy as np
     from benchmarks import bench_pernode_walk as bpw
-    from bole_jax.pallas.tree_utils import dfs_order, random_trees
+    from bole_jax.pallas.testing import random_trees
+    from bole_jax.pallas.tree_utils import dfs_order
     rng = np.random.default_rng(7)
     parents, _ = random_trees(rng, 5, 24, ("random", "forest", "bushy", "deep", "star"))
     order = np.asarray(dfs_order(jnp.asarray(parents)))

@@ -20,7 +20,7 @@ from bole_jax.model import forward, init_cache, init_params
 from bole_jax.model.cache import (GDNCache, committed_state, pending_nodes, pending_rows,
                                   with_pending)
 from bole_jax.model import logits as lm_logits
-from bole_jax.pallas.tree_utils import PendingCommit, PendingPath
+from bole_jax.pallas.factors import PendingCommit, PendingPath
 from bole_jax.spec_decode import step as step_mod, tree as tree_mod, verify
 from bole_jax.spec_decode.acceptance import accept_greedy
 from bole_jax.spec_decode.step import spec_step

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref
-from bole_jax.pallas.tree_utils import random_gdn_inputs, random_trees
+from bole_jax.pallas.testing import random_gdn_inputs, random_trees
 from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.spec_decode.state_factors import accepted_path, commit_conv_state
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_conv
-from bole_jax.pallas.tree_utils import random_trees
+from bole_jax.pallas.testing import random_trees
 
 RUN_SEED = int.from_bytes(os.urandom(4), "little")
 

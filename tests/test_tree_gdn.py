@@ -18,9 +18,9 @@ from bole_jax.pallas import tree_gdn_ref as ref
 from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
 from bole_jax.pallas.tree_gdn_commit import (accepted_rows, apply_pending, gather_pending_path,
                                              pending_commit)
-from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors, accepted_path,
-                                        check_parents, random_gdn_inputs, random_parents,
-                                        random_trees, tree_structure)
+from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
+from bole_jax.pallas.testing import random_gdn_inputs, random_parents, random_trees
+from bole_jax.pallas.tree_utils import accepted_path, check_parents, tree_structure
 from bole_jax.pallas.tree_gdn_commit import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -11,8 +11,9 @@ import pytest
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
 from bole_jax.pallas.tree_gdn_commit import apply_pending, pending_commit
-from bole_jax.pallas.tree_utils import (PendingCommit, random_gdn_inputs, random_trees,
-                                        tree_structure)
+from bole_jax.pallas.factors import PendingCommit
+from bole_jax.pallas.testing import random_gdn_inputs, random_trees
+from bole_jax.pallas.tree_utils import tree_structure
 
 pytestmark = pytest.mark.skipif(not tree_gdn_mgpu.AVAILABLE,
                                 reason=tree_gdn_mgpu.UNAVAILABLE_REASON or "unavailable")

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.pallas.tree_gdn_commit import apply_pending, gather_pending_path
-from bole_jax.pallas.tree_utils import PendingCommit, PendingPath
+from bole_jax.pallas.factors import PendingCommit, PendingPath
 
 
 @jax.tree_util.register_dataclass

@@ -49,9 +49,10 @@ from bole_jax.pallas.triton_ops import store as _store
 from bole_jax.pallas.tree_gdn_commit import (_FOLDS, UNROLL_MAX_ROWS, _dot_fold, _path_inputs,
                                              _path_scale, _path_weight, _rank1_fold,
                                              _unrolled_fold, apply_pending, gather_pending_path)
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, PendingPath, TreeStructure, check_pending, check_pending_path,
-                                        next_pow2, pad_axis, resolve_backend, tree_structure,
-                                        with_keys)
+from bole_jax.pallas.factors import (PendingCommit, PendingPath, check_pending, check_pending_path,
+                                     with_keys)
+from bole_jax.pallas.tree_utils import (L2_EPS, TreeStructure, next_pow2, pad_axis, resolve_backend,
+                                        tree_structure)
 
 __all__ = ["TreeGDNConfig", "tree_gdn_verify", "mosaic_launch"]
 

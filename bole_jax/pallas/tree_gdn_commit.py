@@ -23,8 +23,8 @@ from bole_jax.pallas.triton_ops import PRECISIONS as _PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_utils import (PendingCommit, PendingPath, TreeFactors, accepted_path,
-                                        next_pow2, pad_axis, resolve_backend, scaled_keys)
+from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors, scaled_keys
+from bole_jax.pallas.tree_utils import accepted_path, next_pow2, pad_axis, resolve_backend
 
 __all__ = ["commit_state", "commit_state_pallas", "accepted_rows", "commit_path_weights",
            "pending_commit", "gather_pending_path", "apply_pending", "commit_launch"]

@@ -63,8 +63,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeStructure, check_pending,
-                                        tree_structure, with_keys)
+from bole_jax.pallas.factors import PendingCommit, check_pending, with_keys
+from bole_jax.pallas.tree_utils import L2_EPS, TreeStructure, tree_structure
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 

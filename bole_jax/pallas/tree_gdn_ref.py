@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.pallas.gdn_ref import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
-                                        tree_structure)
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.tree_utils import L2_EPS, TreeStructure, node_validity, tree_structure
 
 _HI = jax.lax.Precision.HIGHEST
 

@@ -37,8 +37,9 @@ from bole_jax.pallas.triton_ops import PRECISIONS as _PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_utils import (TreeFactors, TreeStructure, next_pow2, pad_axis,
-                                        resolve_backend, tree_structure)
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.tree_utils import (TreeStructure, next_pow2, pad_axis, resolve_backend,
+                                        tree_structure)
 
 __all__ = ["TreeFactors", "TreeSSDConfig", "tree_ssd_verify"]
 

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.pallas.tree_gdn_ref import decay_matrix, node_states_from_factors, root_path_gamma
-from bole_jax.pallas.tree_utils import TreeFactors, TreeStructure, node_validity, tree_structure
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.tree_utils import TreeStructure, node_validity, tree_structure
 
 __all__ = ["from_mamba2", "tree_ssd_sequential", "tree_ssd_closed_form", "ssd_factors",
            "node_states_from_factors", "commit"]

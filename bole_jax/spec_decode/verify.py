@@ -38,7 +38,8 @@ from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
 from bole_jax.pallas import tree_conv, tree_gdn, tree_gdn_commit, tree_pernode
-from bole_jax.pallas.tree_utils import PendingPath, TreeFactors, TreeStructure, tree_structure
+from bole_jax.pallas.factors import PendingPath, TreeFactors
+from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
 from bole_jax.spec_decode.tree import Tree
