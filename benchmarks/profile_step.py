@@ -61,7 +61,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax import parallel  # noqa: E402
+from bole_jax.model import parallel  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar  # noqa: E402
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model import ModelConfig, init_cache, init_params
 from bole_jax.model.cache import with_pending
 from bole_jax.model.weights import load_hf_checkpoint

@@ -1,4 +1,4 @@
-"""Tensor parallelism (bole_jax/parallel.py) on 8 simulated CPU devices.
+"""Tensor parallelism (bole_jax/model/parallel.py) on 8 simulated CPU devices.
 
 The checks live in tests/tp_worker.py and run in subprocesses: XLA fixes the number of CPU devices
 when JAX initialises, and this process already runs JAX on one. Each group compares sharded runs

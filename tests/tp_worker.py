@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax.extend import core as jex_core  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from bole_jax import parallel  # noqa: E402
+from bole_jax.model import parallel  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits  # noqa: E402
 from bole_jax.model.cache import committed_state, with_pending  # noqa: E402

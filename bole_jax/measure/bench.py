@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar
 from bole_jax.model import ModelConfig
 from bole_jax.model.cache import AttnCache, GDNCache, with_pending

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.measure.env import environment, progress_bar
 from bole_jax.model import forward, init_cache, logits
 from bole_jax.pallas.testing import random_trees

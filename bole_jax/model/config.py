@@ -89,7 +89,7 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     # Tensor-parallel shards (not from config.json). > 1: params, caches and the GDN kernels are
     # split over a "tp" device mesh and fused channel axes are stored shard-major (see
-    # bole_jax/parallel.py); 1: no parallelism, every code path as without it.
+    # bole_jax/model/parallel.py); 1: no parallelism, every code path as without it.
     tp: int = 1
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
 from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule

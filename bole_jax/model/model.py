@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block
 from bole_jax.model.cache import AttnCache, Cache, GDNCache
 from bole_jax.model.config import LINEAR, ModelConfig

@@ -123,7 +123,7 @@ def _cmd_calibrate(args) -> int:
   else:
     import jax
 
-    from bole_jax import parallel
+    from bole_jax.model import parallel
     from bole_jax.model.presets import preset
 
     cfg = preset(args.preset or "qwen3.5-9b", mtp=False, tp=parallel.check_tp(args.tp))

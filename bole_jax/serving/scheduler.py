@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.mtp import require_mtp

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model import Cache, ModelConfig, forward
 from bole_jax.model import logits as lm_logits
 from bole_jax.sampling import SamplingParams, sample

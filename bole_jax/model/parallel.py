@@ -57,7 +57,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
-from bole_jax.model.params import key_path
+from bole_jax.model.params import abstract_params, build_params, init_leaf, key_path
+from bole_jax.model.params import init_params as init_canonical
 from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
 
 log = logging.getLogger(__name__)
@@ -286,15 +287,12 @@ def init_params(cfg: ModelConfig, key, dtype=None):
   shard of those from its own key (same distribution, values that depend on tp), because XLA
   does not partition a random draw and one global fp32 draw per leaf does not fit."""
   if cfg.tp == 1:
-    from bole_jax.model.params import init_params as init_canonical
     return init_canonical(dataclasses.replace(cfg, tp=1), key, dtype)
   return init_program(cfg, dtype)(key)
 
 
 def init_program(cfg: ModelConfig, dtype=None):
   """The jitted program behind `init_params` for tp > 1 (lower it on a key to see its memory)."""
-  from bole_jax.model.params import abstract_params, build_params, init_leaf
-
   base = dataclasses.replace(cfg, tp=1)
   dtype = jnp.dtype(dtype or cfg.dtype)
   shapes = abstract_params(base, dtype)
