@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
+from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
-from bole_jax.llm import LLM  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

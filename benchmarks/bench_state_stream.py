@@ -46,9 +46,12 @@ from jax.experimental.pallas import triton as pltriton  # noqa: E402
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
 from bole_jax.pallas.tree_gdn import tree_gdn_verify  # noqa: E402
-from bole_jax.pallas.tree_gdn_commit import accepted_rows, commit_state_pallas  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import (  # noqa: E402
+    accepted_rows,
+    commit_state,  # noqa: E402
+    commit_state_pallas,
+)
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
-from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 
 HV, DK, DV = 32, 128, 128
 INTERPRET = False

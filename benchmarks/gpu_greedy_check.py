@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
-from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.model import init_params  # noqa: E402
 from bole_jax.model.presets import peaked_lm_head, preset  # noqa: E402
 

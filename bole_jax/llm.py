@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax.model import parallel
-from bole_jax.model import ModelConfig, init_cache, init_params
+from bole_jax.model import ModelConfig, init_cache, init_params, parallel
 from bole_jax.model.cache import with_pending
-from bole_jax.model.weights import load_hf_checkpoint
-from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
-from bole_jax.spec_decode import draft_vocab as draft_vocab_mod, loop
+from bole_jax.model.weights import load_hf_checkpoint
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.sampling import SamplingParams, validate_sampling
+from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
+from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.budget import resolve_spec_options
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
@@ -100,12 +101,15 @@ class LLM:
     draft_vocab: the MTP drafter scores only this many tokens (the most frequent: the model
       folder's draft_vocab.json, else the first ids; spec_decode/draft_vocab.py). Lossless: it
       changes which drafts are proposed, never what is emitted. None: the whole vocabulary.
+    kernel_options: which kernels run (`KernelOptions`; set on self.cfg.kernels and every
+      SpecConfig). None: `KernelOptions.from_env()`, the BOLE_* environment variables as
+      defaults (bole_jax/pallas/options.py lists them).
   """
 
   def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
                dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
                params: Any = None, spec_options: dict | None = None, tp: int | None = None,
-               draft_vocab: int | None = None):
+               draft_vocab: int | None = None, kernel_options: KernelOptions | None = None):
     if max_batch_size < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if tp is not None:
@@ -141,6 +145,8 @@ class LLM:
       tok = path / "tokenizer.json"
       if tok.exists():
         self.tokenizer = Tokenizer(tok)
+    self.cfg = dataclasses.replace(self.cfg, kernels=(
+        KernelOptions.from_env() if kernel_options is None else kernel_options))
     parallel.log_layout(self.cfg)
     self.eos_ids = tuple(self.cfg.eos_token_ids) or (-1,)
     self.draft_vocab_source = None
@@ -424,7 +430,8 @@ class LLM:
       self._resolved_spec_options[batch] = resolve_spec_options(
           self.cfg, self.spec_options, batch=batch, param_dtype=self.params["embed"].dtype,
           model_dir=self.path)
-    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch])
+    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch],
+                               kernels=self.cfg.kernels)
 
   @functools.lru_cache(maxsize=None)
   def segment_fn(self, mode: str, batch: int | None = None):

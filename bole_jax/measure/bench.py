@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax.model import parallel
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar
-from bole_jax.model import ModelConfig
+from bole_jax.model import ModelConfig, parallel
 from bole_jax.model.cache import AttnCache, GDNCache, with_pending
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 
@@ -199,7 +198,7 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
   What "verify" and "commit" hold depends on the bole commit (`commit_kind`): eager, the commit
   rebuilds every GDN state (read + write of the fp32 state) besides the conv-state and KV
   commits, and the verify only reads the states; lazy (SpecConfig.lazy_commit), the commit only
-  keeps the step's factors and accepted path (`PendingPath`; BOLE_LAZY_ROWS=gather: gathers the
+  keeps the step's factors and accepted path (`PendingPath`; lazy_rows "gather": gathers the
   path's factor rows) besides the conv-state and KV commits, and the verify folds the previous
   step's path rows into the states and writes them back (the state write moves from the commit
   into the verify)."""
@@ -742,7 +741,7 @@ def run_e2e(a) -> dict:
                            "verify_state_mib", "verify_conv_mib"])
   if breakdown:
     print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
-          "commit lazy: conv + KV (+ the pending-row gathers with BOLE_LAZY_ROWS=gather), the "
+          "commit lazy: conv + KV (+ the pending-row gathers with lazy_rows 'gather'), the "
           "GDN state write is in the verify; "
           "eager: state rebuild + conv + KV)")
     print_table(breakdown, ["mode", "commit_kind"] + [f"{s}_ms" for s in STAGES] +

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax.model import parallel
 from bole_jax.measure.env import environment, progress_bar
-from bole_jax.model import forward, init_cache, logits
+from bole_jax.model import forward, init_cache, logits, parallel
 from bole_jax.pallas.testing import random_trees
-from bole_jax.spec_decode import tree as tree_mod, verify
+from bole_jax.spec_decode import tree as tree_mod
+from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, model_signature
 from bole_jax.spec_decode.verify import GDN_MODES
 

@@ -53,7 +53,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bole_jax.model.cache import AttnCache, GDNCache
 from bole_jax.model.config import ModelConfig
@@ -447,7 +448,7 @@ def embed_lookup(embed: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.A
   [..., H] all-reduce. Written out because XLA:GPU rewrites a one-token lookup (B = T = 1) into
   a dynamic-slice before its SPMD partitioner runs, and the partitioner then all-gathers the
   whole table to slice it (2 GB per device per step at 9B dims: the tp = 2 AR step took 9.66 ms
-  at B = 1 against 4.24 at B = 4; 5.97 ms with this lookup, session 16). The table itself when
+  at B = 1 against 4.24 at B = 4; 5.97 ms with this lookup). The table itself when
   it is not split."""
   if shards(cfg, embed.shape[0]) == 1:
     return embed[tokens]

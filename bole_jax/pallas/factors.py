@@ -17,7 +17,7 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TreeFactors:
-    """Token-level factors of one GDN layer's verify (01-bole-algorithm.md section 3).
+    """Token-level factors of one GDN layer's verify (docs/algorithm.md, token-level factors).
 
     With them, the state after any node `sel` is
     S_sel = exp(gamma_sel) S_pre + sum_{j in anc*(sel)} exp(gamma_sel - gamma_j) k_j u_j^T.

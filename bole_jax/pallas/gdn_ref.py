@@ -1,4 +1,5 @@
-"""The gated delta rule in plain jnp (design doc 01, section 2): chunked (prefill) and recurrent.
+"""The gated delta rule in plain jnp (docs/algorithm.md, gated delta rule): chunked (prefill) and
+recurrent.
 
 Per value head, with state S [dk, dv] (fp32) and token t:
     S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,     o_t = S_t^T (scale * q_t)

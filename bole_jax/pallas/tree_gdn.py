@@ -1,6 +1,6 @@
 """Bole tree verify through a Gated DeltaNet layer: one fused Pallas (Triton) kernel.
 
-Maths (01-bole-algorithm.md section 2), per request and value head, all N tree nodes at once
+Maths (docs/algorithm.md, tree closed form), per request and value head, all N tree nodes at once
 from the ONE committed state S_pre [dk, dv]:
     gamma = A* g                               root-path cumulative log gates, P = exp(gamma)
     Gam[i, j] = exp(gamma_i - gamma_j) on A*   (<= 1: no overflow)
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -42,25 +41,41 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
+from bole_jax.pallas.factors import (
+    PendingCommit,
+    PendingPath,
+    check_pending,
+    check_pending_path,
+    with_keys,
+)
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.tree_gdn_commit import (
+    _FOLDS,
+    UNROLL_MAX_ROWS,
+    _dot_fold,
+    _path_inputs,
+    _path_scale,
+    _path_weight,
+    _rank1_fold,
+    _unrolled_fold,
+    apply_pending,
+    gather_pending_path,
+)
+from bole_jax.pallas.tree_utils import (
+    L2_EPS,
+    TreeStructure,
+    next_pow2,
+    pad_axis,
+    resolve_backend,
+    tree_structure,
+)
 from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_gdn_commit import (_FOLDS, UNROLL_MAX_ROWS, _dot_fold, _path_inputs,
-                                             _path_scale, _path_weight, _rank1_fold,
-                                             _unrolled_fold, apply_pending, gather_pending_path)
-from bole_jax.pallas.factors import (PendingCommit, PendingPath, check_pending, check_pending_path,
-                                     with_keys)
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeStructure, next_pow2, pad_axis, resolve_backend,
-                                        tree_structure)
 
 __all__ = ["TreeGDNConfig", "tree_gdn_verify", "mosaic_launch"]
 
-# BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
-# dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
-BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
-# BOLE_TREE_GDN_MOSAIC=0: the auto launch never picks the Mosaic GPU verify (`mosaic_launch`).
-MOSAIC = os.environ.get("BOLE_TREE_GDN_MOSAIC", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
 _PRECISIONS = PRECISIONS
 
@@ -79,7 +94,7 @@ class TreeGDNConfig:
       once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
     depth_bound: the most nodes a root path of the caller's trees can have (a decode step's
       tree depth + 1), or None. With a bound the inverse is unrolled for that depth (static
-      code: 51 vs 57 us at B = 16, N = 64 on the H200, s7) and a request whose tree is deeper
+      code, measured faster on the H200: docs/kernels.md) and a request whose tree is deeper
       gets NaN outputs and factors (so a wrong bound is loud); None: the exact number of steps
       read per request at run time (path_len), in a loop.
     bf16_qk: bf16 operands (fp32 accumulation) for K K^T and Q K^T (q, k arrive in bf16 anyway).
@@ -121,63 +136,30 @@ class TreeGDNConfig:
                                    prefetch_fold=self.prefetch_fold and fold != "loop")
 
     @classmethod
-    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
-        """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
-        benchmarks/results/tree_gdn_h200_s6/): bf16 q/k/state operands everywhere (verify
-        1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
-        2e-5). B = 1: many small programs (32 columns, squaring per tile; the matrix inverse
-        with the state prefetch up to 16 nodes, session 20). B > 1: the matrix
-        inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
-        64 columns on 2 warps for N <= 16 (<= 32 until session 17) and a whole value head on
-        4 warps above (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57
-        us on 4; 2 warps at N = 64 spill: 187 us).
-        Above 64 nodes: 8 warps, 32 columns. depth_bound (the caller's tree depth + 1): the
-        inverse unrolled for it (session 7: 57 -> 51 us at B = 16 N = 64, 211 -> 190 us at
-        B = 64). B > 4 with 33-64 nodes (sessions 8-9,
-        tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
-        tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
-        issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
-        against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 16 nodes: the state
-        tile loaded before the N x N work (`prefetch_state`; N = 8 4.9 -> 4.5 us; at N = 16
-        the one-launch lazy step 6.7 -> 5.9). The environment variable BOLE_TREE_GDN_BF16=0
-        keeps fp32 operands (same launch shapes).
-
-        The fold of a pending lazy commit (only the lazy verify uses it). Until session 17 the
-        TF32x3 dot at B <= 4, the rank-1 loop above (both kept without a depth bound).
-        Session 10 timed the three folds side by side with these launches
-        (tree_gdn_h200_s10/grid_n8_64/, grid_n16_32/; lazy verify + gather, us):
-        B = 1 N = 8 / 16 / 32: dot 9.7 / 10.0 / 12.3 against loop 10.4 / 12.7 / 14.9; B = 4:
-        15.9 / 16.4 / 21.7 against 16.8 / 16.8 / 22.1; B = 16 / 64 the loop by 4-95 us. (At 64
-        nodes the engine's lazy verify is the Mosaic kernel's fold.)
-        Session 18 (tree_gdn_h200_s18/b1_4/, b16/, b64/; a decode step's 9-row path, the rows
-        read from the previous factors, `PendingPath`): with a depth bound of <= 16 rows the
-        unrolled fold, at B <= 4 with its rows' loads issued first (`prefetch_fold`): B = 1
-        N = 8 / 16 / 32 5.9 / 6.6 / 8.9 us against the dot's 6.8 / 6.9 / 9.3, B = 4 10.4 /
-        10.8 / 14.8 against 12.1 / 12.1 / 16.8; above B = 4 from 16 nodes: B = 16 N = 16 / 32
-        37.1 / 50.1 against the loop's 38.1 / 67.1, B = 64 134.5 / 193.1 against 140.8 /
-        205.5; at 8 nodes the loop stays (B = 16 34.4 against 35.9, B = 64 122.7 against
-        128.8)."""
+    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None,
+             options: KernelOptions = KernelOptions()) -> "TreeGDNConfig":
+        """The launch measured fastest at Qwen3-Next dims on the H200 (docs/kernels.md, launch
+        table). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
+        B = 1: 32 columns per program; up to 16 nodes the state tile loaded first and the matrix
+        inverse, squaring per tile above; B <= 4: 64 columns, 4 warps, the matrix inverse;
+        B > 4: 64 columns on 2 warps up to 16 nodes, else a whole value head as two 64-column
+        tiles (pipelined above 32 nodes); above 64 nodes 8 warps and 32 columns. depth_bound unrolls the inverse. The
+        lazy verify's fold: unrolled for paths of <= UNROLL_MAX_ROWS rows (above 8 nodes at
+        B > 4; its loads issued first at B <= 4), else the dot at B <= 4 up to 64 nodes, else
+        the rank-1 loop."""
         short = depth_bound is not None and depth_bound <= UNROLL_MAX_ROWS  # rows to unroll
         if batch <= 4:
             fold = "unroll" if short else "dot" if nodes <= 64 else "loop"
         else:
             fold = "unroll" if short and nodes > 8 else "loop"
-        kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound,
+        bf16 = options.tree_gdn_bf16
+        kw = dict(bf16_qk=bf16, bf16_state=bf16, depth_bound=depth_bound,
                   fold=fold, prefetch_fold=batch <= 4 and fold != "loop")
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
-            # <= 16 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8, no
-            # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: the
-            # one-launch lazy step 6.7 -> 5.9 us in two runs, the verify 5.0 -> 4.5 and 4.9 ->
-            # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/). With
-            # them the matrix inverse (session 20, tree_gdn_h200_s20/: T = (I + G)^-1 formed
-            # while the state tile is in flight, then one T @ rhs dot after it arrives, against
-            # four dependent squaring steps), same-run A/Bs at N = 8 / 16: the gathered-rows
-            # lazy verify 6.2 / 6.3 -> 5.7 / 6.0 us (diet1/) and 6.1 / 6.3 -> 5.6 / 6.0
-            # (base2/), the one-launch lazy step 5.8 / 6.0 -> 5.6 / 5.9 (base2/); the eager
-            # verify 4.8 / 4.8 -> 4.4 / 4.7 in diet2/ but 4.8 / 4.9 in the grid/ run with it
-            # (noise-level there). At N = 32 the lazy verify 0.2 us slower: squaring kept.
+            # <= 16 nodes the matrix inverse forms T while the prefetched state tile is in
+            # flight; at 32 nodes squaring measured faster (docs/kernels.md, launch table).
             small = nodes <= 16
             return cls(block_v=32, num_warps=4, prefetch_state=small,
                        inverse="matrix" if small else "squaring", **kw)
@@ -185,37 +167,25 @@ class TreeGDNConfig:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 16:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
-        # 17-32 nodes (session 17, tree_gdn_h200_s17/n32*/, tpp/): a whole value head as two
-        # 64-column tiles on 4 warps, not pipelined: 37.6 against 44.3 us (2 warps, one tile)
-        # at B = 16 N = 32 and 115.8 against 158.3 us at B = 64 (lazy 61.9 / 191.2 against
-        # 66.2 / 252.6); num_stages 2 there: 39.9 / 142.5. At 16 nodes two tiles were faster
-        # eager (20.7 vs 21.9 us at B = 16) but slower lazy (48.6 vs 38.7): one tile kept.
+        # Above 16 nodes a whole value head as two 64-column tiles; at 16 nodes one tile was
+        # faster lazy (docs/kernels.md, launch table).
         return cls(block_v=64, tiles_per_program=2, num_warps=4,
                    num_stages=1 if nodes <= 32 else 2, inverse="matrix", **kw)
 
 
 def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
-                  depth_bound: int | None) -> dict | None:
+                  depth_bound: int | None,
+                  options: KernelOptions = KernelOptions()) -> dict | None:
     """The Mosaic GPU verify's launch (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) where the
-    auto launch takes it instead of the Triton kernel, else None. (batch: every B measured
-    took it, 1 to 64.)
-
-    Taken where the H200 measured it faster (session 13, tree_gdn_h200_s13/, Qwen3-Next dims,
-    N = 64: 9.1 / 12.2 / 43.0 / 149.1 us against 10.5 / 17.4 / 47.9 / 174.4 at B = 1 / 4 / 16 /
-    64; u error 1.4e-4 against the Triton verify's 1.1-2.3e-4): 64-column tiles, the inverse by
-    squaring, one bf16 wgmma per product. Needs jax >= 0.11 (the GPU image), dk = dv = 128,
-    bf16 v (the kernel rounds o through bf16), a static depth bound, exactly 64 nodes, the
-    bf16-operand launch family (BOLE_TREE_GDN_BF16 unset) and BOLE_TREE_GDN_MOSAIC unset.
-    Fewer nodes stay on Triton: the kernel pads the node axis to 64 in XLA (and slices its
-    outputs back), and at N = 48 that padding cost more than the kernel saved (session 14,
-    tree_gdn_h200_s14/n48/: 20.5 / 74.4 us per call at B = 1 / 16 against Triton's 10.0 / 43.1;
-    the kernel alone 8.1 / 41.1). The engine's node buckets are powers of two. exp and rsqrt
-    by the hardware approximations (`approx_math`, session 14, tree_gdn_h200_s14/ax/: 9.3 /
-    12.5 / 43.2 / 149.8 -> 9.0 / 12.2 / 41.7 / 143.9 us, errors unchanged) and the kernel's
-    own warpgroup barriers instead of Pallas's automatic ones (tree_gdn_h200_s14/nb/: 8.9 /
-    12.0 / 41.4 / 143.2 -> 8.7 / 11.7 / 40.8 / 141.0 us; outputs bitwise equal to the
-    automatic-barrier launch's and reproducible over 50 calls at each B)."""
-    if not (MOSAIC and BF16_OPERANDS and tree_gdn_mgpu.AVAILABLE) or depth_bound is None:
+    auto launch takes it instead of the Triton kernel, else None: where the H200 measured it
+    faster at Qwen3-Next dims, at every batch measured (1 to 64; docs/kernels.md, launch
+    table). 64-column tiles, the inverse by squaring, one bf16 wgmma per product, exp and rsqrt
+    by the hardware approximations, the kernel's own warpgroup barriers. Needs jax >= 0.11 (the
+    GPU image), dk = dv = 128, bf16 v (the kernel rounds o through bf16), a static depth bound,
+    exactly 64 nodes (fewer stay on Triton: padding the node axis to 64 in XLA cost more than
+    the kernel saved), `options.tree_gdn_bf16` and `options.mosaic`."""
+    if not (options.mosaic and options.tree_gdn_bf16 and tree_gdn_mgpu.AVAILABLE) \
+            or depth_bound is None:
         return None
     if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
         return None
@@ -228,7 +198,7 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
 def _l2norm_scale(x):
     """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None]); `gdn_ref.
     l2_scale`'s maths, written here so that the kernel's source locations stay in this file
-    (benchmarks/offline_compile.py maps SASS back to them)."""
+    (benchmarks/profile/offline_compile.py maps SASS back to them)."""
     return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
 
@@ -608,7 +578,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                     tree: TreeStructure | None = None, backend: str = "auto",
                     interpret: bool | None = None, config: TreeGDNConfig | None = None,
                     pending: PendingCommit | PendingPath | None = None,
-                    depth_bound: int | None = None):
+                    depth_bound: int | None = None, options: KernelOptions | None = None):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -622,6 +592,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     depth_bound: the most nodes on a root path of the caller's trees (a decode step's tree depth
     + 1), used by the auto config (`TreeGDNConfig.depth_bound`: a request whose tree is deeper
     gets NaN outputs and factors from the kernel; the reference backend ignores it).
+    options: the kernel options the auto launch follows (None: the defaults, `KernelOptions()`).
 
     pending: the previous step's commit, not yet applied (`pending_commit`, the lazy commit):
     the verify starts from S = apply_pending(state, pending) and also returns that state. The
@@ -646,6 +617,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         raise ValueError(f"g {g.shape} / beta {beta.shape} must be [B, N, HV] and state "
                          f"{state.shape} [B, HV, dk, dv]")
     scale = float(dk ** -0.5 if scale is None else scale)
+    options = KernelOptions() if options is None else options
     backend, interpret = resolve_backend(backend, interpret)
     if isinstance(pending, PendingPath):
         check_pending_path(pending, b, hk, hv, dk, v.shape[3])
@@ -667,14 +639,13 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     if tree is None:
         tree = tree_structure(parents, num_nodes)
     launch = (None if config is not None or interpret else
-              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound))
+              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound, options))
     if launch is not None and isinstance(pending, PendingPath):
         pending = gather_pending_path(pending, backend="pallas", interpret=False)
     if launch is not None and (pending is None or pending.k.shape[1] >= 1):
         # The measured-faster Mosaic GPU kernel (same outputs). With a pending commit it folds
-        # the rows into its state tiles and writes them back in place (session 15,
-        # tree_gdn_h200_s15/fold2/: 12.2 / 17.2 / 57.3 / 195.1 us at B = 1 / 4 / 16 / 64,
-        # N = 64, against the best Triton fold's 12.1 / 21.3 / 65.4 / 240.4).
+        # the rows into its state tiles and writes them back in place, also measured faster
+        # than the best Triton fold (docs/kernels.md, launch table).
         return tree_gdn_mgpu.tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes,
                                                   depth_bound=depth_bound, scale=scale,
                                                   tree=tree, interpret=False, pending=pending,
@@ -684,7 +655,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
     # (tests compare against the fp32 reference there).
     cfg = config or (TreeGDNConfig(depth_bound=depth_bound) if interpret
-                     else TreeGDNConfig.auto(b, n, depth_bound))
+                     else TreeGDNConfig.auto(b, n, depth_bound, options))
     if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
             or cfg.fold not in _FOLDS):
         raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "

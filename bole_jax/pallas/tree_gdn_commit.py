@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors, scaled_keys
+from bole_jax.pallas.tree_utils import accepted_path, next_pow2, pad_axis, resolve_backend
 from bole_jax.pallas.triton_ops import PRECISIONS as _PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors, scaled_keys
-from bole_jax.pallas.tree_utils import accepted_path, next_pow2, pad_axis, resolve_backend
 
 __all__ = ["commit_state", "commit_state_pallas", "accepted_rows", "commit_path_weights",
            "pending_commit", "gather_pending_path", "apply_pending", "commit_launch"]
@@ -222,7 +222,7 @@ def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=No
     next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing.
     path, count: as in `commit_path_weights` (padded to `length` rows when shorter).
     backend: "pallas" (the default on GPU: `_pending_gather_pallas`, one launch for all heads)
-    or "reference" (XLA gathers: several launches, 6-10 us on the H200 in sessions 8-10)."""
+    or "reference" (XLA gathers: several launches, measured slower on the H200)."""
     backend, interpret = resolve_backend(backend, interpret)
     if path is not None and path.shape[1] < length:
         path = jnp.pad(jnp.asarray(path, jnp.int32), ((0, 0), (0, length - path.shape[1])))
@@ -340,11 +340,8 @@ UNROLL_MAX_ROWS = 16
 def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None = None):
     """(fold, block_v) of a commit of b requests whose accepted paths have `length` rows:
     "auto" -> "unroll" up to UNROLL_MAX_ROWS rows at b >= 4, else "dot"; block_v None -> 64
-    for the unrolled fold at b >= 16, else 32. Measured in place on the H200 (session 10,
-    tree_gdn_h200_s10/commit_folds/ and grid_n8_64/, grid_n16_32/), 4 warps: unroll 64 vs
-    dot 32 columns 23.7 vs 26.0 us at B = 16 N = 64, 22.7 vs 25.5 at B = 16 N = 8, 81.8 vs
-    89.1 at B = 64 N = 64; unroll 32 vs dot 32 6.8 vs 8.0 at B = 4 N = 8; at B = 1 the dot
-    wins, 3.6 vs 3.8 (a plain scaled copy of the state: 18.0 us at B = 16, 66 at B = 64)."""
+    for the unrolled fold at b >= 16, else 32: measured fastest in place on the H200, 4 warps
+    (docs/kernels.md, launch table)."""
     if fold == "auto":
         fold = "unroll" if length <= UNROLL_MAX_ROWS and b >= 4 else "dot"
     if block_v is None:
@@ -374,10 +371,8 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     at once, no shared memory), "dot" (the path rows gathered as blocks of a power of two >= 16
     rows and added by one [dk, L] x [L, bv] tensor-core dot in three TF32 passes, ~fp32;
     `_dot_fold`), "loop" (fp32 rank-1 updates, a loop over the real path length) or "auto"
-    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, at B >= 4, else dot).
-    Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
-    B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
-    at B = 16 N = 8. Session 10: `commit_launch`.
+    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, at B >= 4, else dot;
+    the loop measured slowest, docs/kernels.md, launch table).
     block_v: value columns per program (None: `commit_launch`).
     """
     b, n, hk, dk = factors.k.shape

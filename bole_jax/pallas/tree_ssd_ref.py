@@ -1,7 +1,7 @@
 """Plain-jnp references for tree verification through a Mamba2 / SSD layer.
 
-The SSD recurrence is the gated delta rule without the delta correction (01-bole-algorithm.md
-section 9: "the same closed form with G = 0"). Per value head, with S [dk, dv] ("K x V", as for
+The SSD recurrence is the gated delta rule without the delta correction (docs/algorithm.md, SSD
+layers: "the same closed form with G = 0"). Per value head, with S [dk, dv] ("K x V", as for
 GDN) and node t:
     S_t = exp(a_t) S_{t-1} + k_t v_t^T,        o_t = S_t^T q_t
 (a_t <= 0 a scalar log decay per head; no L2 norm, no scale).
@@ -38,9 +38,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bole_jax.pallas.factors import TreeFactors
 from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.pallas.tree_gdn_ref import decay_matrix, node_states_from_factors, root_path_gamma
-from bole_jax.pallas.factors import TreeFactors
 from bole_jax.pallas.tree_utils import TreeStructure, node_validity, tree_structure
 
 __all__ = ["from_mamba2", "tree_ssd_sequential", "tree_ssd_closed_form", "ssd_factors",

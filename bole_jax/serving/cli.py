@@ -16,7 +16,6 @@ import json
 import os
 import sys
 
-
 BENCH_MODES = ("ar", "bole", "pernode", "chain")
 XLA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                          "bole_jax", "xla")  # persistent compilation cache of calibrate / bench
@@ -121,12 +120,18 @@ def _cmd_calibrate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, tp=args.tp)
     cfg, params = llm.cfg, llm.params
   else:
+    import dataclasses
+
     import jax
 
     from bole_jax.model import parallel
     from bole_jax.model.presets import preset
+    from bole_jax.pallas.options import KernelOptions
 
-    cfg = preset(args.preset or "qwen3.5-9b", mtp=False, tp=parallel.check_tp(args.tp))
+    # The environment's kernel options are defaults (an LLM reads them itself).
+    cfg = dataclasses.replace(preset(args.preset or "qwen3.5-9b", mtp=False,
+                                     tp=parallel.check_tp(args.tp)),
+                              kernels=KernelOptions.from_env())
     parallel.log_layout(cfg)
     params = parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
   table = calibrate.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,

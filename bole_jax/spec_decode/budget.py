@@ -1,6 +1,6 @@
 """The batch-wide verification budget: one global top-K over rho, and its calibration table.
 
-Selector (01-bole-algorithm.md section 6). Each request's drafter fills a candidate pool
+Selector (docs/algorithm.md, budget). Each request's drafter fills a candidate pool
 (`drafter.Pool`, breadth ordered, rho = cumulative draft log-prob, never increasing down a
 path). Instead of a fixed N-1 drafts per request, the batch verifies at most K nodes in total
 (roots included): every active request keeps its root, and the K - num_active spare slots go to
@@ -89,9 +89,10 @@ class BudgetChoice:
 
 
 # Fields that do not change the cost of the verify / decode forward (the MTP head drafts: it is
-# not part of what the table times).
+# not part of what the table times), and the kernel options: a table is keyed by model dims and
+# device, timed with the options of the run that made it.
 _NOT_SPEED = ("eos_token_ids", "max_position_embeddings", "rope_theta", "rms_norm_eps",
-              "norm_topk_prob", "dtype", "mtp_num_layers")
+              "norm_topk_prob", "dtype", "mtp_num_layers", "kernels")
 
 
 def model_signature(cfg, param_dtype) -> dict:

@@ -9,7 +9,8 @@ import pytest
 
 from bole_jax.pallas.tree_utils import tree_structure
 from bole_jax.sampling import SamplingParams, target_probs
-from bole_jax.spec_decode import acceptance, tree as tree_mod
+from bole_jax.spec_decode import acceptance
+from bole_jax.spec_decode import tree as tree_mod
 
 
 def _random_pool(rng, b, m, vocab=50):

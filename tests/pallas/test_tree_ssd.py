@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_ssd_ref as ref
-from bole_jax.pallas.tree_ssd import TreeSSDConfig, tree_ssd_verify
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
-from bole_jax.pallas.tree_utils import tree_structure
 from bole_jax.pallas.tree_gdn_commit import commit_state
+from bole_jax.pallas.tree_ssd import TreeSSDConfig, tree_ssd_verify
+from bole_jax.pallas.tree_utils import tree_structure
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

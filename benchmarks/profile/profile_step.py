@@ -1,8 +1,8 @@
 """Where a decode step's time goes: the device kernels of one jitted program, from a trace.
 
-    python benchmarks/profile_step.py --out benchmarks/results/profile_qwen3.5-9b_h200.json
-    python benchmarks/profile_step.py --programs ar step --reps 20 --trace-dir /tmp/prof
-    python benchmarks/profile_step.py --preset tiny --batch 2 --nodes 4 --depth 3 --topk 2 \\
+    python benchmarks/profile/profile_step.py --out benchmarks/results/profile_qwen3.5-9b_h200.json
+    python benchmarks/profile/profile_step.py --programs ar step --reps 20 --trace-dir /tmp/prof
+    python benchmarks/profile/profile_step.py --preset tiny --batch 2 --nodes 4 --depth 3 --topk 2 \\
         --accept-mean 2.5 --draft-vocab 0 --reps 3 --out /tmp/profile_tiny.json     # CPU
 
 The model, prompts, prefill and synthetic-acceptance drafter are the ones of `bole-jax bench`
@@ -55,15 +55,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax.model import parallel  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar  # noqa: E402
+from bole_jax.model import parallel  # noqa: E402
 
 STAGES = bench.STAGES  # draft select verify accept commit emit
 PROGRAMS = ("ar", *STAGES, "step")

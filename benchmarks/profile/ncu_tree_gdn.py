@@ -5,7 +5,7 @@ under `ncu -k regex:'bole|pernode'` each kernel of interest is one profiled laun
 dims (H = 16, HV = 32, dk = dv = 128), bench_tree_gdn.py's random trees and inputs.
 
     ncu --clock-control none --import-source yes --set full -k regex:'bole|pernode' \\
-        -o /tmp/r python benchmarks/ncu_tree_gdn.py --B 16 --N 64
+        -o /tmp/r python benchmarks/profile/ncu_tree_gdn.py --B 16 --N 64
     ncu --import /tmp/r.ncu-rep --page details > details.txt
 
 Variants: the verify (`--bole-configs`, default `auto`), the commit kernel (folds loop, dot,
@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,11 +30,13 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify  # noqa: E402
-from bole_jax.pallas.tree_gdn_commit import pending_commit  # noqa: E402
-from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 from bole_jax.pallas.factors import PendingPath  # noqa: E402
-from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import (
+    commit_state,  # noqa: E402
+    pending_commit,  # noqa: E402
+)
+from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
 
 
 def main(argv=None):

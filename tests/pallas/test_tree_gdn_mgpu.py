@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
-from bole_jax.pallas.tree_gdn_commit import apply_pending, pending_commit
 from bole_jax.pallas.factors import PendingCommit
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
+from bole_jax.pallas.tree_gdn_commit import apply_pending, pending_commit
 from bole_jax.pallas.tree_utils import tree_structure
 
 pytestmark = pytest.mark.skipif(not tree_gdn_mgpu.AVAILABLE,

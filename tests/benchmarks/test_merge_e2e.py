@@ -7,7 +7,7 @@ import os
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "merge_e2e", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "merge_e2e.py"))
+    "merge_e2e", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "merge_e2e.py"))
 merge_e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(merge_e2e)
 

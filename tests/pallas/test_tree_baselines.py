@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode
-from bole_jax.pallas.tree_pernode import PernodeConfig
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
+from bole_jax.pallas.tree_pernode import PernodeConfig
 from bole_jax.pallas.tree_utils import dfs_order, tree_structure
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_tiny import make_tiny_hf_checkpoint, randomize_, rel_err
 from safetensors.torch import load_file, save_file
 
 from bole_jax.model.mtp import init_mtp_cache, mtp_forward
 from bole_jax.model.weights import load_hf_checkpoint
-from hf_tiny import make_tiny_hf_checkpoint, randomize_, rel_err
 
 
 class TorchMTP(torch.nn.Module):

@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_tiny import rel_err
 
 from bole_jax import LLM
 from bole_jax.llm import DEFAULT_MODEL_DIR
 from bole_jax.model import forward, init_cache, logits
-from hf_tiny import rel_err
 
 
 @pytest.fixture(scope="module")

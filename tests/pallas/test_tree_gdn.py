@@ -15,13 +15,18 @@ import numpy as np
 import pytest
 
 from bole_jax.pallas import tree_gdn_ref as ref
-from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
-from bole_jax.pallas.tree_gdn_commit import (accepted_rows, apply_pending, gather_pending_path,
-                                             pending_commit)
 from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
+from bole_jax.pallas.options import KernelOptions
 from bole_jax.pallas.testing import random_gdn_inputs, random_parents, random_trees
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
+from bole_jax.pallas.tree_gdn_commit import (
+    accepted_rows,
+    apply_pending,
+    commit_state,
+    gather_pending_path,
+    pending_commit,
+)
 from bole_jax.pallas.tree_utils import accepted_path, check_parents, tree_structure
-from bole_jax.pallas.tree_gdn_commit import commit_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -598,7 +603,7 @@ def test_kernel_with_pending_lowers_to_triton(n, d, cfg):
 
 @pytest.mark.parametrize("n,cfg", [
     (32, TreeGDNConfig.auto(1, 32, 9)), (16, TreeGDNConfig.auto(4, 16, 9)),
-    (16, TreeGDNConfig.auto(1, 16, 9)),  # the state prefetched as well (session 19)
+    (16, TreeGDNConfig.auto(1, 16, 9)),  # the state prefetched as well
     (16, TreeGDNConfig.auto(16, 16, 9)), (32, TreeGDNConfig.auto(16, 32, 9)),
     (8, TreeGDNConfig(block_v=64, num_warps=2, inverse="matrix", bf16_qk=True,
                       bf16_state=True, fold="unroll")),
@@ -652,21 +657,18 @@ def test_auto_configs_are_legal():
             test_kernel_lowers_to_triton(n, TreeGDNConfig.auto(b, n))
 
 
-def test_auto_operand_dtype_switch(monkeypatch):
-    """BOLE_TREE_GDN_BF16=0 (read at import into BF16_OPERANDS) keeps the measured launch
-    shapes with fp32 operands; the default is bf16 operands."""
-    import bole_jax.pallas.tree_gdn as tg
+def test_auto_operand_dtype_switch():
+    """KernelOptions(tree_gdn_bf16=False) keeps the measured launch shapes with fp32 operands;
+    the default is bf16 operands."""
     for b, n in ((1, 64), (16, 64), (64, 8)):
         fast = TreeGDNConfig.auto(b, n, 9)
         assert fast.bf16_qk and fast.bf16_state and fast.depth_bound == 9
-        monkeypatch.setattr(tg, "BF16_OPERANDS", False)
-        strict = TreeGDNConfig.auto(b, n, 9)
-        monkeypatch.setattr(tg, "BF16_OPERANDS", True)
+        strict = TreeGDNConfig.auto(b, n, 9, KernelOptions(tree_gdn_bf16=False))
         assert not strict.bf16_qk and not strict.bf16_state
         assert dataclasses.replace(strict, bf16_qk=True, bf16_state=True) == fast
-    # the lazy folds measured fastest. Without a depth bound (session 10): the TF32x3 dot at
-    # B <= 4, the loop above. With a decode step's (session 18): unrolled, its loads issued
-    # first at B <= 4; the loop above B = 4 at 8 nodes.
+    # the lazy folds measured fastest (docs/kernels.md, launch table). Without a depth bound:
+    # the TF32x3 dot at B <= 4, the loop above. With a decode step's: unrolled, its loads
+    # issued first at B <= 4; the loop above B = 4 at 8 nodes.
     assert [TreeGDNConfig.auto(b, 16).fold for b in (1, 4, 16, 64)] == ["dot", "dot", "loop",
                                                                          "loop"]
     got = [(TreeGDNConfig.auto(b, n, 9).fold, TreeGDNConfig.auto(b, n, 9).prefetch_fold)
@@ -674,7 +676,7 @@ def test_auto_operand_dtype_switch(monkeypatch):
     assert got == [("unroll", True), ("unroll", True), ("loop", False), ("unroll", False),
                    ("unroll", False), ("unroll", False)]
     assert TreeGDNConfig.auto(4, 16, 17).fold == "dot"  # too many rows to unroll
-    # the state tile loaded first: measured faster at B = 1 up to 16 nodes only (session 19)
+    # the state tile loaded first: measured faster at B = 1 up to 16 nodes only
     assert [TreeGDNConfig.auto(b, n, 9).prefetch_state
             for b, n in ((1, 8), (1, 16), (1, 32), (4, 8), (4, 16))] == [True, True, False,
                                                                         False, False]
@@ -682,7 +684,7 @@ def test_auto_operand_dtype_switch(monkeypatch):
 
 def test_mosaic_launch_where_measured_faster(monkeypatch):
     """`mosaic_launch`: the Mosaic GPU verify only for bf16 v, dk = dv = 128, 64 nodes, a
-    static depth bound, the bf16-operand family, both switches on and a jax that has it."""
+    static depth bound, the bf16-operand family, both options on and a jax that has it."""
     import bole_jax.pallas.tree_gdn as tg
     monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
     bf = jnp.bfloat16
@@ -695,10 +697,8 @@ def test_mosaic_launch_where_measured_faster(monkeypatch):
                  (1, 64, 128, 64, bf, 9), (1, 64, 128, 128, jnp.float32, 9),
                  (1, 64, 128, 128, bf, None)):
         assert tg.mosaic_launch(*args) is None, args
-    for switch in ("MOSAIC", "BF16_OPERANDS"):
-        monkeypatch.setattr(tg, switch, False)
-        assert tg.mosaic_launch(1, 64, 128, 128, bf, 9) is None, switch
-        monkeypatch.setattr(tg, switch, True)
+    for off in (KernelOptions(mosaic=False), KernelOptions(tree_gdn_bf16=False)):
+        assert tg.mosaic_launch(1, 64, 128, 128, bf, 9, off) is None, off
     monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", False)
     assert tg.mosaic_launch(1, 64, 128, 128, bf, 9) is None
 
@@ -706,8 +706,8 @@ def test_mosaic_launch_where_measured_faster(monkeypatch):
 def test_auto_verify_dispatches_to_mosaic(monkeypatch):
     """On a device (interpret off, no config) tree_gdn_verify hands a point that
     `mosaic_launch` takes to the Mosaic kernel with that launch, the tree, the bound and the
-    pending commit (the lazy verify, since session 15); with interpret mode or a config it
-    stays on the Triton kernel."""
+    pending commit (the lazy verify); with interpret mode, a config or
+    KernelOptions(mosaic=False) it stays on the Triton kernel."""
     import bole_jax.pallas.tree_gdn as tg
     monkeypatch.setattr(tg.tree_gdn_mgpu, "AVAILABLE", True)
     calls = []
@@ -737,4 +737,7 @@ def test_auto_verify_dispatches_to_mosaic(monkeypatch):
     monkeypatch.setattr(tg, "_tree_gdn_pallas", lambda *a, **kw: ("triton",) * 5)
     assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree, depth_bound=9,
                            config=TreeGDNConfig.auto(2, 64, 9), pending=pend)[0] == "triton"
+    assert tree_gdn_verify(*args, backend="pallas", interpret=False, tree=tree, depth_bound=9,
+                           options=KernelOptions(mosaic=False))[0] == "triton"
+    assert len(calls) == 2
     assert len(calls) == 2

@@ -250,7 +250,7 @@ def test_moe_picks_gmm_on_gpu(monkeypatch):
 def test_bench_moe_tiny(tmp_path):
     """benchmarks/bench_moe.py --tiny on CPU: checks pass, every implementation timed, JSON.
     fp32: the gather is then one program for the check and the timing (compiles are the time)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "benchmarks"))
     import bench_moe
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
@@ -81,6 +81,7 @@ def test_pernode_specs_and_reload_count():
 def test_pernode_walk_relabel_makes_preorder_the_index_order():
     import jax.numpy as jnp
     import numpy as np
+
     from benchmarks import bench_pernode_walk as bpw
     from bole_jax.pallas.testing import random_trees
     from bole_jax.pallas.tree_utils import dfs_order

@@ -20,7 +20,6 @@ from bole_jax.spec_decode import budget
 from bole_jax.spec_decode import tree as tree_mod
 from bole_jax.spec_decode.step import SpecConfig
 
-
 # ----------------------------------------------------------------------------- random pools
 
 

@@ -26,7 +26,7 @@ from conftest import start_niced
 
 from bole_jax.serving import cli
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tp_worker.py")
 # Two worker processes of about the same length (the groups of one run one after the other).
 WORKERS = (("next",), ("moe", "q35"))
 GROUPS = tuple(g for w in WORKERS for g in w)

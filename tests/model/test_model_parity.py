@@ -15,12 +15,26 @@ import pytest
 import torch
 from hf_tiny import rel_err, torch_greedy_run, torch_logits
 
-from bole_jax.model import Cache, ModelConfig, abstract_params, forward, init_cache, init_params, logits
+from bole_jax.model import (
+    Cache,
+    ModelConfig,
+    abstract_params,
+    forward,
+    init_cache,
+    init_params,
+    logits,
+)
 from bole_jax.model.cache import AttnCache, GDNCache
-from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from bole_jax.model.layers import (moe_experts_dense, moe_experts_gather, moe_experts_sorted, moe_route, rms_norm,
-                                   rope_cos_sin)
+from bole_jax.model.layers import (
+    moe_experts_dense,
+    moe_experts_gather,
+    moe_experts_sorted,
+    moe_route,
+    rms_norm,
+    rope_cos_sin,
+)
 from bole_jax.model.weights import load_hf_checkpoint
+from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 TOL = 1e-5
 
@@ -186,8 +200,10 @@ def _gdn_inputs(seed, B=2, T=150, Hk=2, HV=4, dk=16, dv=16):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_gdn_chunked_matches_recurrent_and_torch(chunk):
-    from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
-                                                                    torch_recurrent_gated_delta_rule)
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
     q, k, v, g, beta, s0 = _gdn_inputs(6)
     o_c, s_c = _chunk_rule(q, k, v, g, beta, s0, chunk=chunk)
     o_r, s_r = _recurrent_rule(q, k, v, g, beta, s0)
@@ -244,8 +260,8 @@ def test_moe_expert_paths_agree():
 
 
 def test_qwen3_5_mrope_text_positions_equal_1d_rope():
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
     from hf_tiny import tiny_hf_config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
     hf_cfg = tiny_hf_config("qwen3_5", rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                         "partial_rotary_factor": 0.5, "mrope_section": [2, 3, 3],
                                                         "mrope_interleaved": True})

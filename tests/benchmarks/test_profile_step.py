@@ -1,4 +1,4 @@
-"""benchmarks/profile_step.py: its trace reading and aggregation on a real trace of a small
+"""benchmarks/profile/profile_step.py: its trace reading and aggregation on a real trace of a small
 program (both trace formats), and the whole script on the tiny preset (CPU: host thunk events)."""
 
 import gzip
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "profile_step.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "profile", "profile_step.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "profile"))
 
 import profile_step as ps  # noqa: E402
 

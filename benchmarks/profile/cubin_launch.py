@@ -1,18 +1,18 @@
 """Launch an offline-compiled verify kernel (a cubin) on the GPU, for Nsight Compute's source view.
 
 XLA compiles the Pallas kernels without line info, so ncu's source page shows SASS only. This
-runs the same kernel compiled offline by `benchmarks/offline_compile.py --lineinfo --out DIR`
+runs the same kernel compiled offline by `benchmarks/profile/offline_compile.py --lineinfo --out DIR`
 (another Triton than XLA's: the timing is a proxy, printed beside the check) through the CUDA
 driver API, on bench_tree_gdn.py's random trees and inputs, so that every SASS instruction maps
 to the line of `bole_jax/pallas/tree_gdn.py` it came from:
 
     # here (no GPU): the cubin and its manifest
-    python benchmarks/offline_compile.py --triton-python PY --B 16 --N 64 --lineinfo \\
+    python benchmarks/profile/offline_compile.py --triton-python PY --B 16 --N 64 --lineinfo \\
         --out DIR --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix", ...}'
     # on the GPU machine, at the same commit:
     ncu --set full --import-source yes -k regex:bole -o rep \\
-        python benchmarks/cubin_launch.py --dir DIR --reps 1
-    python benchmarks/cubin_launch.py --dir DIR --reps 50 --check   # time it, check o and u
+        python benchmarks/profile/cubin_launch.py --dir DIR --reps 1
+    python benchmarks/profile/cubin_launch.py --dir DIR --reps 50 --check   # time it, check o and u
 
 A commit cubin (`offline_compile.py --kernel commit`) runs the same way: the deepest node of
 each tree accepted, its root path handed in; --check compares the new state with the
@@ -35,11 +35,11 @@ import statistics
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # operands and the reference on the CPU
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.offline_compile import SRC_DIR, commit_operands, kernel_operands  # noqa: E402
+from benchmarks.profile.offline_compile import SRC_DIR, commit_operands, kernel_operands  # noqa: E402
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -141,7 +141,7 @@ def main(argv=None):
                  "compile and launch at the same commit")
     if man.get("lineinfo"):  # where the cubin's line info names the kernel source
         os.makedirs(SRC_DIR, exist_ok=True)
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         shutil.copy(os.path.join(here, "bole_jax", "pallas", "tree_gdn.py"),
                     os.path.join(SRC_DIR, "tree_gdn.py"))
 

@@ -13,8 +13,14 @@ from bole_jax.model import Cache, ModelConfig, init_cache
 from bole_jax.model.cache import AttnCache, GDNCache, committed_state
 from bole_jax.model.mtp import init_mtp_cache
 from bole_jax.pallas.factors import PendingCommit
-from bole_jax.serving.prefix_cache import (PrefixBlock, PrefixCache, block_bytes,
-                                           restore_checkpoint, restore_kv, take_block)
+from bole_jax.serving.prefix_cache import (
+  PrefixBlock,
+  PrefixCache,
+  block_bytes,
+  restore_checkpoint,
+  restore_kv,
+  take_block,
+)
 
 P = 4  # block tokens
 

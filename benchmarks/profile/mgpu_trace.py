@@ -11,9 +11,9 @@ its first to its last event, and the kernel's span. Prints a table and writes
 folds a pending lazy commit (the rows of each request's deepest node of a previous verify of
 the same inputs, as bench_tree_gdn.py's lazy sweep), its phase "fold" in the profile.
 
-    PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64
-    PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 1,16 --N 64 --pending
-    PYTHONPATH=. python benchmarks/mgpu_trace.py --out DIR --B 16 --N 64 --pending --pending-rows 1
+    PYTHONPATH=. python benchmarks/profile/mgpu_trace.py --out DIR --B 1,16 --N 64
+    PYTHONPATH=. python benchmarks/profile/mgpu_trace.py --out DIR --B 1,16 --N 64 --pending
+    PYTHONPATH=. python benchmarks/profile/mgpu_trace.py --out DIR --B 16 --N 64 --pending --pending-rows 1
 
 GPU only (the profiler's dump is a host callback); jax >= 0.11.
 """
@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -44,7 +44,6 @@ from benchmarks.bench_tree_gdn_mgpu import VARIANTS, parse_variants, point_input
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref  # noqa: E402
 from bole_jax.pallas.tree_gdn_commit import accepted_rows, pending_commit  # noqa: E402
 from bole_jax.pallas.tree_utils import accepted_path  # noqa: E402
-
 
 
 def summarize(trace: dict) -> dict:

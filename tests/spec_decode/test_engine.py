@@ -17,11 +17,17 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
-from bole_jax.model.cache import (GDNCache, committed_state, pending_nodes, pending_rows,
-                                  with_pending)
 from bole_jax.model import logits as lm_logits
+from bole_jax.model.cache import (
+  GDNCache,
+  committed_state,
+  pending_nodes,
+  pending_rows,
+  with_pending,
+)
 from bole_jax.pallas.factors import PendingCommit, PendingPath
-from bole_jax.spec_decode import step as step_mod, tree as tree_mod, verify
+from bole_jax.spec_decode import tree as tree_mod
+from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.acceptance import accept_greedy
 from bole_jax.spec_decode.step import spec_step
 
@@ -161,7 +167,7 @@ def test_lazy_commit_matches_eager_each_step(model, bole_llms):
       if isinstance(c_l, GDNCache):
         assert c_e.pending is None and pending_rows(c_l.pending) == 7
         assert pending_nodes(c_l.pending) == (spec.shape.num_nodes
-                                              if step_mod.LAZY_ROWS == "path" else None)
+                                              if spec.kernels.lazy_rows == "path" else None)
         pending_seen += int(np.sum(c_l.pending.count))
         np.testing.assert_allclose(committed_state(c_l), c_e.state, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c_l.conv, c_e.conv, rtol=1e-5, atol=1e-6)
@@ -179,7 +185,7 @@ def test_forward_folds_a_pending_commit():
   """The model forward (an AR decode step) on a cache with a lazy commit pending equals the
   forward on the settled cache, and leaves nothing pending. (Prefill runs the same `_gdn_core`
   with the chunked rule.)"""
-  from test_prefix_cache import random_pending
+  from serving.test_prefix_cache import random_pending  # tests/ is on sys.path (conftest)
 
   cfg = _cfg("qwen3_next")
   params = init_params(cfg, jax.random.key(4), "float32")

@@ -5,7 +5,7 @@ lowers the kernel here, takes the Triton module that `pallas_call(debug=True)` p
 location annotations, and compiles it with a separately installed Triton (its own Python: Triton
 is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
 
-    python benchmarks/offline_compile.py --triton-python /path/to/venv/bin/python \\
+    python benchmarks/profile/offline_compile.py --triton-python /path/to/venv/bin/python \\
         --B 16 --N 64 --config '{"block_v": 128, "num_warps": 4, "inverse": "matrix",
         "bf16_qk": true, "bf16_state": true, "depth_bound": 8}' [--pending [path]] [--out DIR]
 
@@ -14,7 +14,7 @@ with the accepted path handed in as the decode step does; --config then takes it
 (`{"block_v": null, "num_warps": 4, "fold": "auto"}`, the defaults: `tree_gdn_commit.commit_launch`).
 
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
-opcodes. A proxy only: the Triton version differs from XLA's (session 7 used Triton 3.6; XLA's
+opcodes. A proxy only: the Triton version differs from XLA's (with Triton 3.6 here, XLA's
 build gave the B = 1 launch 234 registers where this gives 252), and nothing here is timed.
 Qwen3-Next dims (bench_tree_gdn.py's): Hk 16, HV 32, dk = dv 128, bf16 q/k/v, fp32 state.
 """
@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _COMPILE = r"""
 import sys, triton
@@ -125,8 +125,8 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
     import jax.numpy as jnp
 
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
-    from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
     from bole_jax.pallas.factors import TreeFactors
+    from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
 
     sd = jax.ShapeDtypeStruct
     fac = TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16), u=sd((b, n, HV, DV), jnp.float32),
@@ -335,7 +335,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
     ap.add_argument("--lineinfo", action="store_true",
                     help="line info for Nsight Compute's source view (through "
-                         "benchmarks/cubin_launch.py): each op keeps the kernel line it came "
+                         "benchmarks/profile/cubin_launch.py): each op keeps the kernel line it came "
                          f"from; the cubin names the file as {SRC_DIR}/tree_gdn.py, where "
                          "cubin_launch.py copies bole_jax/pallas/tree_gdn.py")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""benchmarks/offline_compile.py: the kernel's Triton module, lowered here for cuda and stripped
+"""benchmarks/profile/offline_compile.py: the kernel's Triton module, lowered here for cuda and stripped
 of its debug locations, is plain MLIR text that a separate Triton can parse (the compile itself
 needs a Triton install, not a test dependency)."""
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks import offline_compile  # noqa: E402
+from benchmarks.profile import offline_compile  # noqa: E402
 from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def test_source_locations_are_parseable_inline_locs():
     cfg = TreeGDNConfig(block_v=64, inverse="matrix", depth_bound=8)
     raw = offline_compile.triton_modules(2, 16, cfg, pending=False)[0]
     text = offline_compile.with_source_locations(raw, root=os.path.dirname(
-        os.path.dirname(os.path.abspath(__file__))))
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert "#loc" not in text and text.startswith("module @bole_tree_gdn")
     locs = re.findall(r'loc\("([^"]+)":(\d+):\d+\)', text)
     assert len(locs) > 100
@@ -114,10 +114,10 @@ def test_source_locations_are_parseable_inline_locs():
 
 
 def test_ncu_lines_sums_per_source_line():
-    """benchmarks/ncu_lines.py: per-instruction metrics summed per (file, line) through the
+    """benchmarks/profile/ncu_lines.py: per-instruction metrics summed per (file, line) through the
     instruction addresses' source info; metrics without per-instruction instances, and
     addresses without a source line, are skipped."""
-    from benchmarks import ncu_lines
+    from benchmarks.profile import ncu_lines
 
     class Values:  # an instanced metric: instance i -> value
         def __init__(self, values, ids=None):

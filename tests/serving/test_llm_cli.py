@@ -12,7 +12,7 @@ from conftest import start_niced
 from bole_jax import LLM, ModelConfig
 from bole_jax.serving import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _stdin_run = None  # (Popen, stdout file, stderr file) of test_cli_stdin_subprocess_default_model
 
 

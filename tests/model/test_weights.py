@@ -16,8 +16,14 @@ from hf_tiny import load_torch_model, make_tiny_hf_model, tiny_hf_config, torch_
 
 from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits
 from bole_jax.model.checkpoint import load_config, restore_params, save_params
-from bole_jax.model.weights import (CheckpointError, SafetensorsFile, hf_state_dict, load_hf_checkpoint,
-                                    save_hf_checkpoint, write_safetensors)
+from bole_jax.model.weights import (
+    CheckpointError,
+    SafetensorsFile,
+    hf_state_dict,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    write_safetensors,
+)
 
 _forward = jax.jit(forward, static_argnums=1)
 

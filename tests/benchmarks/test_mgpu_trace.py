@@ -1,4 +1,4 @@
-"""benchmarks/mgpu_trace.py: the per-region summary of a Mosaic GPU in-kernel profile (the
+"""benchmarks/profile/mgpu_trace.py: the per-region summary of a Mosaic GPU in-kernel profile (the
 profile itself needs a GPU; its Chrome-trace format is what the summary reads)."""
 
 import os
@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks import mgpu_trace  # noqa: E402
+from benchmarks.profile import mgpu_trace  # noqa: E402
 
 
 def _program(rng, sm, tid, t0):

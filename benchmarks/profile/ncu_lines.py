@@ -6,7 +6,7 @@ the driver API, so this reads the report through Nsight Compute's own Python mod
 per-instruction metric (the warp-stall samples, instructions executed, ...) over the
 instructions that map to each line of each source file:
 
-    python benchmarks/ncu_lines.py rep.ncu-rep --kernel bole --out lines.csv [--top 40]
+    python benchmarks/profile/ncu_lines.py rep.ncu-rep --kernel bole --out lines.csv [--top 40]
 
 Made for the verify kernel's cubin built with line info (`offline_compile.py --lineinfo`,
 launched by `cubin_launch.py` under `ncu --set full --import-source yes`), whose instructions map
