@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
-from bole_jax import bench  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
+from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.env import environment  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,7 +52,7 @@ def main(argv=None):
   ap.add_argument("--out", default="benchmarks/results")
   ap.add_argument("--name", default="acceptance_demo_model.json", help="JSON file name in --out")
   a = ap.parse_args(argv)
-  env = bench.environment()
+  env = environment()
   rows, samples = [], {}
   sets = load_sets(a.n)
   runs = {"ar": {}, "chain-d1": dict(depth=1),

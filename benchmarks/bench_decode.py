@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax import bench  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
+from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.env import copy_bandwidth, environment  # noqa: E402
 from bole_jax.model import init_params  # noqa: E402
 from bole_jax.model.presets import preset  # noqa: E402
 
@@ -32,8 +33,8 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=64)
   ap.add_argument("--out", default="benchmarks/results")
   a = ap.parse_args(argv)
-  env = bench.environment()
-  bw = bench.copy_bandwidth()
+  env = environment()
+  bw = copy_bandwidth()
   cfg = preset(a.preset, mtp=False)
   params = init_params(cfg, jax.random.key(0), "bfloat16")
   llm = LLM(cfg, params=params, max_batch_size=max(a.batch))

@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_tree_gdn import Timer, rel  # noqa: E402
-from bole_jax.bench import environment  # noqa: E402
+
+from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.model import ModelConfig, layers  # noqa: E402
 from bole_jax.pallas import moe_gmm  # noqa: E402
 

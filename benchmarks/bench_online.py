@@ -69,7 +69,7 @@ import numpy as np  # noqa: E402
 _CHILD_ENV = dict(os.environ)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from bole_jax import bench  # noqa: E402  (tables, JSON; importing it initialises no backend)
+from bole_jax.measure import bench  # noqa: E402  (tables, JSON; importing it initialises no backend)
 
 DEFAULT_SESSIONS = os.path.join(HERE, "data", "agent_sessions.jsonl")
 MODES = ("bole", "pernode", "chain", "ar")
@@ -458,10 +458,10 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
 
 
 def probe_environment() -> dict:
-  """bench.environment() (device, jax, git commit) from a short-lived subprocess, without
+  """measure.env.environment() (device, jax, git commit) from a short-lived subprocess, without
   preallocating device memory, so this process never holds the GPU."""
   env = dict(_CHILD_ENV, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  code = "import json; from bole_jax import bench; print(json.dumps(bench.environment()))"
+  code = "import json; from bole_jax.measure.env import environment; print(json.dumps(environment()))"
   try:
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)

@@ -45,10 +45,13 @@ from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from benchmarks import bench_tree_gdn as btg  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import (accepted_rows, commit_state_pallas,  # noqa: E402
-                                      tree_gdn_verify)
+from bole_jax.pallas.tree_gdn import tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import (  # noqa: E402
+    accepted_rows,
+    commit_state,  # noqa: E402
+    commit_state_pallas,
+)
 from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
 
 HV, DK, DV = 32, 128, 128
 INTERPRET = False

@@ -22,7 +22,7 @@ What it does, in order:
    config's verify folding the previous verify's accepted path rows, plus the `pending_commit`
    gathers; "direct": the same verify reading those rows from the previous factors itself, a
    `PendingPath`, so the lazy step is that one launch), and reports verify / commit / sum,
-   speedups, the bytes floor, transient memory and SGLang's measured numbers (03-targets.md)
+   speedups, the bytes floor, transient memory and SGLang's measured numbers (docs/benchmarks.md)
    side by side;
 4. prints a table, writes <out>/bench_tree_gdn.json (command, git commit, GPU, jax version, every
    number) and <out>/bench_tree_gdn.png (if matplotlib imports).
@@ -63,23 +63,27 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bole_jax.pallas import tree_conv, tree_gdn_mgpu, tree_gdn_ref, tree_pernode  # noqa: E402
-from bole_jax.pallas.tree_gdn import (TreeGDNConfig, accepted_rows,  # noqa: E402
-                                      gather_pending_path, mosaic_launch, pending_commit,
-                                      tree_gdn_verify)
+from bole_jax.pallas.factors import PendingPath  # noqa: E402
+from bole_jax.pallas.testing import random_parents, tree_depth  # noqa: E402
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, mosaic_launch, tree_gdn_verify  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import (  # noqa: E402
+    accepted_rows,
+    commit_state,  # noqa: E402
+    gather_pending_path,
+    pending_commit,
+)
 from bole_jax.pallas.tree_pernode import PernodeConfig  # noqa: E402
-from bole_jax.pallas.tree_utils import (PendingPath, dfs_order, random_parents,  # noqa: E402
-                                        tree_depth, tree_structure)
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+from bole_jax.pallas.tree_utils import dfs_order, tree_structure  # noqa: E402
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next GDN at TP1
 CONV_C = 2 * HK * DK + HV * DV
 MAX_CHILDREN, MAX_DEPTH = 4, 8
 L2_BYTES = 50 * 2 ** 20  # H200 L2 cache (rotation target: several times this)
-REF_BW = 4.3e12  # 03-targets.md: the card's measured copy bandwidth (PyTorch copy)
+REF_BW = 4.3e12  # the H200's measured copy bandwidth (PyTorch copy; docs/benchmarks.md)
 INTERPRET = False  # --cpu-dry-run: interpret mode and tiny dims, to test this script on CPU
 LAZY_CFGS = None  # --lazy-configs: the lazy commit's launches (default: the best verify's, 3 folds)
 
-# 03-targets.md, SGLang 0.5.23 tree verify on an H200:
+# SGLang 0.5.23 tree verify on an H200, as measured (docs/benchmarks.md):
 # (B, N) -> (tree depth, verify us, commit us, bytes floor us, scratch MiB, factors MiB)
 SGLANG = {
     (1, 8): (4, 85, 25, 0.5, 16, 0.2), (1, 16): (6, 73, 20, 0.6, 32, 0.4),
@@ -116,11 +120,10 @@ FULL_EXTRA_BOLE = [
     "bv=32,w=4,inv=squaring,db=8",
     "bv=32,w=4,inv=squaring,prec=tf32x3",
 ]
-# Session 11 (tree_gdn_h200_s11/): one warp, the transposed "vk" scratch and the committed tile
-# held won every point (then `PernodeConfig.auto`: 8 columns x 3 stages at B = 1, 16 x 2 above). The
-# full sweep keeps their neighbourhood, the old layout and launch, and candidates for the two
-# points where the verify is still slower than SGLang's (B = 4 N = 32, B = 16 N = 8).
-# Session 16 (tree_gdn_h200_s16/): the depth-first walk (ord=dfs) wins above 8 nodes at B >= 2.
+# One warp, the transposed "vk" scratch and the committed tile held won every point measured;
+# the depth-first walk (ord=dfs) wins above 8 nodes at B >= 2 (`PernodeConfig.auto`,
+# docs/kernels.md, launch table). The full sweep keeps their neighbourhood, the old layout and
+# launch, and candidates for the points where the verify is still slower than SGLang's.
 DEFAULT_PERNODE = ["bv=16,w=1,ns=2", "bv=8,w=1,ns=3", "bv=8,w=1,ns=3,ord=dfs"]
 FULL_EXTRA_PERNODE = ["bv=16,w=1,ns=3", "bv=8,w=1,ns=2", "bv=16,w=2,ns=2", "bv=32,w=2,ns=2",
                       "bv=32,w=1,ns=2,root=1", "bv=16,w=1,ns=2,ev=evict_first",
@@ -227,7 +230,7 @@ def step_args(parents, num_nodes, tree, accepted, path, count, order=None) -> di
     structure, the accepted nodes and their root paths, PERNODE's walk order), handed to every
     timed jit as an ARGUMENT. Closed over, they would be constants of the jit, and XLA
     materialises a splat constant (all-equal entries, such as full node counts) with a
-    broadcast kernel on every call (~0.7 us each at B >= 4; in the tables of sessions <= 17),
+    broadcast kernel on every call (~0.7 us each at B >= 4),
     which a decode step, passing arrays, never runs."""
     return dict(parents=parents, num_nodes=num_nodes, tree=tree, accepted=accepted, path=path,
                 count=count, order=order)
@@ -529,7 +532,8 @@ def row_bytes():
 
 
 def floor_bytes(b, n):
-    """03-targets.md bytes floor: read S_pre once per request-head, q, k, v, gates; write o, u,
+    """The verify's bytes floor (docs/benchmarks.md): read S_pre once per request-head, q, k, v,
+    gates; write o, u,
     gamma."""
     return (b * HV * DK * DV * 4 + 2 * b * n * HK * DK * 2 + b * n * HV * DV * 2
             + 2 * b * n * HV * 4 + b * n * HV * DV * 2 + b * n * HV * DV * 4 + b * n * HV * 4)
@@ -838,10 +842,10 @@ def bench_lazy(cfg, sets, fac, ctx, timer) -> dict:
         res["ok"] = all(e <= tol for e, tol in errs.values())
         res["verify"] = timer(call, [(i,) for i in range(len(sets))])
         # The gather as timed: its rows only. `count` is the step's own (an input here): a jit
-        # returning it would time an XLA copy of it (0.6-0.8 us, in sessions <= 17's tables).
+        # returning it would time an XLA copy of it (0.6-0.8 us).
         rows_only = bind(lambda c, f: _rows_of(gather_fn()(c, f)), ctx)
         res["commit"] = timer(rows_only, [(f,) for f in fac])
-        # the same rows by XLA's gathers (the reference backend; before session 10's kernel)
+        # the same rows by XLA's gathers (the reference backend, for comparison)
         gather_xla = bind(lambda c, f: _rows_of(gather_fn("reference")(c, f)), ctx)
         res["commit_xla"] = timer(gather_xla, [(f,) for f in fac])
         res["sum_us"] = res["verify"]["us"] + res["commit"]["us"]
@@ -895,11 +899,8 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
         cfg = best[1]
         fac = [bole_verify(cfg, ctx)(*s)[1] for s in sets]
         point["bole_commit"] = []
-        # (session 9 dropped 32/2 loop, 128/4 loop and dot, 64/8 dot: never the fastest in
-        # sessions 7-9; a head's tiles looped in one program with pipelined state loads was
-        # slower everywhere: 27.6 vs 25.8 us at B = 16 N = 64, 11.2 vs 3.7 at B = 1. Session 10
-        # dropped the 16-column and 2/8-warp dots (never the fastest) and added the unrolled
-        # fold, "auto" being the engine's default launch, `tree_gdn.commit_launch`.)
+        # (The launches never measured fastest are dropped: docs/design-decisions.md; "auto"
+        # is the engine's default launch, `tree_gdn_commit.commit_launch`.)
         pallas = dict(backend="pallas", num_warps=4)
         variants = [dict(pallas, block_v=32, fold="loop"),
                     dict(pallas, block_v=32, fold="dot"),
@@ -918,7 +919,7 @@ def bench_point(b, n, timer, bole_cfgs, pernode_cfgs, bw, seed) -> dict:
             t.update(kw)
             point["bole_commit"].append(t)
         point["bole_commit_best"] = min(point["bole_commit"], key=lambda t: t["us"])
-        # For comparison with session 1-5 tables: the default variant as timed then, without
+        # For comparison with the first commit kernel's tables: the default variant, without
         # donation (XLA copies the state before the aliased kernel writes it) and walking the
         # path up the parents inside the call.
         kw = variants[0]
@@ -1108,7 +1109,7 @@ def run_info(script: str) -> dict:
 
 def git_commit():
     """BOLE_GIT_COMMIT when set (the GPU machine's copy of the tree has no usable git history:
-    in session 6 this read a stale HEAD there), else git."""
+    git there can read a stale HEAD), else git."""
     if os.environ.get("BOLE_GIT_COMMIT"):
         return os.environ["BOLE_GIT_COMMIT"]
     try:
@@ -1219,7 +1220,7 @@ def main(argv=None):
                 sys.exit(1)
 
     best_so_far = None
-    # The headline target point first (03-targets.md: >= 30x at B=16, N=64), so a tight time
+    # The headline target point first (>= 30x at B=16, N=64; docs/benchmarks.md), so a tight time
     # budget never skips it; the table is sorted by (B, N) at the end.
     order = sorted(((b, n) for b in bs for n in ns), key=lambda bn: (bn != (16, 64), bn))
     for b, n in order:

@@ -51,13 +51,13 @@ VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
             "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
             "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
             "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
-            # session 14: exp / rsqrt by the hardware approximations
+            # exp / rsqrt by the hardware approximations
             "mgpu64_sq_p1_ax": dict(block_v=64, inverse="squaring", products=1,
                                     approx_math=True),
             # ... and the kernel's own barriers instead of Pallas's automatic ones
             "mgpu64_sq_p1_ax_nb": dict(block_v=64, inverse="squaring", products=1,
                                        approx_math=True, auto_barriers=False)}
-# (the engine's launch, `tree_gdn.mosaic_launch`, last; session 13's set: mgpu64_sq,
+# (the engine's launch, `tree_gdn.mosaic_launch`, last; the first comparison's set was mgpu64_sq,
 # mgpu64_sq_p2, mgpu64_sq_p1, mgpu_sq_p2, mgpu64_p1)
 DEFAULT_VARIANTS = "mgpu64_sq_p1,mgpu64_sq_p1_ax,mgpu64_sq_p1_ax_nb"
 

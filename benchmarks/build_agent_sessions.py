@@ -114,9 +114,11 @@ def _read_jsonl(path: str) -> list[dict]:
 def bfcl_sessions(limit: int | None = None) -> tuple[list[dict], dict[str, list[dict]]]:
   """(sessions, tool descriptions per class) from the installed bfcl-eval package."""
   from bfcl_eval.constants.default_prompts import _DEFAULT_SYSTEM_PROMPT
-  from bfcl_eval.constants.executable_backend_config import (CLASS_FILE_PATH_MAPPING,
-                                                             MULTI_TURN_FUNC_DOC_FILE_MAPPING,
-                                                             STATELESS_CLASSES)
+  from bfcl_eval.constants.executable_backend_config import (
+    CLASS_FILE_PATH_MAPPING,
+    MULTI_TURN_FUNC_DOC_FILE_MAPPING,
+    STATELESS_CLASSES,
+  )
 
   root = os.path.join(_bfcl_root(), "data")
   questions = _read_jsonl(os.path.join(root, f"{BFCL_CATEGORY}.json"))

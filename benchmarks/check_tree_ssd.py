@@ -41,13 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_tree_gdn import L2_BYTES, Timer, deepest_nodes, make_trees, rel  # noqa: E402
-from bole_jax.bench import environment  # noqa: E402
+
+from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.pallas import tree_ssd_ref  # noqa: E402
+from bole_jax.pallas.testing import tree_depth  # noqa: E402
+from bole_jax.pallas.tree_gdn_commit import commit_state  # noqa: E402
 from bole_jax.pallas.tree_ssd import TreeSSDConfig, tree_ssd_verify  # noqa: E402
-from bole_jax.pallas.tree_utils import tree_depth, tree_structure  # noqa: E402
-from bole_jax.spec_decode.state_factors import commit_state  # noqa: E402
+from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 
 DIMS = dict(hk=8, hv=128, dk=128, dv=64)  # Nemotron-H-8B Mamba2 layer
 DRY_DIMS = dict(hk=2, hv=4, dk=16, dv=32)

@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bole_jax import bench  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
+from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.model import init_params  # noqa: E402
 from bole_jax.model.presets import peaked_lm_head, preset  # noqa: E402
 
@@ -37,7 +38,7 @@ def main(argv=None):
                   help="untied presets: keep an independent random lm_head (near-tie logits)")
   ap.add_argument("--out", default="benchmarks/results")
   a = ap.parse_args(argv)
-  env = bench.environment()
+  env = environment()
   cfg = preset(a.preset, mtp=True)
   params = init_params(cfg, jax.random.key(0), "bfloat16")
   if not a.independent_lm_head:

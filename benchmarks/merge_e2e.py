@@ -1,7 +1,7 @@
 """Merge the rows of several `bole-jax bench` JSON files of one model into one table and plot.
 
-    python benchmarks/merge_e2e.py --out benchmarks/results/e2e_h200_s4/e2e_qwen3.5-9b_all.json \
-        benchmarks/results/e2e_h200_s3/e2e_qwen3.5-9b_b1.json ...
+    python benchmarks/merge_e2e.py --out benchmarks/results/e2e_h200/e2e_qwen3.5-9b_all.json \
+        first_run/e2e_qwen3.5-9b_b1.json second_run/e2e_qwen3.5-9b_b16.json ...
 
 Device calls are limited to a few minutes each, so one model's batch grid is often measured in
 several runs; this keeps each row's source (file, command, git commit) beside it. Refuses files
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bole_jax.bench import plot_e2e, print_table, write_json  # noqa: E402
+from bole_jax.measure.bench import plot_e2e, print_table, write_json  # noqa: E402
 
 KEYS = ("dtype",)
 ENV_KEYS = ("device", "jax")

@@ -1,11 +1,11 @@
-"""How far each issue-3 ratio can go: the bytes floors of one verify + commit step, Bole
+"""How far each kernel speedup ratio can go: the bytes floors of one verify + commit step, Bole
 against TREE-PERNODE, beside what `bench_tree_gdn.py` measured.
 
 Reads a `bench_tree_gdn.json` (no GPU needed) and prints, per grid point:
 
 - the Bole step floor: the fewest bytes any verify + commit that keeps one committed state in
-  HBM must move per step: 03-targets.md's verify floor (read S_pre once, q, k, v, gates; write
-  o, u, gamma) plus writing the new state once (a lazy commit folds the accepted path into the
+  HBM must move per step: the verify floor (docs/benchmarks.md: read S_pre once, q, k, v, gates;
+  write o, u, gamma) plus writing the new state once (a lazy commit folds the accepted path into the
   next verify's read, so S is read once and written once per step);
 - the TREE-PERNODE step floor: read S_pre once, write one full state per node (the scratch),
   and the commit's copy of the accepted node's state (read + write), plus the same q, k, v,
@@ -17,7 +17,7 @@ Reads a `bench_tree_gdn.json` (no GPU needed) and prints, per grid point:
 Floors at the copy bandwidth the run measured (its JSON's copy_bandwidth), as the bench's
 x/floor columns. Writes ratio_ceiling.json beside the input (or to --out).
 
-    python benchmarks/ratio_ceiling.py benchmarks/results/tree_gdn_h200_s17/grid/bench_tree_gdn.json
+    python benchmarks/ratio_ceiling.py <out>/bench_tree_gdn.json   # a bench_tree_gdn.py result
 """
 
 from __future__ import annotations

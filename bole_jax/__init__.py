@@ -8,6 +8,9 @@ def __getattr__(name):
   if name == "LLM":
     from bole_jax.llm import LLM
     return LLM
+  if name == "KernelOptions":
+    from bole_jax.pallas.options import KernelOptions
+    return KernelOptions
   if name == "ModelConfig":
     from bole_jax.model import ModelConfig
     return ModelConfig

@@ -25,13 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import compile_cache as compile_cache_mod, parallel
-from bole_jax.model import ModelConfig, init_cache, init_params
+from bole_jax import compile_cache as compile_cache_mod
+from bole_jax.model import ModelConfig, init_cache, init_params, parallel
 from bole_jax.model.cache import with_pending
-from bole_jax.model.weights import load_hf_checkpoint
-from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
-from bole_jax.spec_decode import draft_vocab as draft_vocab_mod, loop
+from bole_jax.model.weights import load_hf_checkpoint
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.sampling import SamplingParams, validate_sampling
+from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
+from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.budget import resolve_spec_options
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
@@ -122,7 +124,7 @@ class LLM:
     params: weights for a `ModelConfig` model, in that config's layout: canonical (params.py)
       when its tp is 1, else the tensor-parallel layout (e.g. another LLM's .params).
     tp: tensor-parallel devices (default: the ModelConfig's tp, else 1). > 1 splits the weights,
-      caches and kernels over the first tp devices (bole_jax/parallel.py); self.cfg.tp says it,
+      caches and kernels over the first tp devices (bole_jax/model/parallel.py); self.cfg.tp says it,
       and self.params are then in the tensor-parallel layout.
     draft_vocab: the MTP drafter scores only this many tokens (the most frequent: the model
       folder's draft_vocab.json, else the first ids; spec_decode/draft_vocab.py). Lossless: it
@@ -131,13 +133,17 @@ class LLM:
       next process). None (default): $BOLE_JAX_COMPILE_CACHE, else jax's own setting, else
       $BOLE_JAX_CACHE/xla or $XDG_CACHE_HOME/bole_jax/xla; False or "none": off. See
       bole_jax/compile_cache.py.
+    kernel_options: which kernels run (`KernelOptions`; set on self.cfg.kernels and every
+      SpecConfig). None: `KernelOptions.from_env()`, the BOLE_* environment variables as
+      defaults (bole_jax/pallas/options.py lists them).
   """
 
   def __init__(self, model: str | os.PathLike | ModelConfig | None = None, *,
                dtype: str | None = None, max_batch_size: int = 64, seed: int = 0,
                params: Any = None, spec_options: dict | None = None, tp: int | None = None,
                draft_vocab: int | None = None,
-               compile_cache: str | os.PathLike | bool | None = None):
+               compile_cache: str | os.PathLike | bool | None = None,
+               kernel_options: KernelOptions | None = None):
     if max_batch_size < 1:
       raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if tp is not None:
@@ -174,6 +180,8 @@ class LLM:
       tok = path / "tokenizer.json"
       if tok.exists():
         self.tokenizer = Tokenizer(tok)
+    self.cfg = dataclasses.replace(self.cfg, kernels=(
+        KernelOptions.from_env() if kernel_options is None else kernel_options))
     parallel.log_layout(self.cfg)
     self.eos_ids = tuple(self.cfg.eos_token_ids) or (-1,)
     self.draft_vocab_source = None
@@ -472,7 +480,8 @@ class LLM:
       self._resolved_spec_options[batch] = resolve_spec_options(
           self.cfg, self.spec_options, batch=batch, param_dtype=self.params["embed"].dtype,
           model_dir=self.path)
-    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch])
+    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch],
+                               kernels=self.cfg.kernels)
 
   @functools.lru_cache(maxsize=None)
   def segment_fn(self, mode: str, batch: int | None = None):

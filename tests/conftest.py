@@ -38,7 +38,7 @@ def _release_compiled_programs():
     """After each test module, drop JAX's caches of compiled programs. Every XLA:CPU executable
     keeps a few memory mappings alive while cached, and one pytest process running the whole
     suite reached the kernel's per-process limit (vm.max_map_count, 65530) in its last module:
-    `mmap` failed with ENOMEM (session 16: test_weights.py, once as a segfault inside an XLA
+    `mmap` failed with ENOMEM (in test_weights.py, once as a segfault inside an XLA
     compile). One module's tests share their compiles; across modules little is reused."""
     yield
     jax.clear_caches()

@@ -31,14 +31,21 @@ import numpy as np  # noqa: E402
 from jax.extend import core as jex_core  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from bole_jax import parallel  # noqa: E402
 from bole_jax.llm import LLM  # noqa: E402
-from bole_jax.model import ModelConfig, forward, init_cache, init_params, logits  # noqa: E402
+from bole_jax.model import (  # noqa: E402
+  ModelConfig,
+  forward,
+  init_cache,
+  init_params,
+  layers,  # noqa: E402
+  logits,
+  parallel,  # noqa: E402
+)
 from bole_jax.model.cache import committed_state, with_pending  # noqa: E402
-from bole_jax.model import layers  # noqa: E402
 from bole_jax.model.config import FULL, LINEAR  # noqa: E402
 from bole_jax.pallas import tree_pernode  # noqa: E402
-from bole_jax.spec_decode import tree as tree_mod, verify  # noqa: E402
+from bole_jax.spec_decode import tree as tree_mod  # noqa: E402
+from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.acceptance import accept_greedy  # noqa: E402
 
 NEW = 16  # generated tokens per prompt
@@ -141,13 +148,11 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
     cache = parallel.create(lambda: init_cache(c, b, 64, jnp.float32), c)
     fwd = jax.jit(lambda p, x, cache, k: forward(p, c, x, cache, k))
     h1, cache = fwd(p, toks, cache, num_new)
-    # backend="pallas": the decode step through the in-place decode kernel too (traced here).
-    prev, layers.DECODE_BACKEND = layers.DECODE_BACKEND, (
-        "pallas" if verify_backend == "pallas" else layers.DECODE_BACKEND)
-    try:
-      h2, cache = fwd(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
-    finally:
-      layers.DECODE_BACKEND = prev
+    # backend="pallas": the decode step through the in-place decode kernel too.
+    dc = c if verify_backend != "pallas" else dataclasses.replace(
+        c, kernels=dataclasses.replace(c.kernels, gdn_decode_backend="pallas"))
+    dec = jax.jit(lambda p, x, cache, k: forward(p, dc, x, cache, k))
+    h2, cache = dec(p, toks[:, :1], cache, jnp.ones((b,), jnp.int32))
     outs = [logits(p, c, h1), logits(p, c, h2)]
     for name in modes:
       lazy = name.startswith("bole-lazy")
@@ -189,7 +194,8 @@ def check_logits(cfg, params, tp, modes=("bole",), backend="reference", n: int =
 def check_logits_commit_local(cfg, params, tp, modes) -> str:
   """check_logits with the Pallas kernels, and the baselines' state commit traced on each
   device's own heads under tp (a Pallas launch outside shard_map is a custom call XLA
-  cannot partition: it gathered every device's per-node states, session 14's 80B TP = 2 loss).
+  cannot partition: it gathered every device's per-node states, the 80B TP = 2 loss in
+  docs/design-decisions.md).
   12 nodes: PERNODE's launch at B = 2 walks them depth-first (`PernodeConfig.auto` above 8)."""
   seen, orig = [], tree_pernode.commit_pernode_state
 
@@ -249,8 +255,8 @@ def check_pallas_inside_shard_map(cfg, params, tp,
   """Every Pallas launch of the engine's programs at tp, with the kernels a GPU selects, lies
   inside a shard_map body. A pallas_call reached outside shard_map on sharded arrays lowers (on
   GPU) to a custom call XLA's SPMD partitioner cannot split: every operand is all-gathered to
-  every device (the baselines' state commit did that: ~27 ms per step at 80B TP = 2 B = 4,
-  session 14). On CPU "auto" picks the jnp references, so the sharded-vs-single checks cannot
+  every device (the baselines' state commit did that: ~27 ms per step at 80B TP = 2 B = 4).
+  On CPU "auto" picks the jnp references, so the sharded-vs-single checks cannot
   see such a launch; here jax.default_backend() answers "gpu" while the programs are only
   TRACED (never lowered: nothing of the GPU is needed), and the jaxprs are searched.
 
@@ -265,8 +271,8 @@ def check_pallas_inside_shard_map(cfg, params, tp,
   assert parallel.gdn_shards(dataclasses.replace(cfg, tp=tp)) == tp, "GDN heads not split"
   b = len(PROMPTS)
   found, outside, notes = {}, [], []
-  prev = jax.default_backend, layers.DECODE_BACKEND
-  jax.default_backend, layers.DECODE_BACKEND = (lambda: "gpu"), "auto"
+  prev = jax.default_backend
+  jax.default_backend = lambda: "gpu"
   jax.clear_caches()
   try:
     for name in modes:
@@ -286,7 +292,7 @@ def check_pallas_inside_shard_map(cfg, params, tp,
                   for k, inside, w in launches if not inside]
       notes.append(f"{name} {'/'.join(found[name])} ({time.perf_counter() - t0:.1f} s)")
   finally:
-    jax.default_backend, layers.DECODE_BACKEND = prev
+    jax.default_backend = prev
     jax.clear_caches()
   assert not outside, (f"Pallas kernels outside shard_map at tp={tp} (XLA gathers their "
                        "operands on every device):\n  " + "\n  ".join(outside))
@@ -310,8 +316,8 @@ def check_embed_lookup(cfg, params, tp) -> str:
   (prefill + decode loop) every read of the table lies inside a shard_map. A lookup left to
   XLA's partitioner reads the split table directly; for one token XLA:GPU turns it into a
   dynamic-slice first, and the partitioner then all-gathers the whole table every step (2 GB per
-  device at 9B dims: the tp = 2 AR step at B = 1 took 9.7 ms against 4.2 at B = 4, session
-  15). XLA:CPU does not make that rewrite, so the structure is what is checked here."""
+  device at 9B dims: the tp = 2 AR step at B = 1 took 9.7 ms against 4.2 at B = 4).
+  XLA:CPU does not make that rewrite, so the structure is what is checked here."""
   tcfg = dataclasses.replace(cfg, tp=tp)
   assert parallel.shards(tcfg, cfg.vocab_size) == tp, "vocabulary not split"
   table = jnp.asarray(np.random.default_rng(5).normal(size=(cfg.vocab_size, cfg.hidden_size)),
@@ -463,7 +469,7 @@ def check_bench_lazy(tp) -> str:
   """`bole-jax bench --lazy-commit --tp 2` decodes (the tiny Qwen3-Next preset): the state the
   bench derives for lazy bole from the shared prefill must carry its empty pending rows split on
   their heads, as the compiled loop expects (they were replicated, and the first call of the
-  loop failed on the H200, session 15); the tokens equal AR's."""
+  loop failed on the H200); the tokens equal AR's."""
   from bole_jax.serving import cli
 
   with tempfile.TemporaryDirectory() as d:

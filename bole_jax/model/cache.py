@@ -17,7 +17,7 @@ Design
 - Lazy commit (bole decode states only). A GDN layer may also hold `pending`: the last step's
   accepted commit, not yet folded into `state`: its factors and accepted path (`PendingPath`,
   the default: the next verify reads the path's rows from them, no gather launch) or the path's
-  factor rows gathered (`PendingCommit`, `BOLE_LAZY_ROWS=gather`). INVARIANT: the
+  factor rows gathered (`PendingCommit`, `KernelOptions.lazy_rows` "gather"). INVARIANT: the
   committed recurrent state is always
       apply_pending(state, pending)          (just `state` when pending is None),
   so every reader of a GDN state goes through `committed_state` / `settle` (the model forward,
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model.config import LINEAR, ModelConfig
-from bole_jax.pallas.tree_utils import PendingCommit, PendingPath  # (imports no model code)
+from bole_jax.pallas.factors import PendingCommit, PendingPath
+from bole_jax.pallas.tree_gdn_commit import apply_pending, gather_pending_path
 
 
 @jax.tree_util.register_dataclass
@@ -85,9 +86,6 @@ def committed_state(c: GDNCache) -> jax.Array:
     (a `PendingPath`'s rows gathered first; `state` itself when nothing is pending)."""
     if c.pending is None:
         return c.state
-    # Imported here: pallas.tree_gdn imports model code (tree_gdn_ref -> model.gdn).
-    from bole_jax.pallas.tree_gdn import apply_pending, gather_pending_path
-
     pending = c.pending
     if isinstance(pending, PendingPath):
         pending = gather_pending_path(pending, backend="reference")

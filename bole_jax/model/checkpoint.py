@@ -16,6 +16,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
 from bole_jax.model.params import abstract_params
 
@@ -28,8 +29,6 @@ def save_params(path: str | os.PathLike, params: dict, cfg: ModelConfig | None =
     an error unless force=True. Params in a tensor-parallel layout (cfg.tp > 1) are saved in the
     canonical one."""
     if cfg is not None and cfg.tp > 1:
-        from bole_jax import parallel
-
         params = parallel.unshard_params(params, cfg)
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)

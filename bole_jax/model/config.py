@@ -22,6 +22,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from bole_jax.pallas.options import KernelOptions
+
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 # model_type -> family. A family fixes the checkpoint layout (see weights.py) and the MoE rule.
@@ -89,8 +91,12 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     # Tensor-parallel shards (not from config.json). > 1: params, caches and the GDN kernels are
     # split over a "tp" device mesh and fused channel axes are stored shard-major (see
-    # bole_jax/parallel.py); 1: no parallelism, every code path as without it.
+    # bole_jax/model/parallel.py); 1: no parallelism, every code path as without it.
     tp: int = 1
+    # Which kernels run where they choose for themselves (not from config.json; `KernelOptions`:
+    # the tree verify's operands and Mosaic route, the commit's fold, the lazy-commit layout,
+    # the GDN decode backend).
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self):
         if self.family not in _HF_TEXT_MODEL_TYPE:
@@ -110,6 +116,8 @@ class ModelConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"kernels must be a KernelOptions, got {self.kernels!r}")
         if type(self.tp) is not int or self.tp < 1:
             raise ValueError(f"tp must be a positive int (tensor-parallel devices), got {self.tp!r}")
         if any(self.is_moe_layer(i) for i in range(self.num_layers)):

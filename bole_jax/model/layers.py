@@ -11,18 +11,17 @@ Shapes: B batch, T tokens, S KV slots; other letters as in config.ModelConfig.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
-from bole_jax.model.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.pallas import moe_gmm
 from bole_jax.pallas.gdn_decode import gdn_decode
+from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.pallas.tree_utils import resolve_backend
 
 # ----------------------------------------------------------------------------- norms
@@ -145,7 +144,7 @@ def causal_conv(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array, num_ne
     # matrix dot, into multiply + reduce and fused that reduce into the concatenate below: each
     # output element then ran the whole 2048-long reduction alone, uncoalesced. Measured at
     # Qwen3-Next-80B dims (TP = 2): 0.58 ms per GDN layer, 72% of the AR step
-    # (benchmarks/results/tp2_h200_s6/). The barrier keeps the projection its own kernel.
+    # (docs/design-decisions.md). The barrier keeps the projection its own kernel.
     qkv = jax.lax.optimization_barrier(qkv)
     xs = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
     x32, w32 = xs.astype(jnp.float32), conv_w.astype(jnp.float32)
@@ -198,12 +197,6 @@ def gdn_core_chunked(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig
     return _gdn_core_per_shard(rule, p, qkv, g, beta, cache, num_new, cfg)
 
 
-# Backend of the one-token decode rule (`gdn_core_recurrent`): "auto" = the in-place Pallas kernel
-# on GPU (pallas/gdn_decode.py), the jnp rule elsewhere; "pallas" / "reference" force one (tests;
-# env BOLE_GDN_DECODE_BACKEND). On the H200 (session 5, 9B dims, B = 16) the kernel passed its
-# tests against the jnp rule and took the AR step from 6.22 to 5.42 ms of device time (the 24
-# state-sized copies and the unfused state update are gone): benchmarks/results/profile_h200_s5/.
-DECODE_BACKEND = os.environ.get("BOLE_GDN_DECODE_BACKEND", "auto")
 DECODE_INTERPRET = None  # Pallas interpret mode; None = on anything but GPU
 
 
@@ -220,9 +213,10 @@ def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConf
                        backend: str | None = None, interpret: bool | None = None):
     """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns.
 
-    T == 1 with the backend resolving to Pallas (`DECODE_BACKEND`; "auto" = on GPU) runs the
-    in-place decode kernel; otherwise (the default for now, CPU, T > 1) the jnp rule."""
-    backend = DECODE_BACKEND if backend is None else backend
+    T == 1 with the backend resolving to Pallas (backend None: `cfg.kernels.gdn_decode_backend`,
+    "auto" = on GPU) runs the in-place decode kernel, which measured faster than the jnp rule
+    (docs/design-decisions.md); otherwise (CPU, T > 1) the jnp rule."""
+    backend = cfg.kernels.gdn_decode_backend if backend is None else backend
     interpret = DECODE_INTERPRET if interpret is None else interpret
     backend, interpret = resolve_backend(backend, interpret)
     rule = recurrent_gated_delta_rule

@@ -13,11 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block
 from bole_jax.model.cache import AttnCache, Cache, GDNCache
 from bole_jax.model.config import LINEAR, ModelConfig
-from bole_jax.model.layers import gdn_core_chunked, gdn_core_recurrent, gdn_in_proj, gdn_out, rms_norm
+from bole_jax.model.layers import (
+    gdn_core_chunked,
+    gdn_core_recurrent,
+    gdn_in_proj,
+    gdn_out,
+    rms_norm,
+)
 
 
 def causal_prefix_mask(lengths: jax.Array, num_new: jax.Array, T: int, S: int) -> jax.Array:

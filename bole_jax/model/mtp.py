@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer
 from bole_jax.model.cache import AttnCache, init_attn_cache
 from bole_jax.model.config import ModelConfig

@@ -513,7 +513,7 @@ def hf_state_dict(cfg: ModelConfig, params: dict, dtype=None) -> dict[str, np.nd
     """params -> {HF tensor name: numpy array} in the family's layout (per-expert MoE keys).
     Params in a tensor-parallel layout (cfg.tp > 1) are converted back to the canonical one."""
     if cfg.tp > 1:
-        from bole_jax import parallel
+        from bole_jax.model import parallel
 
         params, cfg = parallel.unshard_params(params, cfg), dataclasses.replace(cfg, tp=1)
     out = {}

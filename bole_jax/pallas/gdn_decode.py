@@ -1,7 +1,7 @@
 """One decode token of the gated delta rule per request: a Pallas (Triton) kernel that updates the
 recurrent state IN PLACE.
 
-Maths: `model.gdn.gated_delta_step` (T == 1 of `recurrent_gated_delta_rule`), per request and
+Maths: `gdn_ref.gated_delta_step` (T == 1 of `recurrent_gated_delta_rule`), per request and
 value head h with key head h // r (r = HV / Hk), state S [dk, dv] fp32:
     q, k = l2norm(q), l2norm(k)            (x * rsqrt(sum x^2 + 1e-6), fp32), q *= scale
     S   = exp(g) S
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from bole_jax.pallas.gdn_ref import recurrent_gated_delta_rule
 from bole_jax.pallas.tree_utils import L2_EPS, next_pow2, pad_axis, resolve_backend
 
 __all__ = ["gdn_decode", "gdn_decode_reference"]
@@ -98,9 +99,6 @@ def _gdn_decode_pallas(q, k, v, g, beta, state, *, scale, qk_l2norm, block_v, nu
 
 def gdn_decode_reference(q, k, v, g, beta, state, *, scale=None, qk_l2norm: bool = True):
     """`recurrent_gated_delta_rule` on one token, in `gdn_decode`'s layout."""
-    # Imported here: bole_jax.model's package import reaches layers.py, which imports this module.
-    from bole_jax.model.gdn import recurrent_gated_delta_rule
-
     o, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
                                       beta[:, None], state, scale, qk_l2norm=qk_l2norm)
     return o[:, 0], s

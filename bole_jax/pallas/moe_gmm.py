@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.tree_utils import pad_axis, resolve_backend
+from bole_jax.pallas.triton_ops import dot as _dot
 
 __all__ = ["GMMConfig", "GroupLayout", "group_layout", "gmm", "gmm_ref", "resolve_backend"]
 

@@ -3,7 +3,7 @@
 GDN runs q|k|v through a depthwise causal conv before the delta rule. In a tree, node i's window
 is [x of its K-1 nearest ancestors (oldest first), x_i], topped up from the committed conv state
 (the last K-1 pre-conv inputs of the committed sequence, newest last) when the root path is
-shorter (01-bole-algorithm.md section 4):
+shorter (docs/algorithm.md, tree conv):
     y_i = SiLU(sum_m w[m] * window_i[m]),   window_i = rows win[i, :] of concat([conv_state, x]).
 The window rows depend on the tree only (`tree_utils.conv_window_indices`), so all GDN layers of a
 step share them. Layouts: x [B, N, C], conv_state [B, K-1, C] (row K-2 = newest), weight [K, C]
@@ -19,8 +19,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bole_jax.pallas.tree_utils import (conv_window_indices, next_pow2, node_validity, pad_axis,
-                                        resolve_backend)
+from bole_jax.pallas.tree_utils import (
+    conv_window_indices,
+    next_pow2,
+    node_validity,
+    pad_axis,
+    resolve_backend,
+)
 
 __all__ = ["tree_causal_conv", "tree_causal_conv_ref", "node_conv_states_ref", "channel_tiling"]
 

@@ -1,13 +1,13 @@
 """Bole tree verify through a Gated DeltaNet layer: one fused Pallas (Triton) kernel.
 
-Maths (01-bole-algorithm.md section 2), per request and value head, all N tree nodes at once
+Maths (docs/algorithm.md, tree closed form), per request and value head, all N tree nodes at once
 from the ONE committed state S_pre [dk, dv]:
     gamma = A* g                               root-path cumulative log gates, P = exp(gamma)
     Gam[i, j] = exp(gamma_i - gamma_j) on A*   (<= 1: no overflow)
     G = diag(b) ((K K^T) * Gam * A)            strictly lower in topological order: nilpotent
     U = (I + G)^-1 diag(b) (V - diag(P) K S_pre)
     O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) U
-and the factors (k, u, gamma) that let `state_factors.commit_state` rebuild the accepted node's
+and the factors (k, u, gamma) that let `tree_gdn_commit.commit_state` rebuild the accepted node's
 state afterwards. No per-node state is ever formed. With the lazy commit (`pending_commit`) that
 rebuild is deferred: the next verify folds the accepted path's rows into the state tiles it
 loads and writes the committed state out (`tree_gdn_verify(pending=)`).
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -42,28 +41,42 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
+from bole_jax.pallas.factors import (
+    PendingCommit,
+    PendingPath,
+    check_pending,
+    check_pending_path,
+    with_keys,
+)
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.tree_gdn_commit import (
+    _FOLDS,
+    UNROLL_MAX_ROWS,
+    _dot_fold,
+    _path_inputs,
+    _path_scale,
+    _path_weight,
+    _rank1_fold,
+    _unrolled_fold,
+    apply_pending,
+    gather_pending_path,
+)
+from bole_jax.pallas.tree_utils import (
+    L2_EPS,
+    TreeStructure,
+    next_pow2,
+    pad_axis,
+    resolve_backend,
+    tree_structure,
+)
 from bole_jax.pallas.triton_ops import PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, PendingPath, TreeFactors,
-                                        TreeStructure, accepted_path, check_pending,
-                                        check_pending_path, next_pow2, pad_axis,
-                                        resolve_backend, scaled_keys, tree_structure,
-                                        with_keys)
 
-__all__ = ["TreeFactors", "TreeGDNConfig", "tree_gdn_verify", "mosaic_launch",
-           "commit_state_pallas", "accepted_rows", "commit_path_weights", "PendingCommit",
-           "PendingPath", "pending_commit", "gather_pending_path", "apply_pending",
-           "resolve_backend"]
+__all__ = ["TreeGDNConfig", "tree_gdn_verify", "mosaic_launch"]
 
-# BOLE_TREE_GDN_BF16=0: the auto launch keeps fp32 operands for K K^T, Q K^T and the state
-# dots (TF32 on the GPU; slower, o error ~1.3e-3 instead of ~3e-3 against fp64).
-BF16_OPERANDS = os.environ.get("BOLE_TREE_GDN_BF16", "1") != "0"
-# BOLE_TREE_GDN_MOSAIC=0: the auto launch never picks the Mosaic GPU verify (`mosaic_launch`).
-MOSAIC = os.environ.get("BOLE_TREE_GDN_MOSAIC", "1") != "0"
 _INVERSES = ("neumann", "squaring", "matrix")
-_FOLDS = ("loop", "dot", "unroll")  # the lazy verify's and the commit's
 _PRECISIONS = PRECISIONS
 
 
@@ -81,7 +94,7 @@ class TreeGDNConfig:
       once per head by squaring, then one T @ rhs dot per tile); see the module docstring.
     depth_bound: the most nodes a root path of the caller's trees can have (a decode step's
       tree depth + 1), or None. With a bound the inverse is unrolled for that depth (static
-      code: 51 vs 57 us at B = 16, N = 64 on the H200, s7) and a request whose tree is deeper
+      code, measured faster on the H200: docs/kernels.md) and a request whose tree is deeper
       gets NaN outputs and factors (so a wrong bound is loud); None: the exact number of steps
       read per request at run time (path_len), in a loop.
     bf16_qk: bf16 operands (fp32 accumulation) for K K^T and Q K^T (q, k arrive in bf16 anyway).
@@ -123,63 +136,30 @@ class TreeGDNConfig:
                                    prefetch_fold=self.prefetch_fold and fold != "loop")
 
     @classmethod
-    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None) -> "TreeGDNConfig":
-        """The launch the H200 sweeps measured fastest (Qwen3-Next dims; session 6 grid,
-        benchmarks/results/tree_gdn_h200_s6/): bf16 q/k/state operands everywhere (verify
-        1.2-2.1x faster than fp32 operands; o error 3.2e-3 vs 1.3e-3 against fp64, u 1e-4 vs
-        2e-5). B = 1: many small programs (32 columns, squaring per tile; the matrix inverse
-        with the state prefetch up to 16 nodes, session 20). B > 1: the matrix
-        inverse, T = (I + G)^-1 formed once per program: 64 columns on 4 warps up to B = 4;
-        64 columns on 2 warps for N <= 16 (<= 32 until session 17) and a whole value head on
-        4 warps above (8 warps, the session-2 choice, took 89 us at B = 16 N = 64 against 57
-        us on 4; 2 warps at N = 64 spill: 187 us).
-        Above 64 nodes: 8 warps, 32 columns. depth_bound (the caller's tree depth + 1): the
-        inverse unrolled for it (session 7: 57 -> 51 us at B = 16 N = 64, 211 -> 190 us at
-        B = 64). B > 4 with 33-64 nodes (sessions 8-9,
-        tree_gdn_h200_s8/tpp_ns/, tree_gdn_h200_s9/grid/): a whole value head as two 64-column
-        tiles in a loop that Triton pipelines (num_stages 2: the second tile's state load
-        issues during the first tile's dots), 50.2 against 53.3 us at B = 16 N = 64 and 184.5
-        against 196.5 us (one 128-column tile) at B = 64. B = 1 with <= 16 nodes: the state
-        tile loaded before the N x N work (`prefetch_state`; N = 8 4.9 -> 4.5 us; at N = 16
-        the one-launch lazy step 6.7 -> 5.9). The environment variable BOLE_TREE_GDN_BF16=0
-        keeps fp32 operands (same launch shapes).
-
-        The fold of a pending lazy commit (only the lazy verify uses it). Until session 17 the
-        TF32x3 dot at B <= 4, the rank-1 loop above (both kept without a depth bound).
-        Session 10 timed the three folds side by side with these launches
-        (tree_gdn_h200_s10/grid_n8_64/, grid_n16_32/; lazy verify + gather, us):
-        B = 1 N = 8 / 16 / 32: dot 9.7 / 10.0 / 12.3 against loop 10.4 / 12.7 / 14.9; B = 4:
-        15.9 / 16.4 / 21.7 against 16.8 / 16.8 / 22.1; B = 16 / 64 the loop by 4-95 us. (At 64
-        nodes the engine's lazy verify is the Mosaic kernel's fold.)
-        Session 18 (tree_gdn_h200_s18/b1_4/, b16/, b64/; a decode step's 9-row path, the rows
-        read from the previous factors, `PendingPath`): with a depth bound of <= 16 rows the
-        unrolled fold, at B <= 4 with its rows' loads issued first (`prefetch_fold`): B = 1
-        N = 8 / 16 / 32 5.9 / 6.6 / 8.9 us against the dot's 6.8 / 6.9 / 9.3, B = 4 10.4 /
-        10.8 / 14.8 against 12.1 / 12.1 / 16.8; above B = 4 from 16 nodes: B = 16 N = 16 / 32
-        37.1 / 50.1 against the loop's 38.1 / 67.1, B = 64 134.5 / 193.1 against 140.8 /
-        205.5; at 8 nodes the loop stays (B = 16 34.4 against 35.9, B = 64 122.7 against
-        128.8)."""
+    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None,
+             options: KernelOptions = KernelOptions()) -> "TreeGDNConfig":
+        """The launch measured fastest at Qwen3-Next dims on the H200 (docs/kernels.md, launch
+        table). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
+        B = 1: 32 columns per program; up to 16 nodes the state tile loaded first and the matrix
+        inverse, squaring per tile above; B <= 4: 64 columns, 4 warps, the matrix inverse;
+        B > 4: 64 columns on 2 warps up to 16 nodes, else a whole value head as two 64-column
+        tiles (pipelined above 32 nodes); above 64 nodes 8 warps and 32 columns. depth_bound unrolls the inverse. The
+        lazy verify's fold: unrolled for paths of <= UNROLL_MAX_ROWS rows (above 8 nodes at
+        B > 4; its loads issued first at B <= 4), else the dot at B <= 4 up to 64 nodes, else
+        the rank-1 loop."""
         short = depth_bound is not None and depth_bound <= UNROLL_MAX_ROWS  # rows to unroll
         if batch <= 4:
             fold = "unroll" if short else "dot" if nodes <= 64 else "loop"
         else:
             fold = "unroll" if short and nodes > 8 else "loop"
-        kw = dict(bf16_qk=BF16_OPERANDS, bf16_state=BF16_OPERANDS, depth_bound=depth_bound,
+        bf16 = options.tree_gdn_bf16
+        kw = dict(bf16_qk=bf16, bf16_state=bf16, depth_bound=depth_bound,
                   fold=fold, prefetch_fold=batch <= 4 and fold != "loop")
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
-            # <= 16 nodes: the state tile loaded first (session 9, 4.9 -> 4.5 us at N = 8, no
-            # change at N = 64, tree_gdn_h200_s9/prefetch_state/; session 19 at N = 16: the
-            # one-launch lazy step 6.7 -> 5.9 us in two runs, the verify 5.0 -> 4.5 and 4.9 ->
-            # 4.9; at N = 32 both 0.1-0.3 us slower: tree_gdn_h200_s19/b1shape/, pf/). With
-            # them the matrix inverse (session 20, tree_gdn_h200_s20/: T = (I + G)^-1 formed
-            # while the state tile is in flight, then one T @ rhs dot after it arrives, against
-            # four dependent squaring steps), same-run A/Bs at N = 8 / 16: the gathered-rows
-            # lazy verify 6.2 / 6.3 -> 5.7 / 6.0 us (diet1/) and 6.1 / 6.3 -> 5.6 / 6.0
-            # (base2/), the one-launch lazy step 5.8 / 6.0 -> 5.6 / 5.9 (base2/); the eager
-            # verify 4.8 / 4.8 -> 4.4 / 4.7 in diet2/ but 4.8 / 4.9 in the grid/ run with it
-            # (noise-level there). At N = 32 the lazy verify 0.2 us slower: squaring kept.
+            # <= 16 nodes the matrix inverse forms T while the prefetched state tile is in
+            # flight; at 32 nodes squaring measured faster (docs/kernels.md, launch table).
             small = nodes <= 16
             return cls(block_v=32, num_warps=4, prefetch_state=small,
                        inverse="matrix" if small else "squaring", **kw)
@@ -187,37 +167,25 @@ class TreeGDNConfig:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 16:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
-        # 17-32 nodes (session 17, tree_gdn_h200_s17/n32*/, tpp/): a whole value head as two
-        # 64-column tiles on 4 warps, not pipelined: 37.6 against 44.3 us (2 warps, one tile)
-        # at B = 16 N = 32 and 115.8 against 158.3 us at B = 64 (lazy 61.9 / 191.2 against
-        # 66.2 / 252.6); num_stages 2 there: 39.9 / 142.5. At 16 nodes two tiles were faster
-        # eager (20.7 vs 21.9 us at B = 16) but slower lazy (48.6 vs 38.7): one tile kept.
+        # Above 16 nodes a whole value head as two 64-column tiles; at 16 nodes one tile was
+        # faster lazy (docs/kernels.md, launch table).
         return cls(block_v=64, tiles_per_program=2, num_warps=4,
                    num_stages=1 if nodes <= 32 else 2, inverse="matrix", **kw)
 
 
 def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
-                  depth_bound: int | None) -> dict | None:
+                  depth_bound: int | None,
+                  options: KernelOptions = KernelOptions()) -> dict | None:
     """The Mosaic GPU verify's launch (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) where the
-    auto launch takes it instead of the Triton kernel, else None. (batch: every B measured
-    took it, 1 to 64.)
-
-    Taken where the H200 measured it faster (session 13, tree_gdn_h200_s13/, Qwen3-Next dims,
-    N = 64: 9.1 / 12.2 / 43.0 / 149.1 us against 10.5 / 17.4 / 47.9 / 174.4 at B = 1 / 4 / 16 /
-    64; u error 1.4e-4 against the Triton verify's 1.1-2.3e-4): 64-column tiles, the inverse by
-    squaring, one bf16 wgmma per product. Needs jax >= 0.11 (the GPU image), dk = dv = 128,
-    bf16 v (the kernel rounds o through bf16), a static depth bound, exactly 64 nodes, the
-    bf16-operand launch family (BOLE_TREE_GDN_BF16 unset) and BOLE_TREE_GDN_MOSAIC unset.
-    Fewer nodes stay on Triton: the kernel pads the node axis to 64 in XLA (and slices its
-    outputs back), and at N = 48 that padding cost more than the kernel saved (session 14,
-    tree_gdn_h200_s14/n48/: 20.5 / 74.4 us per call at B = 1 / 16 against Triton's 10.0 / 43.1;
-    the kernel alone 8.1 / 41.1). The engine's node buckets are powers of two. exp and rsqrt
-    by the hardware approximations (`approx_math`, session 14, tree_gdn_h200_s14/ax/: 9.3 /
-    12.5 / 43.2 / 149.8 -> 9.0 / 12.2 / 41.7 / 143.9 us, errors unchanged) and the kernel's
-    own warpgroup barriers instead of Pallas's automatic ones (tree_gdn_h200_s14/nb/: 8.9 /
-    12.0 / 41.4 / 143.2 -> 8.7 / 11.7 / 40.8 / 141.0 us; outputs bitwise equal to the
-    automatic-barrier launch's and reproducible over 50 calls at each B)."""
-    if not (MOSAIC and BF16_OPERANDS and tree_gdn_mgpu.AVAILABLE) or depth_bound is None:
+    auto launch takes it instead of the Triton kernel, else None: where the H200 measured it
+    faster at Qwen3-Next dims, at every batch measured (1 to 64; docs/kernels.md, launch
+    table). 64-column tiles, the inverse by squaring, one bf16 wgmma per product, exp and rsqrt
+    by the hardware approximations, the kernel's own warpgroup barriers. Needs jax >= 0.11 (the
+    GPU image), dk = dv = 128, bf16 v (the kernel rounds o through bf16), a static depth bound,
+    exactly 64 nodes (fewer stay on Triton: padding the node axis to 64 in XLA cost more than
+    the kernel saved), `options.tree_gdn_bf16` and `options.mosaic`."""
+    if not (options.mosaic and options.tree_gdn_bf16 and tree_gdn_mgpu.AVAILABLE) \
+            or depth_bound is None:
         return None
     if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
         return None
@@ -228,9 +196,9 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
 
 
 def _l2norm_scale(x):
-    """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None]); `model.gdn.
+    """[rows]: the factors r that L2-normalise the rows of x (x * r[:, None]); `gdn_ref.
     l2_scale`'s maths, written here so that the kernel's source locations stay in this file
-    (benchmarks/offline_compile.py maps SASS back to them)."""
+    (benchmarks/profile/offline_compile.py maps SASS back to them)."""
     return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
 
@@ -366,41 +334,6 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
         value_head(jnp.int32(0), 0)
     else:
         jax.lax.fori_loop(0, hg, value_head, 0)
-
-
-def _rank1_fold(count, init, row):
-    """init + sum_{m < count} w_m k_m u_m^T on one fp32 state tile [dk, bv], row(m) -> (w_m [],
-    k_m [dk], u_m [bv]): exact fp32 rank-1 updates in a loop over the real count (no row's
-    address depends on another row's data, but each trip's loads issue after the previous
-    trip's update: on the GPU the loop is bound by load latency, see `_dot_fold`)."""
-    def update(m, acc):
-        w, k, u = row(m)
-        return acc + (w * k)[:, None] * u[None, :]
-
-    return jax.lax.fori_loop(0, count, update, init)
-
-
-def _dot_fold(init, w, k, u, live, precision):
-    """init + sum_{m: live[m]} w_m k_m u_m^T = init + (w k)^T u as ONE tensor-core dot:
-    w [Lp], k [Lp, dk], u [Lp, bv], live [Lp] bool (Lp a power of two >= 16, Triton's smallest
-    dot). Every row is loaded at once (no dependent trips as in `_rank1_fold`); rows not live
-    are zeroed before the dot, so even NaN there cannot leak in. precision: the commit kernels
-    pass "tf32x3" (three TF32 passes with split operands, ~fp32 rounding: the state keeps
-    fp32-class accuracy); None in interpret mode (fp32)."""
-    kw = jnp.where(live[:, None], w[:, None] * k, 0.0)
-    return init + _dot(kw, jnp.where(live[:, None], u, 0.0), precision, trans_a=True)
-
-
-def _unrolled_fold(count, init, rows):
-    """init + sum_{m < count} w_m k_m u_m^T over rows = [(w_m [], k_m [dk], u_m [bv])], already
-    loaded (so every row's loads issue before any update; no shared memory, unlike the dot):
-    exact fp32 rank-1 updates, unrolled; rows past count are zeroed on both factors, so even
-    NaN there cannot leak."""
-    acc = init
-    for m, (w, k, u) in enumerate(rows):
-        live = m < count
-        acc = acc + jnp.where(live, w * k, 0.0)[:, None] * jnp.where(live, u, 0.0)[None, :]
-    return acc
 
 
 def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
@@ -645,7 +578,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                     tree: TreeStructure | None = None, backend: str = "auto",
                     interpret: bool | None = None, config: TreeGDNConfig | None = None,
                     pending: PendingCommit | PendingPath | None = None,
-                    depth_bound: int | None = None):
+                    depth_bound: int | None = None, options: KernelOptions | None = None):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -659,6 +592,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     depth_bound: the most nodes on a root path of the caller's trees (a decode step's tree depth
     + 1), used by the auto config (`TreeGDNConfig.depth_bound`: a request whose tree is deeper
     gets NaN outputs and factors from the kernel; the reference backend ignores it).
+    options: the kernel options the auto launch follows (None: the defaults, `KernelOptions()`).
 
     pending: the previous step's commit, not yet applied (`pending_commit`, the lazy commit):
     the verify starts from S = apply_pending(state, pending) and also returns that state. The
@@ -683,6 +617,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         raise ValueError(f"g {g.shape} / beta {beta.shape} must be [B, N, HV] and state "
                          f"{state.shape} [B, HV, dk, dv]")
     scale = float(dk ** -0.5 if scale is None else scale)
+    options = KernelOptions() if options is None else options
     backend, interpret = resolve_backend(backend, interpret)
     if isinstance(pending, PendingPath):
         check_pending_path(pending, b, hk, hv, dk, v.shape[3])
@@ -704,14 +639,13 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     if tree is None:
         tree = tree_structure(parents, num_nodes)
     launch = (None if config is not None or interpret else
-              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound))
+              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound, options))
     if launch is not None and isinstance(pending, PendingPath):
         pending = gather_pending_path(pending, backend="pallas", interpret=False)
     if launch is not None and (pending is None or pending.k.shape[1] >= 1):
         # The measured-faster Mosaic GPU kernel (same outputs). With a pending commit it folds
-        # the rows into its state tiles and writes them back in place (session 15,
-        # tree_gdn_h200_s15/fold2/: 12.2 / 17.2 / 57.3 / 195.1 us at B = 1 / 4 / 16 / 64,
-        # N = 64, against the best Triton fold's 12.1 / 21.3 / 65.4 / 240.4).
+        # the rows into its state tiles and writes them back in place, also measured faster
+        # than the best Triton fold (docs/kernels.md, launch table).
         return tree_gdn_mgpu.tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes,
                                                   depth_bound=depth_bound, scale=scale,
                                                   tree=tree, interpret=False, pending=pending,
@@ -721,7 +655,7 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
     # (tests compare against the fp32 reference there).
     cfg = config or (TreeGDNConfig(depth_bound=depth_bound) if interpret
-                     else TreeGDNConfig.auto(b, n, depth_bound))
+                     else TreeGDNConfig.auto(b, n, depth_bound, options))
     if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
             or cfg.fold not in _FOLDS):
         raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "
@@ -731,357 +665,3 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
                                           jnp.asarray(num_nodes, jnp.int32),
                                           tree.path_len.astype(jnp.int32), pending, scale=scale,
                                           cfg=cfg, interpret=interpret))
-
-
-# ------------------------------------------------------------------------- selected-state commit
-
-
-def _path_weight(g_sel, gamma):
-    """w_j = exp(gamma_sel - gamma_j): the decay from path node j to the accepted node (<= 1 on
-    a root path; the clamp keeps rounding and rows past the count from overflowing)."""
-    return jnp.exp(jnp.minimum(g_sel - gamma, 0.0))
-
-
-def _path_scale(count, g_sel):
-    """P_sel = exp(gamma_sel), the committed state's decay to the accepted node; 1 when nothing
-    was accepted (count 0)."""
-    return jnp.where(count > 0, jnp.exp(g_sel), 1.0)
-
-
-def _path_inputs(count_ref, sel_ref, path_ref, length: int, nodes: int):
-    """(count, sel, node(m), path()) of a commit kernel's accepted-path inputs, sanitised in the
-    kernel (the caller's arrays go in as it holds them, with no XLA op before the launch):
-    count 0 where sel < 0 (nothing accepted), at most `length`; sel and every id clipped into
-    [0, nodes); path() the ids as one block (a power of two >= length: ids past the `length`
-    present are masked to 0, past count anyway)."""
-    sel_raw = sel_ref[...]
-    count = jnp.where(sel_raw >= 0, jnp.clip(count_ref[...], 0, length), 0)
-    sel = jnp.clip(sel_raw, 0, nodes - 1)
-
-    def node(m):
-        return jnp.clip(path_ref[m], 0, nodes - 1)
-
-    def path():
-        lb = path_ref.shape[0]
-        idx = jnp.arange(lb, dtype=jnp.int32)
-        return jnp.clip(_load(path_ref, None if lb == length else idx < length), 0, nodes - 1)
-
-    return count, sel, node, path
-
-
-def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision, length, nodes):
-    # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
-    # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
-    # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
-    # this head's root-path log gates; k [N, dk] the keys as verify took them and ks [N] their
-    # normalising factors (k_m = ks_m k_m, as the verify formed it); u [N, bv]; s, o [dk, bv].
-    # S_sel = P_sel S_pre + sum_m w_m k_m u_m^T with P_sel = exp(gamma_sel) and
-    # w_m = exp(gamma_sel - gamma_m), the weights formed here from gamma (no per-layer XLA
-    # gathers before the kernel). The path is known up front (no pointer chase). fold "loop":
-    # fp32 rank-1 updates over the real path length (`_rank1_fold`); "dot": the path rows
-    # gathered as [L, dk], [L, bv] blocks and added by one tensor-core dot (`_dot_fold`);
-    # "unroll": fp32 rank-1 updates of all L rows, unrolled (every row load issued at once,
-    # no shared-memory staging as the dot needs), rows past count zeroed. count, sel and path
-    # arrive raw (`_path_inputs`: sel < 0 = nothing accepted).
-    count, sel, node_at, path_ids = _path_inputs(count_ref, sel_ref, path_ref, length, nodes)
-
-    def key(node):
-        return k_ref[node].astype(jnp.float32) * ks_ref[node]
-
-    if fold == "unroll":
-        ids = [node_at(m) for m in range(length)]
-        s = s_ref[...]
-        rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in ids]
-        g_sel = gamma_ref[sel]
-        init = _path_scale(count, g_sel) * s
-        o_ref[...] = _unrolled_fold(count, init, [
-            (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
-        return
-    g_sel = gamma_ref[sel]
-    init = _path_scale(count, g_sel) * s_ref[...]
-    if fold == "dot":
-        path = path_ids()
-        w = _path_weight(g_sel, gamma_ref[path])
-        live = jnp.arange(path.shape[0], dtype=jnp.int32) < count
-        keys = k_ref[path, :].astype(jnp.float32) * ks_ref[path][:, None]
-        o_ref[...] = _dot_fold(init, w, keys, u_ref[path, :], live, precision)
-        return
-
-    def row(m):
-        node = node_at(m)
-        return _path_weight(g_sel, gamma_ref[node]), key(node), u_ref[node]
-
-    o_ref[...] = _rank1_fold(count, init, row)
-
-
-def accepted_rows(parents, accepted, length: int):
-    """(path [B, length] int32, count [B] int32): the accepted node's root path as a commit
-    reads it, accepted node first, walked up the parent pointers (padding repeats the accepted
-    node, so loads stay in bounds; count 0 when accepted is -1). A decode step that already
-    holds the accepted path (`Accepted.path`, root first) passes that instead, once for every
-    layer."""
-    accepted = jnp.asarray(accepted, jnp.int32)
-    walk = accepted_path(parents, accepted, length)  # -1 past the root (all -1 for accepted -1)
-    valid = walk >= 0
-    path = jnp.where(valid, walk, jnp.clip(accepted, 0, None)[:, None])
-    return path, jnp.sum(valid, axis=1, dtype=jnp.int32)
-
-
-def commit_path_weights(factors: TreeFactors, parents, accepted, length: int, path=None,
-                        count=None):
-    """What a commit needs of the accepted node's root path (at most `length` nodes):
-    path [B, L] int32 node ids (walked: accepted node first; padding repeats it, so gathers stay
-    in bounds and in cache); w [B, L, HV] = exp(gamma_sel - gamma_j) (0 past count); p_sel
-    [B, HV] = exp(gamma_sel) (1 when accepted = -1); count [B] = real nodes on the path (0 when
-    -1). path, count: the path when the caller holds it (any order, see `commit_state_pallas`);
-    then parents and length are not read."""
-    accepted = jnp.asarray(accepted, jnp.int32)
-    path, count = _path_rows(parents, accepted, length, path, count, factors.k.shape[1])
-    valid = jnp.arange(path.shape[1])[None, :] < count[:, None]
-    rows = jnp.arange(path.shape[0])[:, None]
-    gamma_path = factors.gamma[rows, path]  # [B, L, HV]
-    gamma_sel = factors.gamma[rows[:, 0], jnp.clip(accepted, 0, None)]  # [B, HV]
-    w = jnp.where(valid[:, :, None], _path_weight(gamma_sel[:, None], gamma_path), 0.0)
-    p_sel = jnp.where((accepted >= 0)[:, None], jnp.exp(gamma_sel), 1.0)
-    return path, w, p_sel, count
-
-
-def _path_rows(parents, accepted, length, path, count, n):
-    """(path, count) walked from parents, or the caller's, clipped in bounds; count 0 where
-    accepted is -1 (`_raw_path` sanitised outside a kernel, as `_path_inputs` does inside)."""
-    path, count = _raw_path(parents, accepted, length, path, count)
-    return jnp.clip(path, 0, n - 1), jnp.where(accepted >= 0, count, 0)
-
-
-def _raw_path(parents, accepted, length, path, count):
-    """(path, count) for a kernel that sanitises them itself (`_path_inputs`): the caller's as
-    given (int32), or walked from parents (`accepted_rows`)."""
-    if (path is None) != (count is None):
-        raise ValueError("pass the accepted path and its count together, or neither")
-    if path is None:
-        return accepted_rows(parents, accepted, length)
-    return jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
-
-
-def _key_rows(factors: TreeFactors, rows, path):
-    """The normalised keys of nodes `path` [B, L] (fp32, [B, L, Hk, dk]), as
-    `TreeFactors.keys()` forms them, without scaling all N rows."""
-    ks = None if factors.k_scale is None else factors.k_scale[rows, path]
-    return scaled_keys(factors.k[rows, path], ks)
-
-
-def _k_scale(factors: TreeFactors):
-    """[B, N, Hk] fp32 per-row key factors for a kernel (ones when the factors have none)."""
-    if factors.k_scale is None:
-        return jnp.ones(factors.k.shape[:3], jnp.float32)
-    return factors.k_scale.astype(jnp.float32)
-
-
-def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=None,
-                   count=None, *, backend: str = "auto",
-                   interpret: bool | None = None) -> PendingCommit:
-    """The accepted node's root-path factor rows, gathered (at most `length` nodes): what the
-    next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing.
-    path, count: as in `commit_path_weights` (padded to `length` rows when shorter).
-    backend: "pallas" (the default on GPU: `_pending_gather_pallas`, one launch for all heads)
-    or "reference" (XLA gathers: several launches, 6-10 us on the H200 in sessions 8-10)."""
-    backend, interpret = resolve_backend(backend, interpret)
-    if path is not None and path.shape[1] < length:
-        path = jnp.pad(jnp.asarray(path, jnp.int32), ((0, 0), (0, length - path.shape[1])))
-    if backend == "pallas":
-        accepted = jnp.asarray(accepted, jnp.int32)
-        path, count = _raw_path(parents, accepted, length, path, count)
-        return _pending_gather_pallas(factors, accepted, path, count, interpret=interpret)
-    path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length, path, count)
-    rows = jnp.arange(path.shape[0])[:, None]
-    return PendingCommit(k=_key_rows(factors, rows, path),
-                         u=factors.u[rows, path].astype(jnp.float32), w=w, p_sel=p_sel,
-                         count=count)
-
-
-def gather_pending_path(pending: PendingPath, *, backend: str = "auto",
-                        interpret: bool | None = None) -> PendingCommit:
-    """The rows of a `PendingPath`, gathered (`pending_commit`): for a verify that folds
-    gathered rows (the Mosaic kernel, the reference) and for `apply_pending`."""
-    count = pending.live_count()
-    accepted = jnp.where(count > 0, jnp.asarray(pending.sel, jnp.int32), -1)
-    return pending_commit(pending.factors, None, accepted, pending.path.shape[1], pending.path,
-                          count, backend=backend, interpret=interpret)
-
-
-def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, pk_ref,
-                           pu_ref, pw_ref, ps_ref, *, ratio, rows, nodes):
-    # Blocks: count, sel [] and path [Lp] as the caller holds them (`_path_inputs`; Lp a power
-    # of two >= rows, ids past rows masked and never stored); gamma [N]; k [N, dk], ks [N] (the
-    # keys and their normalising factors); u [N, dv]; out pk [Lp, dk] (this value head's key
-    # head, normalised: written by the first value head of the group), pu [Lp, dv], pw [Lp],
-    # ps [].
-    count, sel, _, path_ids = _path_inputs(count_ref, sel_ref, path_ref, rows, nodes)
-    path = path_ids()
-    g_sel = gamma_ref[sel]
-    idx = jnp.arange(path.shape[0], dtype=jnp.int32)
-    keep = None if rows == path.shape[0] else idx < rows
-    col = None if keep is None else keep[:, None]
-    w = jnp.where(idx < count, _path_weight(g_sel, gamma_ref[path]), 0.0)
-    _store(pw_ref, w, keep)
-    ps_ref[...] = _path_scale(count, g_sel)
-    _store(pu_ref, u_ref[path, :].astype(jnp.float32), col)
-
-    @pl.when(pl.program_id(0) % ratio == 0)
-    def _():
-        ks = ks_ref[path][:, None]
-        _store(pk_ref, jnp.where(ks != 0, k_ref[path, :].astype(jnp.float32) * ks, 0.0), col)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, interpret=False):
-    """`pending_commit`'s gathers as one Pallas launch: grid (HV, B), each program gathers its
-    value head's u rows, weights and p_sel, and (first head of a key-head group) the key rows.
-    accepted [B], path [B, L], count [B] as the caller holds them (the kernel clips the ids and
-    takes count 0 where accepted is -1: no XLA op before the launch). The returned count is
-    that sanitised count (an XLA op, dropped when the caller does not read it)."""
-    b, n, hk, dk = factors.k.shape
-    hv, dv = factors.u.shape[2:]
-    ratio = hv // hk
-    length = path.shape[1]
-    lp = next_pow2(length)
-    dkp, dvp = next_pow2(dk), next_pow2(dv)
-    kf = pad_axis(factors.k, 3, dkp)
-    uf = pad_axis(factors.u, 3, dvp)
-    per_req = pl.BlockSpec((None,), lambda h, i: (i,))
-    pk, pu, pw, ps = pl.pallas_call(
-        functools.partial(_pending_gather_kernel, ratio=ratio, rows=length, nodes=n),
-        grid=(hv, b),
-        in_specs=[per_req, per_req,
-                  pl.BlockSpec((None, lp), lambda h, i: (i, 0)),
-                  pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h)),
-                  pl.BlockSpec((None, n, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h // ratio)),
-                  pl.BlockSpec((None, n, None, dvp), lambda h, i: (i, 0, h, 0))],
-        out_specs=[pl.BlockSpec((None, lp, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
-                   pl.BlockSpec((None, lp, None, dvp), lambda h, i: (i, 0, h, 0)),
-                   pl.BlockSpec((None, lp, None), lambda h, i: (i, 0, h)),
-                   pl.BlockSpec((None, None), lambda h, i: (i, h))],
-        out_shape=[jax.ShapeDtypeStruct((b, length, hk, dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, length, hv, dvp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, length, hv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv), jnp.float32)],
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        name="bole_pending_gather",
-    )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf)
-    count = jnp.where(accepted >= 0, jnp.clip(count, 0, length), 0)
-    return PendingCommit(k=pk[..., :dk], u=pu[..., :dv], w=pw, p_sel=ps, count=count)
-
-
-@functools.partial(jax.jit, static_argnames=("precision",))
-def apply_pending(state, pending: PendingCommit, precision: str | None = "highest"):
-    """S = p_sel S + sum_m w_m k_m u_m^T (plain jnp): the commit's maths, the reference for the
-    kernels that fold it. state [B, HV, dk, dv]; returns fp32. precision of the einsum
-    ("highest" = fp32, None = backend default)."""
-    b, length, hk, dk = pending.k.shape
-    hv, dv = pending.u.shape[2:]
-    r = hv // hk
-    # GQA without repeating keys: value head h = (key head h // r, member h % r).
-    prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
-    # rows past count weigh 0 and are zeroed (their contents, even NaN, never reach the sum)
-    live = (jnp.arange(length)[None, :] < jnp.asarray(pending.count)[:, None])[:, :, None, None]
-    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", jnp.where(live, pending.k, 0.0),
-                       pending.w.reshape(b, length, hk, r),
-                       jnp.where(live, pending.u, 0.0).reshape(b, length, hk, r, dv),
-                       precision=prec)
-    return (pending.p_sel[:, :, None, None] * state.astype(jnp.float32)
-            + delta.reshape(b, hv, dk, dv))
-
-
-# Path rows up to which fold "auto" unrolls the rank-1 updates (a decode step's path has depth + 1
-# rows, ~9); longer paths (a walk bounded by N) take the dot.
-UNROLL_MAX_ROWS = 16
-
-
-def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None = None):
-    """(fold, block_v) of a commit of b requests whose accepted paths have `length` rows:
-    "auto" -> "unroll" up to UNROLL_MAX_ROWS rows at b >= 4, else "dot"; block_v None -> 64
-    for the unrolled fold at b >= 16, else 32. Measured in place on the H200 (session 10,
-    tree_gdn_h200_s10/commit_folds/ and grid_n8_64/, grid_n16_32/), 4 warps: unroll 64 vs
-    dot 32 columns 23.7 vs 26.0 us at B = 16 N = 64, 22.7 vs 25.5 at B = 16 N = 8, 81.8 vs
-    89.1 at B = 64 N = 64; unroll 32 vs dot 32 6.8 vs 8.0 at B = 4 N = 8; at B = 1 the dot
-    wins, 3.6 vs 3.8 (a plain scaled copy of the state: 18.0 us at B = 16, 66 at B = 64)."""
-    if fold == "auto":
-        fold = "unroll" if length <= UNROLL_MAX_ROWS and b >= 4 else "dot"
-    if block_v is None:
-        block_v = 64 if fold == "unroll" and b >= 16 else 32
-    return fold, block_v
-
-
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold"))
-def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
-                        block_v: int | None = None, num_warps: int = 4,
-                        max_path: int | None = None, interpret: bool = False, path=None,
-                        count=None, fold: str = "auto"):
-    """Pallas form of `state_factors.commit_state`: one program per (request, value head, value
-    tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
-    root-path factor rows and writes the new tile over the old one: the bytes floor of a
-    commit (read S, write S, path rows). The weights exp(gamma_sel - gamma_j) are formed in the
-    kernel from gamma, so a layer's commit is this one kernel.
-
-    path, count: the accepted root path's node ids [B, L] (any order; entries past count[b]
-    weigh nothing, and are clipped into [0, N)) and their number [B] (0 keeps the state); both
-    or neither. None: walked here from parents (`accepted_rows`). A decode step passes its
-    accepted path once for all layers.
-    max_path: static bound on nodes on a root path (tree depth bound) for that walk; None = N
-    (always exact).
-    fold: "unroll" (fp32 rank-1 updates of every path row, unrolled: all row loads in flight
-    at once, no shared memory), "dot" (the path rows gathered as blocks of a power of two >= 16
-    rows and added by one [dk, L] x [L, bv] tensor-core dot in three TF32 passes, ~fp32;
-    `_dot_fold`), "loop" (fp32 rank-1 updates, a loop over the real path length) or "auto"
-    (`commit_launch`: unroll for paths of <= 16 rows, as a decode step's, at B >= 4, else dot).
-    Measured in place on the H200 (session 7, block_v 32, 4 warps): dot 3.7 vs loop 6.7 us at
-    B = 1 N = 64, 25.8 vs 29.2 us at B = 16 N = 64, 88.8 vs 99.7 us at B = 64 N = 64; a tie
-    at B = 16 N = 8. Session 10: `commit_launch`.
-    block_v: value columns per program (None: `commit_launch`).
-    """
-    b, n, hk, dk = factors.k.shape
-    hv, dv = factors.u.shape[2:]
-    ratio = hv // hk
-    dkp, dvp = next_pow2(dk), next_pow2(dv)
-    accepted = jnp.asarray(accepted, jnp.int32)
-    path, count = _raw_path(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
-                            path, count)  # power-of-two blocks when walked here
-    if fold not in _FOLDS + ("auto",):
-        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
-    length = path.shape[1]
-    fold, block_v = commit_launch(b, length, fold, block_v)
-    bv = min(block_v, dvp)
-    # dot blocks: a power of two >= 16 rows; ids past the L present are masked in the kernel
-    lb = next_pow2(length) if fold == "dot" else length
-    kf = pad_axis(factors.k, 3, dkp)
-    uf = pad_axis(factors.u, 3, dvp)
-    s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
-    per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
-    new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold, length=length, nodes=n,
-                          precision=None if interpret else _PRECISIONS["tf32x3"]),
-        grid=(dvp // bv, hv, b),
-        in_specs=[per_req, per_req,
-                  pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
-                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
-                  pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
-                  pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
-                  pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
-        out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
-        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
-        # In place: each program reads its tile of S before writing the same tile. Inside the
-        # decode loop the old state is dead after the commit, so XLA can write the new state into
-        # the loop-carried buffer instead of a fresh one followed by a copy (the 9B profile shows
-        # one state-sized memcpy per GDN layer per step). Outside a donating jit XLA copies the
-        # input first, as aliasing requires.
-        input_output_aliases={7: 0},
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="bole_commit_state",
-    )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
-    return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new

@@ -2,10 +2,8 @@
 
 The engine's verify at 64 nodes on jax >= 0.11 (`tree_gdn.mosaic_launch`: 64-column tiles,
 the squaring inverse, one bf16 wgmma per product, hardware exp / rsqrt, the kernel's own
-barriers: 8.7 / 11.7 / 40.8 / 141.0 us at B = 1 / 4 / 16 / 64 in session 14). Measured on the
-H200 in session 13 at N = 64
-(docs/kernels.md section 2b): 9.1 / 12.2 / 43.0 / 149.1 us per call at B = 1 / 4 / 16 / 64
-against the Triton verify's 10.5 / 17.4 / 47.9 / 174.4, u error 1.4e-4 (Triton 1.1-2.3e-4).
+barriers), measured faster than the Triton verify on the H200 at N = 64 and every batch
+(docs/kernels.md, launch table), u error 1.4e-4 (Triton 1.1-2.3e-4).
 Other launches stay for measurement (`products` 3 and 2, 128-column tiles, the Neumann
 series). A verify with another structure than the Triton kernel of `tree_gdn.py` (255 registers
 there, two programs per SM): one program per (value tile, value head, request), one
@@ -36,15 +34,14 @@ inverse: two programs per SM, K K^T and Q K^T computed twice). The gates come in
 holds them ([B, N, HV]: an 8-head TMA box, this head's column picked in registers); masking, the
 root-path gamma (an fp32 row sum of anc * g) and the depth guard are in the kernel, so the only
 XLA work around it is padding (N < 64, or HV not a multiple of 8). A pending lazy commit
-(`pending=`, session 13; the engine's lazy verify at 64 nodes since session 15) is folded into
+(`pending=`; the engine's lazy verify at 64 nodes) is folded into
 the fp32 state tile in the prologue: its rows (k, u, and the weights and p_sel in 8-head
 boxes, as the caller holds them) by TMA, fp32 rank-1 updates in registers, the folded tile
 stored by TMA back where it was read (the state a mutable ref, `jax.new_ref`: in place, so a
 donating caller's XLA copies nothing; the 64-column launch then needs 113 KiB of shared memory
 by Pallas's estimate: still two programs per SM; the g / gamma vectors share one buffer for
-that, in this variant only). Timed in session 15 (tree_gdn_h200_s15/fold2/): 12.2 / 17.2 /
-57.3 / 195.1 us at B = 1 / 4 / 16 / 64, N = 64 (the eager verify: 8.8 / 11.8 / 40.8 / 141.0).
-Limits of this version:
+that, in this variant only); measured faster than the best Triton fold (docs/kernels.md, launch
+table). Limits of this version:
 dk = dv = 128, N <= 64 (padded to 64), no pipelining across programs, o rounded through bf16
 whatever v's dtype (fp32 callers get bf16 precision).
 
@@ -63,8 +60,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bole_jax.pallas.tree_utils import (L2_EPS, PendingCommit, TreeStructure, check_pending,
-                                        tree_structure, with_keys)
+from bole_jax.pallas.factors import PendingCommit, check_pending, with_keys
+from bole_jax.pallas.tree_utils import L2_EPS, TreeStructure, tree_structure
 
 __all__ = ["AVAILABLE", "UNAVAILABLE_REASON", "NP", "tree_gdn_verify_mgpu"]
 
@@ -86,7 +83,7 @@ except ImportError as e:  # pragma: no cover - a jax without Mosaic GPU
 
 _BF, _F32 = jnp.bfloat16, jnp.float32
 # The kernel's phases, as named regions: with `profile_dir` set, Mosaic GPU's in-kernel profiler
-# records each region's start and end per program (benchmarks/mgpu_trace.py reads the trace).
+# records each region's start and end per program (benchmarks/profile/mgpu_trace.py reads the trace).
 _region = jax.named_scope
 PROFILE_SPACE = 96  # regions entered per program
 
@@ -153,9 +150,9 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         rank-1 updates, unrolled over the rows present, each under a branch on its weight.
         Rows past the count weigh 0 (the `PendingCommit` contract) and are skipped, as is a
         weight that is not finite, so NaN / inf in a skipped row's factors cannot leak, and a
-        decode step's shorter paths skip their padding rows' work. (Session 14's version zeroed
-        every non-finite factor element by value instead: ~60 ALU operations per row and
-        thread, as many as the update's own 64 FMAs.)"""
+        decode step's shorter paths skip their padding rows' work. (Zeroing every non-finite
+        factor element by value instead costs ~60 ALU operations per row and thread, as many as
+        the update's own 64 FMAs.)"""
         col = h % GATE_BOX
         acc = pw_s[ps_row, col] * s  # p_sel
         for m in range(pend_rows):
@@ -275,7 +272,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             plgpu.wgmma_wait(0)
             # The barrier ties the accumulators' registers to after the wait. Without it LLVM
             # hoisted a use of them (a negation) above the wait, and ptxas then serialised
-            # every wgmma of the kernel (its warning C7514; session 12's first GPU profile).
+            # every wgmma of the kernel (its warning C7514 in a GPU profile).
             return lax.optimization_barrier(tuple(acc[...] for acc in accs))
         return pl.run_scoped(run, *(plgpu.ACC(shape, _F32) for _, shape in jobs))
 
@@ -406,8 +403,8 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     pend_rows = 0 if pending is None else pending.k.shape[1]
     pend_args = []
     if pend_rows:  # the rows as the caller holds them (heads padded to the 8-head box only;
-        # session 14's version concatenated w, p_sel and the count into one box: two XLA
-        # launches per call, ~2.3 us at B = 16)
+        # concatenating w, p_sel and the count into one box cost two XLA launches per call,
+        # ~2.3 us at B = 16)
         pend_args = [pending.k.astype(_F32), pending.u.astype(_F32),
                      jnp.pad(pending.w.astype(_F32), ((0, 0), (0, 0), (0, hvp - hv))),
                      jnp.pad(pending.p_sel.astype(_F32), ((0, 0), (0, hvp - hv)))]
@@ -439,7 +436,7 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     # writes it back where it read it (no other program reads that tile), so the folded state
     # takes the state's buffer (the caller's, when it donates it) instead of a new one, which a
     # donating caller's XLA had copied back (a device copy of the whole state per call:
-    # 16.9 us of 74.9 at B = 16, session 14's timing of the new-buffer version).
+    # 16.9 us of 74.9 at B = 16 with a new buffer).
     s_in = state.astype(_F32)
     if pend_rows:
         s_in = jax.new_ref(s_in)
@@ -475,14 +472,14 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
     automatic warpgroup barriers around every shared-memory store (`unsafe_no_auto_barriers`);
     the kernel then places its own where a store can meet another warp's read (after the
     column vectors' stores, before the stores into reused buffers). pending: a lazy commit
-    (`tree_gdn.pending_commit`; the engine's lazy verify at 64 nodes since session 15): each
+    (`tree_gdn_commit.pending_commit`; the engine's lazy verify at 64 nodes): each
     program folds its rows into the fp32 state tile it loads (fp32 rank-1 updates, as the
     Triton kernel's fold "unroll"; a row whose weight is 0 or not finite is skipped),
     verifies from that state and stores it; returns (o, factors, folded state [B, HV, dk, dv]
     fp32, written in place: the state's buffer when the caller donates it). interpret=None:
     interpret mode unless on a GPU. profile_dir: record the kernel's phases per program with
     Mosaic GPU's in-kernel profiler and write the trace (Chrome trace JSON) there, one file per
-    call (GPU only; benchmarks/mgpu_trace.py summarises it)."""
+    call (GPU only; benchmarks/profile/mgpu_trace.py summarises it)."""
     if not AVAILABLE:
         raise RuntimeError(UNAVAILABLE_REASON)
     bsz, n, hk, dk = q.shape

@@ -1,6 +1,7 @@
 """Plain-jnp references for tree verification through a Gated DeltaNet layer.
 
-Two independent formulations of the same thing (01-bole-algorithm.md sections 2-3):
+Two independent formulations of the same thing (docs/algorithm.md, tree closed form and
+token-level factors):
 
 * `tree_gdn_sequential`: the ground truth. Every node runs the gated delta rule one step from its
   parent's state (the committed state for parent -1):
@@ -26,9 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bole_jax.model.gdn import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
-from bole_jax.pallas.tree_utils import (L2_EPS, TreeFactors, TreeStructure, node_validity,
-                                        tree_structure)
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.gdn_ref import l2_normalize, l2_scale  # the model's q/k norm (eps = L2_EPS)
+from bole_jax.pallas.tree_utils import L2_EPS, TreeStructure, node_validity, tree_structure
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -158,9 +159,9 @@ def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, sc
 
 @jax.jit
 def node_states_from_factors(state, factors: TreeFactors, tree: TreeStructure) -> jax.Array:
-    """Every node's state from the factors, equation (dagger) of 01-bole-algorithm.md:
+    """Every node's state from the factors (docs/algorithm.md, token-level factors):
     S_i = P_i S_pre + sum_{j in anc*(i)} Gam[i, j] k_j u_j^T.  Returns [B, N, HV, dk, dv] fp32
-    (zero for padding nodes). The reference for the selected-node commit in state_factors.
+    (zero for padding nodes). The reference for the selected-node commit in tree_gdn_commit.
     """
     hk, hv = factors.k.shape[2], factors.u.shape[2]
     kh = jnp.repeat(factors.keys(), hv // hk, axis=2)  # [B, N, HV, dk]

@@ -1,4 +1,4 @@
-"""Baselines that keep a full recurrent state per tree node (02-baselines.md).
+"""Baselines that keep a full recurrent state per tree node (docs/kernels.md, baselines).
 
 TREE-PERNODE (SGLang's tree mode, topk > 1): one program per (request, value head, value tile)
 walks the nodes in topological order. Node i starts from its parent's full state tile, reloaded
@@ -51,7 +51,7 @@ class PernodeConfig:
     # floats per thread.
     hold_root: int | None = None
     # Cache hint on the scratch stores ("evict_first": stream them past L2; None: default).
-    # Session 11's grid ran without it; a candidate for the two points still slower than SGLang.
+    # Off in the measured launches (docs/kernels.md, launch table).
     scratch_eviction: str | None = None
     # The order the program walks the nodes in: "index" (0, 1, ..., as SGLang's kernel) or
     # "dfs" (depth-first preorder, `tree_utils.dfs_order`): the walk then leaves a branch only
@@ -62,13 +62,11 @@ class PernodeConfig:
     @staticmethod
     def auto(b: int, n: int) -> "PernodeConfig":
         """The launch `tree_pernode_verify` / `chain_verify` use when given none: the winners on
-        the H200 at Qwen3-Next dims. One warp, the "vk" scratch, the committed tile held
-        (session 11's grid, benchmarks/results/tree_gdn_h200_s11/grid_all). Session 16
-        (tree_gdn_h200_s16/): above 8 nodes at B >= 2 the depth-first walk with 8 columns and
-        three stages (B = 16 N = 64: 1018 -> 749 us, B = 4 N = 32: 123 -> 102); at B = 1 the
-        index walk with 8 columns and three stages (the walk's indirect loads cost more than its
-        saved reloads there: 102 vs 141 us at N = 64); at N <= 8 and B >= 2, the index walk with
-        16 columns and two stages (105 vs 107 us at B = 16)."""
+        the H200 at Qwen3-Next dims (docs/kernels.md, launch table). One warp, the "vk" scratch,
+        the committed tile held; above 8 nodes at B >= 2 the depth-first walk with 8 columns and
+        three stages; at B = 1 the index walk with 8 columns and three stages (the walk's
+        indirect loads cost more than its saved reloads there); at N <= 8 and B >= 2, the index
+        walk with 16 columns and two stages."""
         if b <= 1:
             return PernodeConfig(block_v=8, num_warps=1, num_stages=3)
         if n <= 8:
@@ -298,9 +296,8 @@ def commit_pernode_state(old, node_states, accepted, layout: str = "vk", *, back
 
     "vk" on the Pallas backend ("auto": on GPU for B >= 2; dk, dv powers of two) is one
     in-place launch (the pool aliased, `block_rows` scratch rows of dk floats per program,
-    transposed in registers). On the H200 (tree_gdn_h200_s11/grid_all) it took 4.1 / 19 / 68 us
-    at B = 4 / 16 / 64 against XLA's gather + transpose + select 11.3 / 38 / 145; at B = 1 XLA
-    was faster (1.6 vs 1.9 us)."""
+    transposed in registers), measured faster on the H200 than XLA's gather + transpose +
+    select from B = 4 on; at B = 1 XLA was faster (docs/kernels.md, launch table)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     if layout == "kv":

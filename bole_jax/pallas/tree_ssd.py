@@ -1,7 +1,7 @@
 """Bole tree verify through a Mamba2 / SSD layer: one fused Pallas (Triton) kernel.
 
 The SSD recurrence S_t = exp(a_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t is the gated delta rule
-with G = 0 (01-bole-algorithm.md section 9; the Mamba2 mapping q = C, k = B, v = dt x,
+with G = 0 (docs/algorithm.md, SSD layers; the Mamba2 mapping q = C, k = B, v = dt x,
 a = dt A is in `tree_ssd_ref`, with `from_mamba2`; D x, the gate and the conv stay outside). Per
 request and value head, all N tree nodes at once from the ONE committed state S_pre [dk, dv]:
     gamma = A* a                               root-path cumulative log decays, P = exp(gamma)
@@ -9,7 +9,7 @@ request and value head, all N tree nodes at once from the ONE committed state S_
     O = diag(P) Q S_pre + ((Q K^T) * Gam * A*) V
 Unlike GDN (`tree_gdn.py`) there is no (I + G)^-1, no key normalisation and no pseudo values: the
 kernel is two dots per value tile, and the token-level factors are the inputs themselves,
-(k, u = v, gamma), of which only gamma is computed here. `state_factors.commit_state` rebuilds the
+(k, u = v, gamma), of which only gamma is computed here. `tree_gdn_commit.commit_state` rebuilds the
 accepted node's state from them exactly as for GDN.
 
 Program layout (as tree_gdn.py): grid (dv / block_v, HV / heads_per_program, B). A program owns
@@ -31,14 +31,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from bole_jax.pallas import tree_ssd_ref
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.tree_utils import (
+    TreeStructure,
+    next_pow2,
+    pad_axis,
+    resolve_backend,
+    tree_structure,
+)
+
 # The Triton-portable dot / masked load / masked store and the precision names are the GDN
 # kernel's: one implementation of each.
 from bole_jax.pallas.triton_ops import PRECISIONS as _PRECISIONS
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
-from bole_jax.pallas.tree_utils import (TreeFactors, TreeStructure, next_pow2, pad_axis,
-                                        resolve_backend, tree_structure)
 
 __all__ = ["TreeFactors", "TreeSSDConfig", "tree_ssd_verify"]
 
@@ -163,7 +170,7 @@ def tree_ssd_verify(q, k, v, a, state, parents, num_nodes=None, *,
     "reference".
 
     Returns (o [B, N, HV, dv] in v.dtype, without D x and the gate; TreeFactors(k [B, N, Hk, dk],
-    u = v [B, N, HV, dv], gamma [B, N, HV]), fp32) for `state_factors.commit_state`.
+    u = v [B, N, HV, dv], gamma [B, N, HV]), fp32) for `tree_gdn_commit.commit_state`.
     """
     b, n, hk, dk = q.shape
     hv = v.shape[2]

@@ -1,7 +1,7 @@
 """Plain-jnp references for tree verification through a Mamba2 / SSD layer.
 
-The SSD recurrence is the gated delta rule without the delta correction (01-bole-algorithm.md
-section 9: "the same closed form with G = 0"). Per value head, with S [dk, dv] ("K x V", as for
+The SSD recurrence is the gated delta rule without the delta correction (docs/algorithm.md, SSD
+layers: "the same closed form with G = 0"). Per value head, with S [dk, dv] ("K x V", as for
 GDN) and node t:
     S_t = exp(a_t) S_{t-1} + k_t v_t^T,        o_t = S_t^T q_t
 (a_t <= 0 a scalar log decay per head; no L2 norm, no scale).
@@ -38,8 +38,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bole_jax.pallas.factors import TreeFactors
+from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.pallas.tree_gdn_ref import decay_matrix, node_states_from_factors, root_path_gamma
-from bole_jax.pallas.tree_utils import TreeFactors, TreeStructure, node_validity, tree_structure
+from bole_jax.pallas.tree_utils import TreeStructure, node_validity, tree_structure
 
 __all__ = ["from_mamba2", "tree_ssd_sequential", "tree_ssd_closed_form", "ssd_factors",
            "node_states_from_factors", "commit"]
@@ -158,13 +160,9 @@ def commit(state, factors: TreeFactors, parents, accepted, *, max_path: int | No
 
     S_sel = P_sel S_pre + K_path^T diag(w) V_path, w_j = exp(gamma_sel - gamma_j) along the
     accepted root path: a walk up the parent pointers (gathers) and one batched einsum. This is
-    GDN's `state_factors.commit_state` (backend "reference"), which applies as is since the SSD
-    factors are TreeFactors with u = v; its Pallas backend (`tree_gdn.commit_state_pallas`) does
+    GDN's `tree_gdn_commit.commit_state` (backend "reference"), which applies as is since the SSD
+    factors are TreeFactors with u = v; its Pallas backend (`tree_gdn_commit.commit_state_pallas`) does
     too. max_path: static bound on nodes on any root path (None = N, always exact).
     """
-    # One commit for GDN and SSD; imported here so that the kernels package does not import
-    # spec_decode (which imports it) at module load.
-    from bole_jax.spec_decode.state_factors import commit_state
-
     return commit_state(state, factors, parents, accepted, max_path=max_path,
                         backend="reference")

@@ -21,7 +21,6 @@ import json
 import os
 import sys
 
-
 from bole_jax import compile_cache
 
 BENCH_MODES = ("ar", "bole", "pernode", "chain")
@@ -219,9 +218,10 @@ def _cmd_serve(args) -> int:
 def _cmd_calibrate(args) -> int:
   from pathlib import Path
 
+  from bole_jax.measure import calibrate
   from bole_jax.spec_decode import budget
 
-  budget.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
+  calibrate.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
                                 repeats=args.repeats)
   if args.model is not None:
     from bole_jax.llm import LLM
@@ -229,15 +229,21 @@ def _cmd_calibrate(args) -> int:
     llm = LLM(args.model, dtype=args.dtype, tp=args.tp, compile_cache=args.compile_cache)
     cfg, params = llm.cfg, llm.params
   else:
+    import dataclasses
+
     import jax
 
-    from bole_jax import parallel
+    from bole_jax.model import parallel
     from bole_jax.model.presets import preset
+    from bole_jax.pallas.options import KernelOptions
 
-    cfg = preset(args.preset or "qwen3.5-9b", mtp=False, tp=parallel.check_tp(args.tp))
+    # The environment's kernel options are defaults (an LLM reads them itself).
+    cfg = dataclasses.replace(preset(args.preset or "qwen3.5-9b", mtp=False,
+                                     tp=parallel.check_tp(args.tp)),
+                              kernels=KernelOptions.from_env())
     parallel.log_layout(cfg)
     params = parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
-  table = budget.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
+  table = calibrate.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
                            mode=args.mode, topk=args.topk, depth=args.depth,
                            backend=args.backend, repeats=args.repeats,
                            early_stop=not args.no_early_stop, workers=args.compile_workers,
@@ -248,14 +254,14 @@ def _cmd_calibrate(args) -> int:
            budget.default_table_dir() / f"{args.preset or 'qwen3.5-9b'}_"
            f"{table['device'].replace(' ', '_')}.json")
   if args.merge and Path(out).is_file():
-    table = budget.merge_tables(budget.load_table(out), table)
-  print(budget.format_table(table))
-  print(f"wrote {budget.save_table(table, out)}")
+    table = calibrate.merge_tables(budget.load_table(out), table)
+  print(calibrate.format_table(table))
+  print(f"wrote {calibrate.save_table(table, out)}")
   return 0
 
 
 def _cmd_bench(args) -> int:
-  from bole_jax import bench
+  from bole_jax.measure import bench
 
   result = bench.run_e2e(args)
   if result["compiles_pending"]:  # do not wait for compilations of skipped points

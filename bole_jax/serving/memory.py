@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
 from bole_jax.spec_decode.step import SpecConfig
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
+from bole_jax.model import parallel
 from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state,
                                   empty_pending_like)
 

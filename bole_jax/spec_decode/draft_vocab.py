@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax.model import logits as lm_logits
+from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
 
 log = logging.getLogger("bole_jax")
@@ -99,8 +100,6 @@ def with_draft_vocab(params, cfg: ModelConfig, ids: Sequence[int] | np.ndarray):
   head = (jnp.take(params["embed"], idx, axis=0).T if cfg.tie_word_embeddings
           else jnp.take(params["lm_head"], idx, axis=1))
   if cfg.tp > 1:
-    from bole_jax import parallel
-
     rep = jax.sharding.NamedSharding(parallel.make_mesh(cfg.tp), jax.sharding.PartitionSpec())
     head, idx = jax.device_put(head, rep), jax.device_put(idx, rep)
   mtp = dict(params["mtp"], draft_ids=idx, draft_head=head)

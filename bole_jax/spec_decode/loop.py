@@ -18,8 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
-from bole_jax.model import Cache, ModelConfig, forward
+from bole_jax.model import Cache, ModelConfig, forward, parallel
 from bole_jax.model import logits as lm_logits
 from bole_jax.sampling import SamplingParams, sample
 from bole_jax.spec_decode.drafter import mtp_prefill

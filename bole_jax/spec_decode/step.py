@@ -12,7 +12,6 @@ Modes share everything but the GDN state handling and the tree shape:
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +19,15 @@ import jax.numpy as jnp
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import Cache, GDNCache, pending_nodes, pending_rows
 from bole_jax.model.config import ModelConfig
-from bole_jax.spec_decode import budget as budget_mod, drafter, tree as tree_mod, verify
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.spec_decode import budget as budget_mod
+from bole_jax.spec_decode import drafter, verify
+from bole_jax.spec_decode import tree as tree_mod
 from bole_jax.spec_decode.acceptance import accept
 from bole_jax.spec_decode.drafter import TreeShape
 from bole_jax.spec_decode.loop import DecodeState, emit
 
 SPEC_MODES = ("bole", "pernode", "chain")
-# How the lazy bole commit keeps its pending commit (read at import, for A/B runs): "path" (the
-# default: the step's factors and accepted path, `PendingPath`; the next verify reads the rows
-# itself, no launch in the commit) or "gather" (the path's rows gathered by one launch per GDN
-# layer, `PendingCommit`: sessions 13-17).
-LAZY_ROWS = os.environ.get("BOLE_LAZY_ROWS", "path")
-if LAZY_ROWS not in ("path", "gather"):
-  raise ValueError(f"BOLE_LAZY_ROWS must be 'path' or 'gather', got {LAZY_ROWS!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +40,15 @@ class SpecConfig:
   synthetic_accept: float | None = None  # synthetic drafter: per-depth acceptance probability
   budget: int | None = None  # total verified nodes across the batch (None: N per request)
   lazy_commit: bool = False  # bole: pending rows folded in by the next verify (False: eager)
+  # The kernel options (the same value as ModelConfig.kernels, `spec_step` checks it); the
+  # decode state's lazy-commit layout follows kernels.lazy_rows (`pending_nodes`).
+  kernels: KernelOptions = KernelOptions()
 
   def __post_init__(self):
     if self.mode not in SPEC_MODES:
       raise ValueError(f"unknown spec mode {self.mode!r}; expected one of {SPEC_MODES} or 'ar'")
+    if not isinstance(self.kernels, KernelOptions):
+      raise ValueError(f"kernels must be a KernelOptions, got {self.kernels!r}")
     if not isinstance(self.lazy_commit, bool):
       raise ValueError(f"lazy_commit must be a bool, got {self.lazy_commit!r}")
     if self.budget is not None and (type(self.budget) is not int or self.budget < 1):
@@ -62,11 +62,12 @@ class SpecConfig:
   @staticmethod
   def for_mode(mode: str, topk: int = 4, depth: int = 8, num_nodes: int = 64,
                backend: str = "auto", synthetic_accept: float | None = None,
-               budget: int | None = None, lazy_commit: bool = False) -> "SpecConfig":
+               budget: int | None = None, lazy_commit: bool = False,
+               kernels: KernelOptions = KernelOptions()) -> "SpecConfig":
     if mode == "chain":
       topk, num_nodes = 1, depth + 1
     return SpecConfig(mode, TreeShape(topk, depth, num_nodes), backend, synthetic_accept, budget,
-                      lazy_commit)
+                      lazy_commit, kernels)
 
   @property
   def slack(self) -> int:
@@ -82,8 +83,9 @@ class SpecConfig:
   @property
   def pending_nodes(self) -> int | None:
     """Tree nodes of the factors a lazy bole commit keeps (`PendingPath`, the default
-    `LAZY_ROWS`): N; None for gathered rows or no lazy commit."""
-    return self.shape.num_nodes if self.pending_length and LAZY_ROWS == "path" else None
+    `kernels.lazy_rows` "path"): N; None for gathered rows or no lazy commit."""
+    return (self.shape.num_nodes if self.pending_length and self.kernels.lazy_rows == "path"
+            else None)
 
 
 def check_cache_layout(spec: SpecConfig, cache: Cache) -> None:
@@ -131,6 +133,10 @@ def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
 
 
 def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig) -> DecodeState:
+  if spec.kernels != cfg.kernels:
+    raise ValueError(f"SpecConfig.kernels {spec.kernels} differs from ModelConfig.kernels "
+                     f"{cfg.kernels}: build both from one KernelOptions (LLM(kernel_options=...) "
+                     "does)")
   check_cache_layout(spec, state.cache)
   key, k_draft, k_acc = jax.random.split(state.key, 3)
   active = ~state.done

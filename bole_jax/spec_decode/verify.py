@@ -13,9 +13,9 @@ to consecutive slots, lengths advanced.
 
 Lazy commit (bole, when the cache's GDN layers carry a `pending`: model/cache.py). The commit
 does not rebuild the state: it keeps the step's factors and accepted path in the cache
-(`PendingPath`: no kernel at all; or, `BOLE_LAZY_ROWS=gather`, the path's rows gathered by
-`tree_gdn.pending_commit`), and the next step's verify folds the path's rows into the state tile
-it loads anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending
+(`PendingPath`: no kernel at all; or, with `KernelOptions.lazy_rows` "gather", the path's rows
+gathered by `tree_gdn_commit.pending_commit`), and the next step's verify folds the path's rows
+into the state tile it loads anyway (`tree_gdn_verify(pending=...)`) and puts that state into the cache, the pending
 then being cleared: one read + write of the fp32 state per step instead of the eager commit's
 read + write plus the verify's read. The committed state is `committed_state` throughout.
 Without a pending (eager bole, pernode, chain) everything is as before.
@@ -25,20 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from bole_jax import parallel
-from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state, empty_pending_like,
-                                  pending_rows)
-from bole_jax.model.config import LINEAR, ModelConfig
+from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
+from bole_jax.model.cache import (
+  AttnCache,
+  Cache,
+  GDNCache,
+  committed_state,
+  empty_pending_like,
+  pending_rows,
+)
+from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
-from bole_jax.pallas import tree_conv, tree_gdn, tree_pernode
-from bole_jax.pallas.tree_utils import PendingPath, TreeFactors, TreeStructure, tree_structure
+from bole_jax.pallas import tree_conv, tree_gdn, tree_gdn_commit, tree_pernode
+from bole_jax.pallas.factors import PendingPath, TreeFactors
+from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
 from bole_jax.spec_decode.tree import Tree
@@ -99,12 +105,13 @@ def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeSt
     o, factors, new_state = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
                                                      tree.num_nodes, backend=backend, tree=ts,
                                                      pending=cache.pending,
-                                                     depth_bound=depth_bound)
+                                                     depth_bound=depth_bound,
+                                                     options=cfg.kernels)
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "bole":
     o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, state, tree.parents,
                                           tree.num_nodes, backend=backend, tree=ts,
-                                          depth_bound=depth_bound)
+                                          depth_bound=depth_bound, options=cfg.kernels)
     aux = dataclasses.replace(aux, factors=factors)
   elif mode == "pernode":
     o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, state, tree.parents,
@@ -178,18 +185,14 @@ def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: 
   return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
-# How the Pallas commit adds the accepted path's rows: "auto" (the default since session 10:
-# unrolled fp32 rank-1 updates for a decode step's short paths), "unroll", "dot" (one TF32x3
-# tensor-core dot, the default of sessions 7-9) or "loop" (fp32 rank-1 updates in a loop):
-# env BOLE_COMMIT_FOLD, read at import, for A/B checks of the engine on a GPU (docs/NOTES.md).
-COMMIT_FOLD = os.environ.get("BOLE_COMMIT_FOLD", "auto")
-
-
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
-  """state_factors.commit_state with the step's accepted path (no walk per layer), per device
-  on its own heads under tensor parallelism."""
+  """tree_gdn_commit.commit_state with the step's accepted path (no walk per layer), per device
+  on its own heads under tensor parallelism; the Pallas commit's fold is cfg.kernels.commit_fold
+  ("auto" without a cfg)."""
+  fold = "auto" if cfg is None else cfg.kernels.commit_fold
+
   def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
-    return state_factors.commit_state(s, f, p, a, path=pa, count=c, fold=COMMIT_FOLD)
+    return tree_gdn_commit.commit_state(s, f, p, a, path=pa, count=c, fold=fold)
 
   if cfg is None:
     return commit(state, factors, parents, last, path, count)
@@ -207,7 +210,7 @@ def _commit_pernode_state(state, node_states, last, cfg: ModelConfig | None):
   state), per device on its own heads under tensor parallelism. Outside shard_map its Pallas
   launch (B >= 2 on GPU) is a custom call XLA cannot partition: it gathered every device's
   scratch (all nodes' states of the layer) before the commit, ~27 ms per step at 80B TP = 2
-  B = 4 (session 14)."""
+  B = 4."""
   if cfg is None:
     return tree_pernode.commit_pernode_state(state, node_states, last)
   return parallel.over_gdn_heads(
@@ -217,11 +220,11 @@ def _commit_pernode_state(state, node_states, last, cfg: ModelConfig | None):
 
 
 def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelConfig | None):
-  """tree_gdn.pending_commit with the step's accepted path, per device on its own heads under
+  """tree_gdn_commit.pending_commit with the step's accepted path, per device on its own heads under
   tensor parallelism (the rows come out split like the cache's pending:
   `parallel.pending_specs`)."""
   def rows(f, p, a, pa, c):
-    return tree_gdn.pending_commit(f, p, a, length, pa, c)
+    return tree_gdn_commit.pending_commit(f, p, a, length, pa, c)
 
   if cfg is None:
     return rows(factors, parents, last, path, count)
@@ -242,7 +245,8 @@ def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
   next verify to fold in (module docstring); baselines: a copy of that node's scratch state) and
   the conv state along the accepted path.
   Attention: the path's KV rows move from slot L + path[j] to slot L + j.
-  cfg: read only under tensor parallelism (cfg.tp > 1: the state commit runs per device).
+  cfg: read under tensor parallelism (cfg.tp > 1: the state commit runs per device) and for
+  the commit's fold (`KernelOptions.commit_fold`).
   """
   last = jnp.where(active, acc.last, -1)  # -1: keep the committed state
   num = jnp.where(active, acc.num_accepted, 0)

@@ -1,0 +1,90 @@
+"""Kernel options: the choices that change which kernel runs (and its numerics) but not the model.
+
+`KernelOptions` is frozen and hashable: it rides on the configs that `jax.jit` sees as static
+arguments (`ModelConfig.kernels`, read by the model forward and the tree verify;
+`SpecConfig.kernels`, read by the decode state's lazy-commit layout; the two must be the same
+value, `spec_step` checks it), so two settings compile to two programs and can be compared in
+one process.
+
+The environment variables below are defaults only: `KernelOptions.from_env()` reads them, and
+only the CLI and `bole_jax.LLM` (when it is given no `kernel_options`) call it. Nothing reads
+them at import.
+
+    field               variable                  values
+    tree_gdn_bf16       BOLE_TREE_GDN_BF16        1 / 0 (default 1)
+    mosaic              BOLE_TREE_GDN_MOSAIC      1 / 0 (default 1)
+    commit_fold         BOLE_COMMIT_FOLD          auto | unroll | dot | loop (default auto)
+    lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
+    gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+COMMIT_FOLDS = ("auto", "unroll", "dot", "loop")
+LAZY_ROWS = ("path", "gather")
+BACKENDS = ("auto", "pallas", "reference")
+
+_ENV = dict(tree_gdn_bf16="BOLE_TREE_GDN_BF16", mosaic="BOLE_TREE_GDN_MOSAIC",
+            commit_fold="BOLE_COMMIT_FOLD", lazy_rows="BOLE_LAZY_ROWS",
+            gdn_decode_backend="BOLE_GDN_DECODE_BACKEND")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Which kernels run, for the launches that choose for themselves ("auto").
+
+    tree_gdn_bf16: the tree verify's auto launch (`TreeGDNConfig.auto`) takes bf16 operands for
+      K K^T, Q K^T and the state dots (fp32 accumulation); False keeps fp32 operands (TF32 on the
+      GPU): slower, o error about 1.3e-3 instead of 3e-3 against fp64. Same launch shapes.
+    mosaic: the auto launch may pick the Mosaic GPU verify where it was measured faster
+      (`mosaic_launch`; it also needs tree_gdn_bf16). False: always the Triton kernel.
+    commit_fold: how the Pallas commit adds the accepted path's rows (`commit_launch`): "auto"
+      (unrolled fp32 rank-1 updates for a decode step's short paths, else the dot), "unroll",
+      "dot" (one TF32x3 tensor-core dot) or "loop" (fp32 rank-1 updates in a loop).
+    lazy_rows: how the lazy bole commit keeps its pending commit: "path" (the step's factors and
+      accepted path, `PendingPath`: the next verify reads the rows itself, no launch in the
+      commit) or "gather" (the path's rows gathered by one launch per GDN layer,
+      `PendingCommit`).
+    gdn_decode_backend: the one-token GDN decode rule: "auto" (the in-place Pallas kernel on
+      GPU, the jnp rule elsewhere), "pallas" or "reference".
+    """
+
+    tree_gdn_bf16: bool = True
+    mosaic: bool = True
+    commit_fold: str = "auto"
+    lazy_rows: str = "path"
+    gdn_decode_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("tree_gdn_bf16", "mosaic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelOptions.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        for name, allowed in (("commit_fold", COMMIT_FOLDS), ("lazy_rows", LAZY_ROWS),
+                              ("gdn_decode_backend", BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KernelOptions.{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, environ=None) -> "KernelOptions":
+        """The options the environment variables set (module docstring), defaults for the rest.
+        A bad value is an error naming the variable."""
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for name, var in _ENV.items():
+            if var not in environ:
+                continue
+            value = environ[var]
+            if name in ("tree_gdn_bf16", "mosaic"):
+                kw[name] = value != "0"
+            else:
+                kw[name] = value
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            name = str(e).split()[0].split(".")[-1]
+            raise ValueError(f"{_ENV.get(name, 'environment')}: {e}") from None

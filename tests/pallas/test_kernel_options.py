@@ -1,0 +1,97 @@
+"""KernelOptions: carried by the configs jit sees, so two settings run side by side in one process;
+the BOLE_* environment variables are defaults read only by `from_env` (the CLI, `LLM`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bole_jax import KernelOptions as PublicKernelOptions
+from bole_jax.llm import LLM
+from bole_jax.model import ModelConfig
+from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.testing import random_gdn_inputs, random_trees
+from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
+from bole_jax.spec_decode.step import SpecConfig, spec_step
+
+
+def test_defaults_validation_and_hashing():
+    d = KernelOptions()
+    assert PublicKernelOptions is KernelOptions
+    assert (d.tree_gdn_bf16, d.mosaic, d.commit_fold, d.lazy_rows, d.gdn_decode_backend) == (
+        True, True, "auto", "path", "auto")
+    assert hash(d) == hash(KernelOptions()) and d != KernelOptions(mosaic=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.mosaic = False
+    for bad, match in ((dict(commit_fold="fast"), "commit_fold must be one of"),
+                       (dict(lazy_rows="rows"), "lazy_rows must be one of"),
+                       (dict(gdn_decode_backend="gpu"), "gdn_decode_backend must be one of"),
+                       (dict(tree_gdn_bf16=1), "tree_gdn_bf16 must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            KernelOptions(**bad)
+
+
+def test_from_env_reads_the_old_variables():
+    assert KernelOptions.from_env({}) == KernelOptions()
+    env = {"BOLE_TREE_GDN_BF16": "0", "BOLE_TREE_GDN_MOSAIC": "0", "BOLE_COMMIT_FOLD": "dot",
+           "BOLE_LAZY_ROWS": "gather", "BOLE_GDN_DECODE_BACKEND": "reference"}
+    assert KernelOptions.from_env(env) == KernelOptions(
+        tree_gdn_bf16=False, mosaic=False, commit_fold="dot", lazy_rows="gather",
+        gdn_decode_backend="reference")
+    assert KernelOptions.from_env({"BOLE_TREE_GDN_BF16": "1"}).tree_gdn_bf16
+    with pytest.raises(ValueError, match="BOLE_LAZY_ROWS"):
+        KernelOptions.from_env({"BOLE_LAZY_ROWS": "rows"})
+
+
+def test_two_settings_in_one_process_give_two_verifies():
+    """Configs that differ only in tree_gdn_bf16 are different static arguments and, through the
+    auto launch they select, give different verify outputs (CPU interpret mode); each setting
+    is deterministic."""
+    cfg = ModelConfig.tiny()
+    cfg_fp32 = dataclasses.replace(cfg, kernels=KernelOptions(tree_gdn_bf16=False))
+    assert cfg != cfg_fp32 and hash(cfg) != hash(cfg_fp32)
+    rng = np.random.default_rng(0)
+    b, n = 2, 16
+    parents, num_nodes = random_trees(rng, b, n)
+    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
+    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
+    outs = {}
+    for c in (cfg, cfg_fp32):
+        launch = TreeGDNConfig.auto(b, n, 9, c.kernels)
+        assert launch.bf16_qk is c.kernels.tree_gdn_bf16
+        runs = [tree_gdn_verify(*args, parents, num_nodes, backend="pallas", interpret=True,
+                                config=launch, depth_bound=9) for _ in range(2)]
+        (o1, f1), (o2, f2) = runs
+        np.testing.assert_array_equal(o1, o2)
+        np.testing.assert_array_equal(f1.u, f2.u)
+        outs[c.kernels.tree_gdn_bf16] = o1
+    diff = float(jnp.max(jnp.abs(outs[True] - outs[False])))
+    assert diff > 1e-5, diff  # bf16 operands round q, k and the state: visibly different
+
+
+def test_llm_carries_the_options(monkeypatch):
+    cfg = ModelConfig.tiny()
+    opts = KernelOptions(lazy_rows="gather", commit_fold="loop")
+    llm = LLM(cfg, kernel_options=opts)
+    assert llm.cfg.kernels == opts
+    spec = llm._spec_config("bole")
+    assert spec.kernels == opts
+    lazy = dataclasses.replace(spec, lazy_commit=True)
+    assert lazy.pending_length and lazy.pending_nodes is None  # gathered rows: no factors kept
+    assert dataclasses.replace(lazy, kernels=KernelOptions()).pending_nodes == (
+        spec.shape.num_nodes)
+    # no options: the environment's, as defaults
+    monkeypatch.setenv("BOLE_COMMIT_FOLD", "dot")
+    assert LLM(cfg).cfg.kernels == KernelOptions(commit_fold="dot")
+    monkeypatch.delenv("BOLE_COMMIT_FOLD")
+    assert LLM(cfg).cfg.kernels == KernelOptions()
+
+
+def test_spec_step_refuses_options_that_differ():
+    cfg = ModelConfig.tiny()
+    spec = SpecConfig(kernels=KernelOptions(mosaic=False))
+    with pytest.raises(ValueError, match="build both from one KernelOptions"):
+        spec_step(None, None, cfg=cfg, spec=spec)
