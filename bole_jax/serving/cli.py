@@ -138,7 +138,8 @@ def _cmd_calibrate(args) -> int:
     print("calibrating on CPU: the tree kernels run as references (interpret mode), so the "
           "choice is the CPU's, not a GPU's", file=sys.stderr)
   table = calibrate.calibrate(llm, batches, nodes, args.depth, topk=args.topk, modes=args.modes,
-                              accept_prob=p, steps=args.steps, warm=args.warm,
+                              accept_prob=p, steps=args.steps, repeats=args.repeats,
+                              warm=args.warm,
                               backend=args.backend, workers=args.compile_workers,
                               time_budget=args.time_budget, progress=not args.no_progress)
   print(calibrate.format_table(table))
@@ -332,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--topk", type=int, default=4, help="bole: children per node")
   c.add_argument("--modes", nargs="+", default=["ar", "chain", "bole"],
                  choices=["ar", "chain", "bole"], help="modes timed (ar is always needed)")
-  c.add_argument("--steps", type=int, default=16, help="timed decode steps per candidate")
+  c.add_argument("--steps", type=int, default=8, help="timed decode steps per window")
+  c.add_argument("--repeats", type=int, default=3,
+                 help="timed windows per candidate (step time: the fastest window's)")
   c.add_argument("--warm", type=int, default=2, help="untimed decode steps per candidate")
   c.add_argument("--accept-mean", type=float, default=3.5,
                  help="--preset: the synthetic drafter's mean tokens per step at the largest depth")
