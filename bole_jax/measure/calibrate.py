@@ -458,7 +458,10 @@ def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
                   time_budget=AUTO_SECONDS, progress=False,
                   accept_prob=opts.get("synthetic_accept"))
   path = store(new)
-  log.warning("bole_jax: calibrated in %.0f s, table %s", new["seconds"], path)
+  skipped = [candidate_id(c) for e in new["entries"] for c in e["candidates"] if "note" in c]
+  log.warning("bole_jax: calibrated in %.0f s, table %s%s", new["seconds"], path,
+              f"; not timed within the time budget: {', '.join(skipped)} (the choice is among "
+              f"the others; `{budget.llm_command(llm)}` times them all)" if skipped else "")
   return budget.find_table(llm.cfg, dtype, model_dir=llm.path,
                            identity=budget.llm_identity(llm))
 
