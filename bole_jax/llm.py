@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax import compile_cache as compile_cache_mod
+from bole_jax.measure import calibrate as calibrate_mod
 from bole_jax.model import ModelConfig, init_cache, init_params, parallel
 from bole_jax.model.cache import with_pending
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
@@ -34,7 +35,7 @@ from bole_jax.pallas.options import KernelOptions
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
-from bole_jax.spec_decode.budget import resolve_spec_options
+from bole_jax.spec_decode.budget import spec_options_for
 from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
@@ -152,7 +153,7 @@ class LLM:
     self.compile_cache = compile_cache_mod.enable(compile_cache)  # the folder, None when off
     # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
     self.spec_options = dict(spec_options or {})
-    self._resolved_spec_options: dict[int, dict] = {}  # batch bucket -> options + calibrated width
+    self._resolved_spec_options: dict = {}  # (batch bucket, mode) -> options + calibrated shape
     self.tokenizer: Tokenizer | None = None
     if dtype is None and jax.default_backend() == "cpu":
       dtype = "float32"  # bf16 matmuls are emulated (slow) on CPU
@@ -225,7 +226,8 @@ class LLM:
     request was active, prefill excluded), tokens_per_step, time_s (wall time of its batch),
     tokens_per_s (its generated tokens / time_s), mode, drafter.
 
-    spec: "ar", "bole" (default when the model has an MTP head), "pernode" or "chain".
+    spec: "ar", "bole", "pernode" or "chain"; None (default): per batch bucket, the mode the
+      calibration table expects fastest (docs/budget.md), ar without a table.
     oracle: benchmarks only, with spec_options={"synthetic_accept": p}: the target's own
       continuation of every prompt, which the synthetic-acceptance drafter places in the tree
       (each depth correct with probability p). Outputs then say drafter="synthetic acceptance".
@@ -237,7 +239,7 @@ class LLM:
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     validate_sampling(temperature, top_p, top_k)
-    mode = self.default_spec if spec is None else spec
+    mode = calibrate_mod.decode_mode(self, spec, min(len(prompts), self.max_batch_size))
     if mode != "ar":
       # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
       spec_cfg = self._spec_config(mode, _pow2(min(len(prompts), self.max_batch_size)))
@@ -476,12 +478,20 @@ class LLM:
     if mode not in ("ar",) + SPEC_MODES:
       raise ValueError(f"unknown spec mode {mode!r}: expected one of {('ar',) + SPEC_MODES}")
     batch = batch or self.max_batch_size
-    if batch not in self._resolved_spec_options:
-      self._resolved_spec_options[batch] = resolve_spec_options(
-          self.cfg, self.spec_options, batch=batch, param_dtype=self.params["embed"].dtype,
-          model_dir=self.path)
-    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch],
+    if (batch, mode) not in self._resolved_spec_options:
+      self._resolved_spec_options[batch, mode] = spec_options_for(self, mode, batch)
+    return SpecConfig.for_mode(mode, **self._resolved_spec_options[batch, mode],
                                kernels=self.cfg.kernels)
+
+  def calibrate(self, **kwargs) -> dict:
+    """Measure this model's decode configurations and store the table in the user cache
+    (`bole_jax.measure.calibrate.calibrate` takes the keyword arguments); later calls decode
+    with its choices. Returns the table."""
+    table = calibrate_mod.calibrate(self, **kwargs)
+    table["path"] = str(calibrate_mod.store(table))
+    self._resolved_spec_options.clear()
+    LLM.segment_fn.cache_clear()
+    return table
 
   @functools.lru_cache(maxsize=None)
   def segment_fn(self, mode: str, batch: int | None = None):

@@ -18,9 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax.measure.calibrate import (  # noqa: F401
+  _copy,
+  expected_tokens_per_step,
+  synthetic_accept_prob,
+  timed_segment,
+)
+from bole_jax.measure.calibrate import derive_state as _derive_state
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar
 from bole_jax.model import ModelConfig, parallel
-from bole_jax.model.cache import AttnCache, GDNCache, with_pending
+from bole_jax.model.cache import GDNCache
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 
 
@@ -46,26 +53,6 @@ def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
       row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
       state += int(lengths.sum()) * row + batch * row
   return w + state
-
-
-def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
-  """Warm up (`warm_steps` loop iterations, compilation included when `run` is not compiled
-  yet), then time `steps` iterations of the jitted loop `run(params, state, max_steps)`.
-  Throughput counts the tokens the first `n` (real) requests emitted in the timed window."""
-  state = run(params, state, jnp.int32(warm_steps))
-  jax.block_until_ready(state.out)
-  n0 = np.asarray(state.num_out).copy()
-  s0 = np.asarray(state.steps).copy()
-  t = time.perf_counter()
-  state = run(params, state, jnp.int32(steps))
-  jax.block_until_ready(state.out)
-  dt = time.perf_counter() - t
-  n1, s1 = np.asarray(state.num_out), np.asarray(state.steps)
-  toks = int((n1 - n0)[:n].sum())
-  nsteps = int((s1 - s0)[:n].max())
-  return dict(batch=n, time_s=dt, tokens=toks, loop_steps=nsteps,
-              step_ms=1e3 * dt / max(nsteps, 1), tokens_per_s=toks / dt,
-              tokens_per_step=toks / max(int((s1 - s0)[:n].sum()), 1)), state
 
 
 def run_mode(llm, ids, mode: str, gen_tokens: int, warm_steps: int, steps: int, oracle=None):
@@ -99,26 +86,14 @@ def write_json(path, payload: dict) -> None:
 # benchmarks/bench_e2e.py). docs/budget.md explains the method.
 
 E2E_MODES = ("ar", "bole", "pernode", "chain")
+FULL_BATCHES = (1, 4, 16, 32, 64)
+QUICK_BATCHES = (1,)
+QUICK_TIME_BUDGET = 75.0  # seconds: `bench --quick` ends within about this (plus the last point)
+CPU_NOTE = ("CPU: the kernels run as references (Pallas in interpret mode, jnp references "
+            "elsewhere), so these numbers are not GPU-representative: on a GPU the tree verify "
+            "and commit are Pallas kernels")
 STAGES = ("draft", "select", "verify", "accept", "commit", "emit")
 MiB = 2 ** 20
-
-
-def expected_tokens_per_step(p: float, drafts: int) -> float:
-  """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
-  chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
-  return 1.0 + sum(p ** d for d in range(1, drafts + 1))
-
-
-def synthetic_accept_prob(mean_tokens: float, depth: int) -> float:
-  """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
-  if not 1.0 < mean_tokens < depth + 1:
-    raise ValueError(f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), "
-                     f"got {mean_tokens}")
-  lo, hi = 0.0, 1.0
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
-  return (lo + hi) / 2
 
 
 def load_prompts(path) -> list[str]:
@@ -269,8 +244,6 @@ def _median_ms(fn, reps: int, prepare=None) -> float:
   return 1e3 * float(np.median(ts))
 
 
-_copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
-
 
 def stage_inputs(progs: dict, params, state, reshard: bool = False) -> dict:
   """Every stage's arguments on the same `state`, produced by running the previous stages once:
@@ -335,6 +308,17 @@ def _check_e2e_args(a) -> None:
 
   if a.quick:
     a.steps, a.warm, a.breakdown_reps = min(a.steps, 8), min(a.warm, 2), min(a.breakdown_reps, 3)
+  # Unset options take the run's defaults: --quick is a smoke run (two batches, no per-stage
+  # breakdown, a short time budget: every program compiles, and on a 2-core CPU each costs
+  # seconds); a full run measures five batches and splits the step at B = 16.
+  if a.batch is None:
+    a.batch = list(QUICK_BATCHES if a.quick else FULL_BATCHES)
+  if a.dtype is None and a.model is None and jax.default_backend() == "cpu":
+    a.dtype = "float32"  # bf16 matmuls are emulated on CPU (LLM's CPU default too)
+  if a.breakdown_batch is None:
+    a.breakdown_batch = 0 if a.quick else 16
+  if a.time_budget is None:
+    a.time_budget = QUICK_TIME_BUDGET if a.quick else 480.0
   if a.preset is None and a.model is None:
     a.preset = "qwen3.5-9b"
   if a.model is not None and a.prompts_file is None:
@@ -388,30 +372,6 @@ def _e2e_model(a):
   rng = np.random.default_rng(a.seed)
   ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
   return cfg, params, ids, True
-
-
-def _derive_state(base, mode: str, spec, cfg: ModelConfig, oracle=None):
-  """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
-  prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
-  spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
-  the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
-  mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
-  under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
-  the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
-  its first call)."""
-  length = spec.pending_length if spec is not None else None
-  nodes = spec.pending_nodes if spec is not None else None
-  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
-  if mode == "ar":
-    ds = None
-  else:
-    ds = base.extra
-    rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
-    assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
-    ds = dataclasses.replace(
-        ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
-        oracle=ds.oracle if oracle is None else oracle)
-  return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
 
 
 def _commit_kind(spec) -> str:
@@ -470,8 +430,13 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
   dtype = params["embed"].dtype
   if a.nodes == "auto":
     kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
+    nv = (int(params["mtp"]["draft_ids"].shape[0])
+          if draft_vocab_mod.has_draft_vocab(params) else None)
+    ident = budget_mod.model_identity(cfg, dtype, a.model, draft_vocab=nv,
+                                      drafter="mtp" if p is None else f"synthetic p={p:.4f}")
+    cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
     choice = budget_mod.choice_for(cfg, dtype, b, calibration=a.calibration, model_dir=a.model,
-                                   kv=kv_guess)
+                                   kv=kv_guess, identity=ident, command=cmd)
   else:
     choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
   k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
@@ -548,12 +513,14 @@ def run_e2e(a) -> dict:
   import traceback
 
   t_start = time.perf_counter()
-  deadline = t_start + a.time_budget
   _check_e2e_args(a)
+  deadline = t_start + a.time_budget
   if a.compile_cache and a.compile_cache.lower() != "none":
     enable_compile_cache(a.compile_cache)
   env = environment()
   say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+  if env["platform"] == "cpu":
+    say(f"[bench] {CPU_NOTE}")
   cfg, params, ids_all, synthetic = _e2e_model(a)
   if not ids_all:
     raise ValueError("no prompts left after tokenisation")
@@ -729,6 +696,8 @@ def run_e2e(a) -> dict:
           "speedup_vs_pernode", "tokens_per_step", "step_ms", "ar_agreement"]
   if p is not None:
     cols.insert(8, "expected_tokens_per_step")
+  if env["platform"] == "cpu":
+    print(f"\n{CPU_NOTE}")
   print(f"\noffline decode, {a.preset or a.model} ({dtype}), {env['device']}, "
         f"{'synthetic drafter p=%.4f' % p if p is not None else 'MTP drafter'}, "
         f"{a.steps} timed steps")

@@ -1,315 +1,490 @@
-"""Calibration of the verification budget: time decode and tree verify, choose the width.
+"""Calibration of the decode configuration: time whole decode steps, measure acceptance, choose.
 
-The budget worth verifying is the one that costs about as much as a
-plain decode step: time the complete hybrid tree-verify forward T_ver(N) (`verify_forward` + the
-lm head) at N nodes per request, and the one-token decode forward T_dec, per batch bucket and KV
-capacity bucket, and keep B_ver = max{N : T_ver(N) <= (1 + eps) T_dec}. The table (JSON, one per
-device and model dims) gives the engine its per-request tree width N = B_ver and total budget
-K = batch * B_ver; `resolve_spec_options` finds it (an explicit path, `<model_dir>/
-bole_calibration.json`, or the user cache) and falls back to `default_choice` with one warning.
+For each batch bucket B, every candidate configuration (ar; chain at a draft depth d; bole at a
+tree width N and depth d) runs the engine's own jitted decode loop (`LLM.segment_fn`) on the
+model being calibrated: `warm` untimed steps, then `repeats` timed windows of `steps` steps. The step time is the
+fastest window's loop wall time per step (draft, select, verify, accept, commit, emit: everything a step does, fused as
+the engine runs it). The acceptance estimate is the tokens emitted per request per step in the
+same runs, pooled over the buckets: measured with the model's real MTP head on the built-in
+prompts (`CALIBRATION_PROMPTS`, generic text and code, never a benchmark's evaluation set), or,
+for random weights with the synthetic drafter, the synthetic acceptance
+1 + p + ... + p^min(d, N-1). The choice per bucket (`budget.choose`): the candidate with the most
+expected tokens per second, acceptance / step time.
 
-Note on cost: the verify forward is padded to [B, N] rows, so verify time follows B * N whatever
-the budget; a budget below B * N moves nodes between requests but does not make the step
-cheaper. The calibrated N is what sets the cost (docs/budget.md).
+One prefill per bucket is shared by every candidate (same prompts, same first token, the same KV
+capacity). Programs are lowered in this thread and compiled in `workers` threads, and each is
+compiled before anything is timed (XLA autotunes on the device while it compiles). With
+`time_budget`, candidates not started by then are skipped (marked in the table): the choice is
+then made among those measured (ar is always first, so a table always has a safe choice).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bole_jax.measure.env import environment, progress_bar
-from bole_jax.model import forward, init_cache, logits, parallel
-from bole_jax.pallas.testing import random_trees
-from bole_jax.spec_decode import tree as tree_mod
-from bole_jax.spec_decode import verify
-from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, model_signature
-from bole_jax.spec_decode.verify import GDN_MODES
+from bole_jax.model import parallel
+from bole_jax.model.cache import AttnCache, with_pending
+from bole_jax.spec_decode import budget
+from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
 
-DEFAULT_BATCHES = (1, 4, 16, 32, 64)
-DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_KV = (1024,)
+# Short, generic prompts (prose, code, lists, dialogue): what the acceptance is measured on.
+CALIBRATION_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Q: What is the capital of France?\nA:",
+    "for i in range(10):\n    print(",
+    "Here is a list of fruits:\n1. Apple\n2.",
+)
+
+DEFAULT_BATCHES = (1, 4, 16, 64)
+DEFAULT_NODES = (4, 8, 16, 32, 64)
+DEFAULT_DEPTHS = (8,)
+CPU_NODES = (4, 8)  # CPU: the tree kernels run as references (interpret mode): few widths
+AUTO_SECONDS = 60.0  # automatic calibration on first use: at most about this long
+AUTO_STEPS, AUTO_REPEATS, AUTO_WARM = 4, 2, 2
 
 
-def _model_parts(model) -> tuple[Any, Any]:
-  """(cfg, params) from an LLM or a (cfg, params) pair."""
-  if hasattr(model, "cfg") and hasattr(model, "params"):
-    return model.cfg, model.params
+def expected_tokens_per_step(p: float, drafts: int) -> float:
+  """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
+  chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
+  return 1.0 + sum(p ** d for d in range(1, drafts + 1))
+
+
+def synthetic_accept_prob(mean_tokens: float, depth: int) -> float:
+  """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
+  if not 1.0 < mean_tokens < depth + 1:
+    raise ValueError(f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), "
+                     f"got {mean_tokens}")
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
+  return (lo + hi) / 2
+
+
+# ---------------------------------------------------------------- timing the engine's loop
+
+
+_copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
+
+
+def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
+  """Warm up (`warm_steps` loop iterations, compilation included when `run` is not compiled
+  yet), then time `steps` iterations of the jitted loop `run(params, state, max_steps)`.
+  Throughput counts the tokens the first `n` (real) requests emitted in the timed window."""
+  state = run(params, state, jnp.int32(warm_steps))
+  jax.block_until_ready(state.out)
+  n0 = np.asarray(state.num_out).copy()
+  s0 = np.asarray(state.steps).copy()
+  t = time.perf_counter()
+  state = run(params, state, jnp.int32(steps))
+  jax.block_until_ready(state.out)
+  dt = time.perf_counter() - t
+  n1, s1 = np.asarray(state.num_out), np.asarray(state.steps)
+  toks = int((n1 - n0)[:n].sum())
+  req_steps = int((s1 - s0)[:n].sum())
+  nsteps = int((s1 - s0)[:n].max())
+  return dict(batch=n, time_s=dt, tokens=toks, loop_steps=nsteps, request_steps=req_steps,
+              step_ms=1e3 * dt / max(nsteps, 1), tokens_per_s=toks / dt,
+              tokens_per_step=toks / max(req_steps, 1)), state
+
+
+def derive_state(base, mode: str, spec, cfg, oracle=None):
+  """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
+  prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
+  spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
+  the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
+  mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
+  under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
+  the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
+  its first call)."""
+  length = spec.pending_length if spec is not None else None
+  nodes = spec.pending_nodes if spec is not None else None
+  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
+  if mode == "ar":
+    ds = None
+  else:
+    ds = base.extra
+    rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
+    assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
+    ds = dataclasses.replace(
+        ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
+        oracle=ds.oracle if oracle is None else oracle)
+  return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def candidates(nodes: Sequence[int], depths: Sequence[int], topk: int = 4,
+               modes: Sequence[str] = ("ar", "chain", "bole")) -> list[dict]:
+  """The configurations timed per bucket, in the order they are measured: ar, chain per depth,
+  then bole by growing tree (a time budget cuts the most expensive ones)."""
+  out = [dict(mode="ar", nodes=1, depth=0, topk=1)] if "ar" in modes else []
+  if "chain" in modes:
+    out += [dict(mode="chain", nodes=d + 1, depth=d, topk=1) for d in depths]
+  if "bole" in modes:
+    out += [dict(mode="bole", nodes=n, depth=d, topk=topk) for n in sorted(nodes)
+            for d in depths]
+  return out
+
+
+def check_calibration_args(batch_buckets, node_buckets, depths, *, steps=16, warm=2):
+  """Validated, sorted buckets (clear errors for bad ones)."""
+
+  def positive(name, values, hi=None):
+    vals = list(values)
+    if not vals:
+      raise ValueError(f"{name}: give at least one value")
+    bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
+    if bad:
+      raise ValueError(f"{name}: must be positive integers, got {bad}")
+    if hi is not None and max(vals) > hi:
+      raise ValueError(f"{name}: {max(vals)} is above {hi} (the Pallas tree kernels verify at "
+                       f"most {hi} nodes per request)")
+    return tuple(sorted(set(int(v) for v in vals)))
+
+  if steps < 1 or warm < 0:
+    raise ValueError("need --steps >= 1 and --warm >= 0")
+  return (positive("batch buckets", batch_buckets), positive("node buckets", node_buckets,
+                                                              MAX_NODES),
+          positive("depths", depths))
+
+
+# ---------------------------------------------------------------- the measurement
+
+
+def _prompt_ids(llm, prompt_len: int, synthetic: bool, seed: int) -> list[list[int]]:
+  if llm.tokenizer is not None and not synthetic:
+    ids = [llm.tokenizer.encode(p)[-prompt_len:] for p in CALIBRATION_PROMPTS]
+    return [t for t in ids if t]
+  rng = np.random.default_rng(seed)
+  return rng.integers(1, llm.cfg.vocab_size, (len(CALIBRATION_PROMPTS), prompt_len)).tolist()
+
+
+def calibrate(llm, batch_buckets: Sequence[int] = DEFAULT_BATCHES,
+              node_buckets: Sequence[int] = DEFAULT_NODES,
+              depths: Sequence[int] = DEFAULT_DEPTHS, *, topk: int = 4,
+              modes: Sequence[str] = ("ar", "chain", "bole"), accept_prob: float | None = None,
+              steps: int = 8, repeats: int = 3, warm: int = 2, prompt_len: int = 64,
+              backend: str = "auto",
+              time_budget: float | None = None, workers: int | None = None,
+              progress: bool = True, seed: int = 0) -> dict:
+  """Time whole decode steps of every candidate and estimate their acceptance (module docstring).
+
+  llm: the `LLM` to calibrate (its weights, MTP head, draft vocabulary and dtype are what is
+    measured). accept_prob: random weights: the synthetic drafter with per-depth acceptance p
+    (the prompts are then random tokens and the acceptance is the synthetic one, not measured).
+  batch_buckets: batch sizes B; node_buckets: bole tree widths N (root included, <= 128);
+  depths: draft depths d (chain verifies d + 1 nodes). warm: untimed loop steps per candidate,
+    then `repeats` timed windows of `steps` steps: the step time is the fastest window's (a
+    machine shared with other jobs slows some windows), the acceptance counts all of them.
+    time_budget: seconds; candidates not started by then are skipped.
+  Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
+  """
+  batch_buckets, node_buckets, depths = check_calibration_args(
+      batch_buckets, node_buckets, depths, steps=steps, warm=warm)
+  if repeats < 1:
+    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  t_start = time.perf_counter()
+  deadline = None if time_budget is None else t_start + time_budget
+  cfg, params = llm.cfg, llm.params
+  dtype = params["embed"].dtype
+  has_mtp = bool(cfg.mtp_num_layers) and "mtp" in params
+  cands = candidates(node_buckets, depths, topk, modes if has_mtp else ("ar",))
+  if not cands or cands[0]["mode"] != "ar":
+    raise ValueError("the candidates must include ar (the reference every choice is safe against)")
+  synthetic = accept_prob is not None
+  ids_all = _prompt_ids(llm, prompt_len, synthetic, seed)
+  workers = workers or max(1, min(4, os.cpu_count() or 1))
+  gen = 1 + (warm + repeats * steps) * (max(depths) + 1)  # no request finishes while timed
+  entries, acc = [], {}
+  bar = progress_bar(len(batch_buckets) * len(cands), "calibrate", "prog") if progress else None
+  pool = concurrent.futures.ThreadPoolExecutor(workers)
   try:
-    cfg, params = model
-  except (TypeError, ValueError):
-    raise TypeError("calibrate needs an LLM or a (ModelConfig, params) pair") from None
-  return cfg, params
+    for b in batch_buckets:
+      ids = [ids_all[i % len(ids_all)] for i in range(b)]
+      entry, measured = _calibrate_bucket(llm, ids, cands, gen, accept_prob, backend, warm,
+                                          steps, repeats, deadline, pool, bar)
+      entries.append(entry)
+      for cid, (toks, nsteps) in measured.items():
+        t0, s0 = acc.get(cid, (0, 0))
+        acc[cid] = (t0 + toks, s0 + nsteps)
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
+    if bar is not None:
+      bar.close()
+  acceptance = {}
+  for c in cands:
+    cid = candidate_id(c)
+    if c["mode"] == "ar":
+      continue
+    if synthetic:
+      acceptance[cid] = dict(tokens_per_step=expected_tokens_per_step(
+          accept_prob, min(c["depth"], c["nodes"] - 1)), source="synthetic")
+    elif cid in acc:
+      toks, nsteps = acc[cid]
+      acceptance[cid] = dict(tokens_per_step=toks / max(nsteps, 1), tokens=toks,
+                             request_steps=nsteps, source="measured")
+  env = environment()
+  identity = budget.llm_identity(llm)
+  if synthetic:
+    identity = dict(identity, drafter=f"synthetic p={accept_prob:.4f}")
+  table = dict(
+      format=TABLE_FORMAT, device=env["device"], platform=env["platform"], jax=env["jax"],
+      git_commit=env["git_commit"],
+      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      model=model_signature(cfg, dtype), identity=identity, key=budget.table_key(identity),
+      drafter="mtp" if not synthetic else f"synthetic p={accept_prob:.4f}",
+      prompts="built-in (bole_jax.measure.calibrate.CALIBRATION_PROMPTS)" if not synthetic
+      else "random tokens", backend=backend, steps=steps, repeats=repeats, warm=warm,
+      batch_buckets=list(batch_buckets), node_buckets=list(node_buckets), depths=list(depths),
+      topk=topk, acceptance=acceptance,
+      seconds=round(time.perf_counter() - t_start, 1), entries=entries)
+  for e in entries:
+    best = budget.choose(table, e["batch"], e["kv"])
+    e["choice"] = None if best is None else dict(mode=best.mode, nodes=best.num_nodes,
+                                                 depth=best.depth, topk=best.topk)
+  return table
 
 
-def _check_buckets(name: str, values: Sequence[int], hi: int | None = None) -> tuple[int, ...]:
-  vals = list(values)
-  if not vals:
-    raise ValueError(f"{name}: give at least one bucket")
-  bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
-  if bad:
-    raise ValueError(f"{name}: buckets must be positive integers, got {bad}")
-  if hi is not None and max(vals) > hi:
-    raise ValueError(f"{name}: {max(vals)} is above {hi} (the Pallas tree kernels verify at most "
-                     f"{hi} nodes per request)")
-  return tuple(sorted(set(int(v) for v in vals)))
-
-
-def _random_cache(cfg, batch: int, capacity: int, length: int, dtype, key):
-  """A cache with `length` committed tokens of random content (never time on zeros)."""
-  cache = jax.eval_shape(lambda: init_cache(cfg, batch, capacity, dtype))
-  leaves, tdef = jax.tree.flatten(cache)
-  keys = jax.random.split(key, len(leaves))
-
-  @jax.jit
-  def fill(keys):
-    out = [(jax.random.normal(k, x.shape, jnp.float32) * 0.1).astype(x.dtype)
-           if jnp.issubdtype(x.dtype, jnp.floating) else jnp.full(x.shape, length, x.dtype)
-           for k, x in zip(keys, leaves)]
-    return jax.tree.unflatten(tdef, out)
-
-  return parallel.create(lambda: fill(keys), cfg)  # on the mesh under tensor parallelism
-
-
-def _random_tree(rng: np.random.Generator, batch: int, n: int, vocab: int, topk: int,
-                 depth: int):
-  """A batch of random draft trees of n nodes (at most topk children, depth+1 nodes a path;
-  topk 1: chains)."""
-  tokens = jnp.asarray(rng.integers(0, vocab, (batch, n)), jnp.int32)
-  num = jnp.full((batch,), n, jnp.int32)
-  if topk == 1:
-    return tree_mod.chain_tree(tokens, num)
-  parents, _ = random_trees(rng, batch, n, max_children=topk, max_depth=depth + 1)
-  parents = jnp.asarray(parents)
-  return tree_mod.Tree(tokens=tokens, parents=parents, depth=tree_mod.depths(parents, num),
-                       num_nodes=num, score=jnp.zeros((batch, n), jnp.float32))
-
-
-def _decode_fn(cfg):
-  def dec(params, cache, tokens):  # the plain one-token decode forward + lm head
-    hidden, cache = forward(params, cfg, tokens, cache)
-    return jnp.argmax(logits(params, cfg, hidden[:, 0]), axis=-1), parallel.constrain(cache, cfg)
-
-  return jax.jit(dec, donate_argnums=1)
-
-
-def _verify_fn(cfg, mode: str, backend: str, depth_bound: int | None = None):
-  def ver(params, cache, tree):  # the complete hybrid tree-verify forward + lm head
-    hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=mode,
-                                                backend=backend, depth_bound=depth_bound)
-    return jnp.argmax(logits(params, cfg, hidden), axis=-1), parallel.constrain(cache, cfg), auxs
-
-  return jax.jit(ver, donate_argnums=1)
-
-
-def _time_chained(run, params, cache, arg, warmup: int, repeats: int):
-  """Median seconds of run(params, cache, arg) -> (out, cache', ...); the cache is donated and
-  chained through the calls. Returns (seconds, cache)."""
-  ts = []
-  for i in range(warmup + repeats):
-    t0 = time.perf_counter()
-    out = run(params, cache, arg)
-    jax.block_until_ready(out)
-    if i >= warmup:
-      ts.append(time.perf_counter() - t0)
-    cache = out[1]
-  return statistics.median(ts), cache
+def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, deadline, pool,
+                      bar):
+  """One batch bucket: a shared prefill, then every candidate timed. Returns (entry, {candidate
+  id: (tokens, request steps)} of the speculative candidates measured)."""
+  cfg, params = llm.cfg, llm.params
+  b = len(ids)
+  mk = type(llm)
+  llms, specs = {}, {}
+  for c in cands:
+    cid = candidate_id(c)
+    if c["mode"] == "ar":
+      llms[cid] = mk(cfg, params=params, max_batch_size=b)
+      continue
+    opts = dict(topk=c["topk"], depth=c["depth"], num_nodes=c["nodes"], backend=backend,
+                synthetic_accept=p)
+    llms[cid] = mk(cfg, params=params, max_batch_size=b, spec_options=opts)
+    specs[cid] = llms[cid]._spec_config(c["mode"], b)
+  slack = {cid: specs[cid].slack if cid in specs else 0 for cid in llms}
+  base_id = max(llms, key=lambda k: (specs[k].shape.draft_slots if k in specs else -1))
+  base_mode = next(c["mode"] for c in cands if candidate_id(c) == base_id)
+  oracle = None
+  if p is not None and base_mode != "ar":  # the synthetic drafter forces random chains
+    rng = np.random.default_rng(b)
+    oracle = rng.integers(1, cfg.vocab_size, (b, gen + 1)).tolist()
+  base = llms[base_id].start_batch(ids, gen, mode=base_mode, spec_batch=b, oracle=oracle,
+                                   extra_capacity=max(slack.values()) - slack[base_id])
+  base = dataclasses.replace(base, eos=jnp.full_like(base.eos, -1))  # batches stay full
+  jax.block_until_ready(base)
+  # Lower here (tracing holds the GIL), compile in the pool, time in order.
+  jobs = {}
+  for c in cands:
+    cid = candidate_id(c)
+    shapes = parallel.annotate(jax.eval_shape(
+        lambda s, m=c["mode"], sp=specs.get(cid): derive_state(s, m, sp, cfg), base), cfg)
+    low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
+    jobs[cid] = pool.submit(low.compile)
+  # Every compilation ends before anything is timed: a compile thread beside a timed loop took
+  # the demo model's chain step on a 2-core CPU from ~20 to 110-150 ms. With a deadline, the
+  # programs not compiled by then are skipped.
+  concurrent.futures.wait(list(jobs.values()), timeout=None if deadline is None else
+                          max(deadline - time.perf_counter(), 0.0))
+  rows, measured = [], {}
+  for c in cands:
+    cid = candidate_id(c)
+    row = dict(c)
+    if deadline is not None and (time.perf_counter() > deadline or not jobs[cid].done()):
+      row["note"] = "skipped (time budget)"
+    else:
+      try:
+        run = jobs[cid].result()
+        state = derive_state(base, c["mode"], specs.get(cid), cfg)
+        windows = []
+        for w in range(repeats):
+          r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
+          windows.append(r)
+        del state
+        # The fastest window: the programs are fixed-shape, so slower windows measure other
+        # processes sharing the machine, not the configuration.
+        fast = min(windows, key=lambda r: r["step_ms"])
+        toks = sum(r["tokens"] for r in windows)
+        req_steps = sum(r["request_steps"] for r in windows)
+        row.update(step_ms=fast["step_ms"], tokens_per_step=toks / max(req_steps, 1),
+                   tokens_per_s=1e3 * b * toks / max(req_steps, 1) / fast["step_ms"],
+                   window_step_ms=[r["step_ms"] for r in windows])
+        if c["mode"] != "ar":
+          measured[cid] = (toks, req_steps)
+      except Exception as e:  # noqa: BLE001 - e.g. out of memory at a wide tree: not timed
+        if c["mode"] == "ar" or not _is_oom(e):
+          raise
+        row["note"] = "out of memory"
+    rows.append(row)
+    if bar is not None:
+      bar.update(1)
+  return dict(batch=b, kv=int(base.cache.capacity), candidates=rows), measured
 
 
 def _is_oom(e: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
-def _time_bucket(progs, params, fresh_cache, eps, warmup, repeats, early_stop, pool, wave, bar):
-  """Time progs[0] (the decode step, T_dec) then progs[1:] (T_ver at growing N) on one cache.
-
-  Programs are lowered here (tracing holds the GIL) and compiled in `pool` (the next lowering
-  overlaps the previous compilations), `wave` at a time; each wave is compiled completely
-  before anything is timed (XLA autotunes on the device while it compiles, which would disturb
-  the clock). Early stop: after two consecutive verify times
-  above (1 + eps) max(T_dec, T_ver(N_min)), or one above twice that, or an out-of-memory error.
-  Returns (seconds per program, None where not timed; {index: note})."""
-  times, notes = [None] * len(progs), {}
-  cache = fresh_cache()
-  over = 0
-  for start in range(0, len(progs), wave):
-    chunk = range(start, min(start + wave, len(progs)))
-    futs = [pool.submit(progs[i][0].lower(params, cache, progs[i][1]).compile) for i in chunk]
-    compiled = [f.result() for f in futs]
-    for i, exe in zip(chunk, compiled):
-      if bar is not None:
-        bar.update(1)
-      try:
-        times[i], cache = _time_chained(exe, params, cache, progs[i][1], warmup, repeats)
-      except Exception as e:  # noqa: BLE001 - a verify OOM ends this bucket; the rest are bugs
-        if i == 0 or not _is_oom(e):
-          raise
-        notes[i], over = "out of memory", 2
-        cache = fresh_cache()  # the donated cache is gone
-      if i > 0 and times[i] is not None:
-        # max with the smallest tree: a fixed tree-path overhead above eps must not stop the
-        # search before the knee (see _entry).
-        bound = (1 + eps) * max(times[0], times[1] or 0.0)
-        over = 2 if times[i] > 2 * bound else (over + 1 if times[i] > bound else 0)
-      if early_stop and over >= 2:
-        for rest in range(i + 1, len(progs)):
-          notes[rest] = "skipped (early stop)"
-        if bar is not None:
-          bar.update(len(progs) - 1 - i)
-        return times, notes
-  return times, notes
-
-
-def check_calibration_args(batch_buckets, node_buckets, kv_buckets, eps, *, mode="bole",
-                           warmup=2, repeats=10):
-  """Validated, sorted buckets (clear errors for bad ones)."""
-  batch_buckets = _check_buckets("batch buckets", batch_buckets)
-  node_buckets = _check_buckets("node buckets", node_buckets, MAX_NODES)
-  kv_buckets = _check_buckets("KV buckets", kv_buckets)
-  if not eps >= 0:
-    raise ValueError(f"eps must be >= 0, got {eps}")
-  if mode not in GDN_MODES:
-    raise ValueError(f"unknown verify mode {mode!r}; expected one of {GDN_MODES}")
-  if warmup < 0 or repeats < 1:
-    raise ValueError("need warmup >= 0 and repeats >= 1")
-  margin = max(node_buckets) + warmup + repeats + 2
-  small = [s for s in kv_buckets if s <= margin]
-  if small:
-    raise ValueError(f"KV buckets {small} leave no room: each must exceed {margin} "
-                     "(largest node bucket + timed decode steps)")
-  return batch_buckets, node_buckets, kv_buckets
-
-
-def calibrate(model, batch_buckets: Sequence[int] = DEFAULT_BATCHES,
-              node_buckets: Sequence[int] = DEFAULT_NODES, kv_buckets: Sequence[int] = DEFAULT_KV,
-              eps: float = 0.1, *, mode: str = "bole", topk: int = 4, depth: int = 8,
-              backend: str = "auto", warmup: int = 2, repeats: int = 10, early_stop: bool = True,
-              workers: int = 8, progress: bool = True, seed: int = 0) -> dict:
-  """Time T_dec and T_ver(N) per (batch, KV capacity) bucket and choose the budget.
-
-  model: an `LLM` or a (ModelConfig, params) pair (params in the dtype to be served).
-  batch_buckets: batch sizes B; node_buckets: tree widths N (nodes per request, root included,
-  <= 128); kv_buckets: KV capacities S (the attention layers read all S slots; committed
-  lengths are set near S). eps: allowed verify overhead over a decode step.
-  mode: the verify mode timed ("bole"; "pernode" / "chain" for the baselines).
-  Timing: programs are compiled `workers` at a time in threads, and a wave is compiled
-  completely before it is timed (compilation excluded); per program `warmup` calls, then the
-  median of `repeats` calls, each blocked until ready; the cache is donated and chained through
-  the calls, as in the engine. early_stop: stop growing N for a bucket (and compiling its larger
-  N) once two consecutive N (or one N at twice the bound) exceed (1 + eps) T_dec (or the
-  smallest tree's time, when that is larger: see `_entry`).
-  Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
-  """
-  cfg, params = _model_parts(model)
-  batch_buckets, node_buckets, kv_buckets = check_calibration_args(
-      batch_buckets, node_buckets, kv_buckets, eps, mode=mode, warmup=warmup, repeats=repeats)
-  dtype = params["embed"].dtype
-  dec_fn, ver_fn = _decode_fn(cfg), _verify_fn(cfg, mode, backend, depth + 1)
-  rng = np.random.default_rng(seed)
-  entries = []
-  groups = [(s, b) for s in kv_buckets for b in batch_buckets]
-  bar = (progress_bar(len(groups) * (1 + len(node_buckets)), "calibrate", "prog")
-         if progress else None)
-  t_start = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-    for s, b in groups:
-      length = max(1, s - max(node_buckets) - warmup - repeats - 2) if cfg.attention_layers else 1
-      key = jax.random.key(seed + 7919 * b + s)
-      fresh_cache = lambda: _random_cache(cfg, b, s, length, dtype, key)  # noqa: E731
-      toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 1)), jnp.int32)
-      trees = {n: _random_tree(rng, b, n, cfg.vocab_size, 1 if mode == "chain" else topk, depth)
-               for n in node_buckets}
-      progs = [(dec_fn, toks)] + [(ver_fn, trees[n]) for n in node_buckets]
-      times, notes = _time_bucket(progs, params, fresh_cache, eps, warmup, repeats,
-                                  early_stop, pool, max(1, workers), bar)
-      t_ver = {n: t for n, t in zip(node_buckets, times[1:]) if t is not None}
-      ver_notes = {n: notes[i] for i, n in enumerate(node_buckets, 1) if i in notes}
-      entries.append(_entry(b, s, length, times[0], t_ver, ver_notes, eps, node_buckets))
-  if bar is not None:
-    bar.close()
-  env = environment()
-  return dict(
-      format=TABLE_FORMAT, device=env["device"], platform=env["platform"], jax=env["jax"],
-      git_commit=env["git_commit"],
-      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      model=model_signature(cfg, dtype), mode=mode, backend=backend,
-      tree=dict(topk=topk, depth=depth), eps=eps, warmup=warmup, repeats=repeats,
-      early_stop=early_stop, batch_buckets=list(batch_buckets), node_buckets=list(node_buckets),
-      kv_buckets=list(kv_buckets), seconds=round(time.perf_counter() - t_start, 1),
-      entries=entries)
-
-
-def _entry(b, s, length, t_dec, t_ver, notes, eps, node_buckets) -> dict:
-  """The bucket's choice: B_ver = max{N : T_ver(N) <= (1 + eps) T_dec}. When no N qualifies (the
-  tree path costs more than eps over a decode step even for the smallest tree), fall back to the
-  knee max{N : T_ver(N) <= (1 + eps) T_ver(N_min)}: beyond it extra nodes stop being free."""
-  fits = [n for n, t in t_ver.items() if t <= (1 + eps) * t_dec]
-  rule = "T_ver <= (1+eps) T_dec"
-  if not fits and t_ver:
-    smallest = t_ver[min(t_ver)]
-    fits, rule = [n for n, t in t_ver.items() if t <= (1 + eps) * smallest], "knee"
-  nodes = max(fits) if fits else min(node_buckets)
-  return dict(batch=b, kv=s, kv_length=length, t_dec_ms=1e3 * t_dec,
-              t_ver_ms={str(n): 1e3 * t for n, t in t_ver.items()},
-              ratio={str(n): t / t_dec for n, t in t_ver.items()},
-              notes={str(n): v for n, v in notes.items()},
-              nodes=nodes, budget=b * nodes, within_eps=rule != "knee", rule=rule)
+# ---------------------------------------------------------------- tables
 
 
 def format_table(table: dict) -> str:
-  """Human-readable view: T_ver(N) / T_dec per bucket, and the chosen width and budget."""
-  nodes = table["node_buckets"]
+  """Human-readable view: per bucket, each candidate's step time, acceptance, and expected
+  tokens/s (acceptance * batch / step time), the choice marked."""
   m = table["model"]
-  head = (f"budget calibration: {table['device']}, jax {table['jax']}, mode {table['mode']}, "
-          f"eps {table['eps']}, {m.get('family')} H={m.get('hidden_size')} "
-          f"L={m.get('num_layers')} {m.get('param_dtype')}")
-  cols = ["batch", "kv", "T_dec ms"] + [f"N={n}" for n in nodes] + ["-> N", "budget"]
+  lines = [f"decode calibration: {table['device']}, jax {table['jax']}, {m.get('family')} "
+           f"H={m.get('hidden_size')} L={m.get('num_layers')} {m.get('param_dtype')}, drafter "
+           f"{table['drafter']}"]
+  cols = ["batch", "candidate", "step ms", "tok/step", "tok/s", ""]
   rows = []
   for e in table["entries"]:
-    r = [str(e["batch"]), str(e["kv"]), f"{e['t_dec_ms']:.3g}"]
-    for n in nodes:
-      v = e["ratio"].get(str(n))
-      r.append(f"{v:.2f}x" if v is not None else ("oom" if "memory" in e["notes"].get(str(n), "")
-                                                   else "-"))
-    r += [str(e["nodes"]) + ("" if e["within_eps"] else "!"), str(e["budget"])]
-    rows.append(r)
+    ranked = {candidate_id(c): c for c in budget.rank_candidates(table, e)}
+    best = next(iter(ranked), None)
+    for c in e["candidates"]:
+      cid = candidate_id(c)
+      r = ranked.get(cid)
+      if r is None:
+        rows.append([str(e["batch"]), cid, "-", "-", "-", c.get("note", "")])
+        continue
+      rows.append([str(e["batch"]), cid, f"{r['step_ms']:.3g}", f"{r['tokens_per_step']:.2f}",
+                   f"{1e3 * r['tokens_per_ms'] * e['batch']:.4g}",
+                   "<- chosen" if cid == best else ""])
   width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-  lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, width))]
-  lines += ["  ".join(x.rjust(w) for x, w in zip(r, width)) for r in rows]
-  lines.append("cells: T_ver(N) / T_dec; -> N = max{N : T_ver(N) <= (1+eps) T_dec}; "
-               "! = none within eps, the knee max{N : T_ver(N) <= (1+eps) T_ver(N_min)}; "
-               "budget = batch * N")
+  lines.append("  ".join(c.rjust(w) for c, w in zip(cols, width)).rstrip())
+  lines += ["  ".join(x.rjust(w) for x, w in zip(r, width)).rstrip() for r in rows]
+  lines.append("tok/step: acceptance (tokens per request per step, pooled over the buckets); "
+               "tok/s = batch * tok/step / step time; chosen: the most tok/s")
   return "\n".join(lines)
 
 
 def save_table(table: dict, path: str | os.PathLike) -> Path:
-  path = Path(path)
+  """Write `table` (never inside the installed package: `budget.check_writable_location`)."""
+  path = budget.check_writable_location(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(table, indent=1))
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(table, indent=1))
+  os.replace(tmp, path)  # readers never see half a table
   return path
 
 
 def merge_tables(old: dict, new: dict) -> dict:
-  """`new` with the entries of `old` it does not re-measure (calibrating in several runs, e.g.
-  a few batch buckets per run). Both must describe the same device, model, mode, tree and eps."""
+  """`new` with the buckets of `old` it does not re-measure (calibrating in several runs, or
+  automatic calibration adding the bucket in use). Acceptance: `new`'s estimates, `old`'s for
+  configurations `new` did not measure. Both must describe the same device, model and drafter."""
   same = lambda k: json.dumps(old.get(k), sort_keys=True) == json.dumps(new.get(k),  # noqa: E731
                                                                        sort_keys=True)
-  diff = [k for k in ("device", "model", "mode", "tree", "eps") if not same(k)]
+  diff = [k for k in ("device", "jax", "model", "drafter") if not same(k)]
   if diff:
     raise ValueError(f"cannot merge calibration tables that differ in {', '.join(diff)}")
   seen = {(e["batch"], e["kv"]) for e in new["entries"]}
   entries = sorted([e for e in old["entries"] if (e["batch"], e["kv"]) not in seen]
                    + new["entries"], key=lambda e: (e["kv"], e["batch"]))
-  union = lambda k: sorted(set(old[k]) | set(new[k]))  # noqa: E731
-  return {**new, "entries": entries, "batch_buckets": union("batch_buckets"),
-          "node_buckets": union("node_buckets"), "kv_buckets": union("kv_buckets")}
+  union = lambda k: sorted(set(old.get(k, [])) | set(new.get(k, [])))  # noqa: E731
+  return {**new, "entries": entries, "acceptance": {**old.get("acceptance", {}),
+                                                    **new.get("acceptance", {})},
+          "batch_buckets": union("batch_buckets"), "node_buckets": union("node_buckets"),
+          "depths": union("depths")}
+
+
+def store(table: dict, out: str | os.PathLike | None = None, merge: bool = True) -> Path:
+  """Save `table` to `out` (default: the user cache path of its key, `budget.table_path`),
+  merged with the table already there (when `merge` and it is compatible)."""
+  path = Path(out) if out is not None else budget.table_path(table["identity"])
+  if merge and path.is_file():
+    try:
+      table = merge_tables(budget.load_table(path), table)
+    except ValueError:
+      pass  # an old or foreign table at that path: replaced
+  return save_table(table, path)
+
+
+# ---------------------------------------------------------------- the engine's first use
+
+
+def auto_enabled(llm) -> bool:
+  """Whether the engine calibrates on first use: `LLM(spec_options={"auto_calibrate": ...})`,
+  else `$BOLE_JAX_AUTO_CALIBRATE` (1 / 0), else on for accelerators and off on CPU (there the
+  tree kernels run as references: calibrating the demo model's candidates takes minutes on two
+  cores; ar is the CPU default, and `bole-jax calibrate` measures the rest)."""
+  opt = (llm.spec_options or {}).get("auto_calibrate")
+  if opt is not None:
+    return bool(opt)
+  env = os.environ.get(budget.AUTO_ENV)
+  if env is not None:
+    return env.strip().lower() not in ("", "0", "false", "no", "off")
+  return jax.default_backend() != "cpu"
+
+
+def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
+  """The table for `llm` covering its batch bucket: found in the cache, else (when `auto_enabled`)
+  measured now for that bucket alone (`AUTO_SECONDS` at most; a few steps per candidate) and
+  stored in the user cache. Returns (table or None, where / why not)."""
+  opts = llm.spec_options or {}
+  dtype = llm.params["embed"].dtype
+  table, where = budget.find_table(llm.cfg, dtype, path=opts.get("calibration"),
+                                   model_dir=llm.path, identity=budget.llm_identity(llm))
+  b = budget.batch_bucket(batch)
+  covered = table is not None and any(e["batch"] == b for e in table["entries"])
+  if covered or opts.get("calibration") is not None or not auto_enabled(llm):
+    return table, where
+  if not (llm.cfg.mtp_num_layers and "mtp" in llm.params):
+    return table, where
+  import logging
+  log = logging.getLogger("bole_jax")
+  log.warning("bole_jax: calibrating this model on %s at batch %d (first use, at most ~%.0f s; "
+              "`%s` measures every batch bucket)", budget.device_name(), b, AUTO_SECONDS,
+              budget.llm_command(llm))
+  nodes = CPU_NODES if jax.default_backend() == "cpu" else (8, 16, 32, 64)
+  new = calibrate(llm, [b], nodes, DEFAULT_DEPTHS, steps=AUTO_STEPS, repeats=AUTO_REPEATS,
+                  warm=AUTO_WARM,
+                  time_budget=AUTO_SECONDS, progress=False,
+                  accept_prob=opts.get("synthetic_accept"))
+  path = store(new)
+  skipped = [candidate_id(c) for e in new["entries"] for c in e["candidates"] if "note" in c]
+  log.warning("bole_jax: calibrated in %.0f s, table %s%s", new["seconds"], path,
+              f"; not timed within the time budget: {', '.join(skipped)} (the choice is among "
+              f"the others; `{budget.llm_command(llm)}` times them all)" if skipped else "")
+  return budget.find_table(llm.cfg, dtype, model_dir=llm.path,
+                           identity=budget.llm_identity(llm))
+
+
+def decode_mode(llm, spec: str | None, batch: int) -> str:
+  """The mode `LLM.generate(spec=...)` decodes a batch of `batch` requests with.
+
+  spec given: that mode (its tree shape comes from the table, `budget.spec_options_for`). None:
+  the table's choice for the batch bucket (any of ar / chain / bole, whichever is expected
+  fastest; the table made on first use where `auto_enabled`), else ar (`budget.untabled_mode`).
+  A model without an MTP head decodes ar; explicit tree options (num_nodes / budget) or the
+  synthetic drafter without `spec` mean bole, as before tables chose modes."""
+  has_mtp = bool(llm.cfg.mtp_num_layers) and "mtp" in llm.params
+  if spec == "ar" or (spec is None and not has_mtp):
+    return "ar"
+  opts = llm.spec_options or {}
+  if spec is None and ({"num_nodes", "budget", "synthetic_accept"} & set(opts)):
+    return "bole"
+  if has_mtp:
+    ensure_table(llm, batch)
+  if spec is not None:
+    return spec
+  c = budget.choice_for(llm.cfg, llm.params["embed"].dtype, batch,
+                        calibration=opts.get("calibration"), model_dir=llm.path, mode=None,
+                        identity=budget.llm_identity(llm), command=budget.llm_command(llm))
+  return c.mode

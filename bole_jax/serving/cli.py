@@ -4,7 +4,7 @@
   bole-jax generate --model DIR --file prompts.jsonl --output out.jsonl --json
   bole-jax serve --model DIR --port 8000                    # OpenAI-compatible server
   echo "hello" | bole-jax generate --max-tokens 32 --temperature 0.8 --top-p 0.95
-  bole-jax calibrate --preset qwen3.5-9b --out table.json   # verify budget per batch bucket
+  bole-jax calibrate --model DIR                             # fastest mode per batch bucket
   bole-jax bench --preset qwen3.5-9b --out DIR              # ar / bole / pernode / chain
   bole-jax draft-vocab --model DIR corpus/                  # token counts for --draft-vocab
 
@@ -216,47 +216,42 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-  from pathlib import Path
+  import jax
 
   from bole_jax.measure import calibrate
   from bole_jax.spec_decode import budget
 
-  calibrate.check_calibration_args(args.batch, args.nodes, args.kv, args.eps, mode=args.mode,
-                                repeats=args.repeats)
-  if args.model is not None:
-    from bole_jax.llm import LLM
+  cpu = jax.default_backend() == "cpu"
+  batches = args.batch or ([1] if cpu else list(calibrate.DEFAULT_BATCHES))
+  nodes = args.nodes or list(calibrate.CPU_NODES if cpu else calibrate.DEFAULT_NODES)
+  calibrate.check_calibration_args(batches, nodes, args.depth, steps=args.steps, warm=args.warm)
+  if args.out is not None:
+    budget.check_writable_location(args.out)
+  from bole_jax.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, tp=args.tp, compile_cache=args.compile_cache)
-    cfg, params = llm.cfg, llm.params
+  p = None
+  if args.preset is None:  # a checkpoint folder, else the embedded demo model
+    llm = LLM(args.model, dtype=args.dtype, tp=args.tp, draft_vocab=args.draft_vocab)
   else:
-    import dataclasses
-
-    import jax
-
     from bole_jax.model import parallel
-    from bole_jax.model.presets import preset
-    from bole_jax.pallas.options import KernelOptions
+    from bole_jax.model.presets import peaked_lm_head, preset
 
-    # The environment's kernel options are defaults (an LLM reads them itself).
-    cfg = dataclasses.replace(preset(args.preset or "qwen3.5-9b", mtp=False,
-                                     tp=parallel.check_tp(args.tp)),
-                              kernels=KernelOptions.from_env())
-    parallel.log_layout(cfg)
-    params = parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16")
-  table = calibrate.calibrate((cfg, params), args.batch, args.nodes, args.kv, args.eps,
-                           mode=args.mode, topk=args.topk, depth=args.depth,
-                           backend=args.backend, repeats=args.repeats,
-                           early_stop=not args.no_early_stop, workers=args.compile_workers,
-                           progress=not args.no_progress)
-  out = args.out
-  if out is None:
-    out = (Path(args.model) / budget.CALIBRATION_FILE if args.model is not None else
-           budget.default_table_dir() / f"{args.preset or 'qwen3.5-9b'}_"
-           f"{table['device'].replace(' ', '_')}.json")
-  if args.merge and Path(out).is_file():
-    table = calibrate.merge_tables(budget.load_table(out), table)
+    cfg = preset(args.preset, mtp=True, tp=parallel.check_tp(args.tp))
+    params = peaked_lm_head(parallel.init_params(cfg, jax.random.key(0), args.dtype or
+                                                 "bfloat16"), cfg)
+    p = calibrate.synthetic_accept_prob(args.accept_mean, max(args.depth))
+    llm = LLM(cfg, params=params, spec_options=dict(synthetic_accept=p),
+              draft_vocab=args.draft_vocab)
+  if cpu:
+    print("calibrating on CPU: the tree kernels run as references (interpret mode), so the "
+          "choice is the CPU's, not a GPU's", file=sys.stderr)
+  table = calibrate.calibrate(llm, batches, nodes, args.depth, topk=args.topk, modes=args.modes,
+                              accept_prob=p, steps=args.steps, repeats=args.repeats,
+                              warm=args.warm,
+                              backend=args.backend, workers=args.compile_workers,
+                              time_budget=args.time_budget, progress=not args.no_progress)
   print(calibrate.format_table(table))
-  print(f"wrote {calibrate.save_table(table, out)}")
+  print(f"wrote {calibrate.store(table, args.out, merge=not args.no_merge)}")
   return 0
 
 
@@ -283,8 +278,8 @@ def add_bench_args(ap) -> None:
                   "prompts of --prompt-len tokens)")
   ap.add_argument("--modes", nargs="+", default=list(BENCH_MODES), choices=BENCH_MODES,
                   help="decoding modes timed")
-  ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64],
-                  help="batch sizes timed")
+  ap.add_argument("--batch", type=int, nargs="+", default=None,
+                  help="batch sizes (default: 1 4 16 32 64; with --quick: 1)")
   ap.add_argument("--prompt-len", type=int, default=128,
                   help="random prompt tokens (presets) / max prompt tokens kept (--model)")
   ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
@@ -307,18 +302,21 @@ def add_bench_args(ap) -> None:
                   "the next verify folds into the state (default: rebuild each GDN state in the "
                   "commit); run both to compare them")
   ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                  help="weights dtype (default: bfloat16 for presets, the checkpoint's for "
-                  "--model)")
-  ap.add_argument("--breakdown-batch", type=int, default=16,
-                  help="batch whose step is split into stages (nearest run batch; 0 = off)")
+                  help="weights dtype (default: bfloat16 for presets (float32 on CPU), the "
+                  "checkpoint's for --model)")
+  ap.add_argument("--breakdown-batch", type=int, default=None,
+                  help="batch whose step is split into stages (nearest run batch; 0 = off; "
+                  "default: 16, with --quick: off)")
   ap.add_argument("--breakdown-modes", nargs="+", choices=BENCH_MODES[1:],
                   help="spec modes whose step is split (default: all run)")
   ap.add_argument("--breakdown-reps", type=int, default=5, help="timed repeats per stage")
-  ap.add_argument("--quick", action="store_true", help="short timing windows (smoke runs)")
-  ap.add_argument("--time-budget", type=float, default=480.0,
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke run: short timing windows, batch 1, no breakdown, a 75 s "
+                  "time budget (each unless given)")
+  ap.add_argument("--time-budget", type=float, default=None,
                   help="seconds from the start (setup, prefill and compilation count); "
                   "programs not compiled by 80%% of it and points not started by then are "
-                  "skipped")
+                  "skipped (default: 480, with --quick: 75)")
   ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                   help="threads compiling programs ahead of their points")
   add_compile_cache_arg(ap)
@@ -488,38 +486,43 @@ def build_parser() -> argparse.ArgumentParser:
   add_compile_cache_arg(s)
   s.set_defaults(func=_cmd_serve)
 
-  c = sp("calibrate", help="time tree verify vs decode and write the budget table")
+  c = sp("calibrate", help="measure ar / chain / bole step times and acceptance "
+                     "on this model and store the choice per batch bucket (docs/budget.md)")
   src = c.add_mutually_exclusive_group()
-  src.add_argument("--model", help="local Hugging Face folder (table default: DIR/"
-                   "bole_calibration.json)")
-  src.add_argument("--preset", help="random-weight model dims (default qwen3.5-9b)")
-  c.add_argument("--out", help="table path (default: next to the model, or the user cache)")
-  c.add_argument("--eps", type=float, default=0.1,
-                 help="B_ver = max N with T_ver(N) <= (1 + eps) T_dec")
-  c.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 32, 64],
-                 help="batch buckets timed")
-  c.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128],
-                 help="tree widths timed")
-  c.add_argument("--kv", type=int, nargs="+", default=[1024], help="KV capacity buckets")
-  c.add_argument("--mode", default="bole", choices=["bole", "pernode", "chain"],
-                 help="tree mode timed")
-  c.add_argument("--topk", type=int, default=4, help="tree: children tried per node")
-  c.add_argument("--depth", type=int, default=8, help="tree: draft depth")
+  src.add_argument("--model", help="local Hugging Face folder (default: the embedded demo model)")
+  src.add_argument("--preset", help="random-weight model dims with the synthetic drafter "
+                   "(bole_jax/model/presets.py) instead of a checkpoint (default: the checkpoint)")
+  c.add_argument("--out", help="table path (default: the user cache, $BOLE_JAX_CACHE/"
+                 "calibration or $XDG_CACHE_HOME/bole_jax/calibration, keyed by model, device "
+                 "and jax version; never inside the package)")
+  c.add_argument("--batch", type=int, nargs="+", default=None,
+                 help="batch buckets (default: 1 4 16 64; on CPU: 1)")
+  c.add_argument("--nodes", type=int, nargs="+", default=None,
+                 help="bole tree widths N (default: 4 8 16 32 64; on CPU: 4 8)")
+  c.add_argument("--depth", type=int, nargs="+", default=[8], help="draft depths (chain and bole)")
+  c.add_argument("--topk", type=int, default=4, help="bole: children per node")
+  c.add_argument("--modes", nargs="+", default=["ar", "chain", "bole"],
+                 choices=["ar", "chain", "bole"], help="modes timed (ar is always needed)")
+  c.add_argument("--steps", type=int, default=8, help="timed decode steps per window")
+  c.add_argument("--repeats", type=int, default=3,
+                 help="timed windows per candidate (step time: the fastest window's)")
+  c.add_argument("--warm", type=int, default=2, help="untimed decode steps per candidate")
+  c.add_argument("--accept-mean", type=float, default=3.5,
+                 help="--preset: the synthetic drafter's mean tokens per step at the largest depth")
   c.add_argument("--backend", default="auto", choices=["auto", "pallas", "reference"],
                  help="tree kernels: pallas, the jnp reference, or auto (pallas on GPU)")
   c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                  help="weights dtype (default: bfloat16 for presets, the checkpoint's for "
                  "--model)")
-  c.add_argument("--repeats", type=int, default=10, help="timed repeats per point")
-  c.add_argument("--compile-workers", type=int, default=8,
-                 help="programs compiled at once (threads) before each timing wave")
+  c.add_argument("--time-budget", type=float, default=None,
+                 help="seconds; candidates not started by then are skipped (default: none)")
+  c.add_argument("--compile-workers", type=int, default=min(4, os.cpu_count() or 1),
+                 help="programs compiled at once (threads)")
   add_compile_cache_arg(c)
-  c.add_argument("--no-early-stop", action="store_true",
-                 help="time every node bucket (default: stop once past the budget)")
-  c.add_argument("--merge", action="store_true",
-                 help="keep the buckets of an existing --out table that this run does not time "
-                 "(default: overwrite)")
+  c.add_argument("--no-merge", action="store_true",
+                 help="replace the stored table (default: keep its buckets this run does not time)")
   c.add_argument("--no-progress", action="store_true", help="no progress bar")
+  add_draft_vocab_arg(c)
   add_tp_arg(c)
   c.set_defaults(func=_cmd_calibrate)
   b = sp("bench", help="offline decode throughput: ar / bole / pernode / chain")

@@ -12,21 +12,26 @@ order, i.e. prefix-connected, and `tree.select_from_pool(..., num_select, n)` tu
 per-request counts back into exactly those nodes. Shapes are fixed: K is static (one compiled
 program per capacity bucket).
 
-Calibration table. The budget worth verifying is the one that costs about as much as a plain
-decode step; `bole_jax.measure.calibrate` times it per device and model dims and writes a JSON
-table. Here the table is found and read: it gives the engine its per-request tree width
-N = B_ver and total budget K = batch * B_ver; `resolve_spec_options` finds it (an explicit path,
-`<model_dir>/bole_calibration.json`, or the user cache) and falls back to `default_choice` with
-one warning.
+Calibration table (format 2, docs/budget.md). Per batch bucket it holds the measured time of one
+whole decode step (the engine's jitted loop) of every candidate configuration: ar; chain at a
+draft depth; bole at a tree width N and a depth. Per configuration it holds an acceptance
+estimate: tokens emitted per request per step, measured on the loaded model with its own MTP
+head on a small built-in prompt set (random weights: the synthetic drafter's acceptance). The
+engine's choice for a bucket is the configuration with the most expected tokens per second,
+acceptance / step time, so where the table says the tree loses it decodes with chain or ar.
+`bole_jax.measure.calibrate` measures it and stores it in the user cache, keyed by model,
+device and jax version (`table_path`); here it is found and read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Sequence
 
@@ -35,10 +40,6 @@ import jax.numpy as jnp
 
 log = logging.getLogger("bole_jax")
 
-TABLE_FORMAT = "bole_jax.calibration/1"
-CALIBRATION_FILE = "bole_calibration.json"  # looked up inside a model folder
-MAX_NODES = 128  # the Pallas tree kernels verify at most 128 nodes per request
-DEFAULT_VERIFY_ROWS = 256  # safe default without a table: about this many verify rows per step
 
 
 # ============================================================================ the selector
@@ -74,23 +75,52 @@ def select_counts(scores: jax.Array, active: jax.Array, budget: int,
 
 
 # ============================================================================ the table
+# Format 2 (docs/budget.md): per batch bucket, the measured time of one whole decode step of
+# every candidate configuration (ar; chain at a depth; bole at a width N and a depth), and per
+# candidate an acceptance estimate (tokens emitted per request per step). The engine's choice
+# for a bucket is the candidate with the most expected tokens per second.
+
+TABLE_FORMAT = "bole_jax.calibration/2"
+OLD_FORMATS = ("bole_jax.calibration/1",)  # verify-forward timings only: no step times
+CALIBRATION_FILE = "bole_calibration.json"  # looked up (never written) inside a model folder
+MAX_NODES = 128  # the Pallas tree kernels verify at most 128 nodes per request
+DEFAULT_VERIFY_ROWS = 256  # width of an explicit bole without a table: about this many rows
+SPEC_MODES_TIMED = ("ar", "chain", "bole")
+AUTO_ENV = "BOLE_JAX_AUTO_CALIBRATE"  # 1 / 0: force automatic calibration on first use on / off
 
 
 @dataclasses.dataclass(frozen=True)
 class BudgetChoice:
-  """Tree width and batch budget for one batch: what `SpecConfig` takes (num_nodes, budget)."""
+  """The decode configuration for one batch bucket: the mode and, for the speculative modes, the
+  tree shape and batch budget (what `SpecConfig.for_mode` takes)."""
 
   num_nodes: int  # N, verified nodes per request (root included): the compiled tree width
   budget: int | None  # K, verified nodes across the batch (None: N per request)
-  source: str  # where it came from (table path or "default")
+  source: str  # where it came from (table path, "default", "cpu default", ...)
+  mode: str = "bole"  # "ar" | "chain" | "bole" (pernode takes bole's shape)
+  depth: int | None = None  # draft depth (None: SpecConfig's default)
+  topk: int | None = None  # children per node (None: SpecConfig's default)
+  tokens_per_step: float | None = None  # the acceptance estimate the choice was made with
+  step_ms: float | None = None  # the measured step time
 
   def spec_options(self) -> dict:
-    return dict(num_nodes=self.num_nodes, budget=self.budget)
+    """SpecConfig options of this choice (empty for ar)."""
+    if self.mode == "ar":
+      return {}
+    opts = dict(num_nodes=self.num_nodes, budget=self.budget)
+    opts.update({k: v for k, v in (("depth", self.depth), ("topk", self.topk)) if v is not None})
+    return opts
+
+  @property
+  def tokens_per_ms(self) -> float | None:
+    if self.tokens_per_step is None or not self.step_ms:
+      return None
+    return self.tokens_per_step / self.step_ms
 
 
-# Fields that do not change the cost of the verify / decode forward (the MTP head drafts: it is
-# not part of what the table times), and the kernel options: a table is keyed by model dims and
-# device, timed with the options of the run that made it.
+# Fields that do not change the cost of a forward (the MTP head's size is part of the model
+# identity instead: it changes the draft stage's cost and the acceptance), and the kernel
+# options: a table is timed with the options of the run that made it.
 _NOT_SPEED = ("eos_token_ids", "max_position_embeddings", "rope_theta", "rms_norm_eps",
               "norm_topk_prob", "dtype", "mtp_num_layers", "kernels")
 
@@ -103,8 +133,73 @@ def model_signature(cfg, param_dtype) -> dict:
   return json.loads(json.dumps(d))
 
 
+def _sha(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(cfg, param_dtype, model_dir: str | os.PathLike | None = None, *,
+                   draft_vocab: int | None = None, drafter: str = "mtp") -> dict:
+  """What identifies the model a table was measured on (JSON-ready).
+
+  model_dir: the checkpoint folder: config.json's bytes and every weight file's name, size and
+    mtime (a re-downloaded or retrained checkpoint is another model), hashed. None: random
+    weights, identified by their dims alone.
+  draft_vocab: tokens the MTP drafter scores (None: the whole vocabulary).
+  drafter: "mtp" (the checkpoint's head) or "synthetic p=..." (random weights: acceptance is
+    the synthetic drafter's, not measured)."""
+  ident = dict(signature=_sha(model_signature(cfg, param_dtype)), drafter=drafter,
+               draft_vocab=draft_vocab, mtp_layers=int(cfg.mtp_num_layers or 0))
+  if model_dir is not None:
+    d = Path(model_dir)
+    files = sorted(p for p in d.iterdir() if p.suffix == ".safetensors" or p.name.endswith(
+        ".safetensors.index.json")) if d.is_dir() else []
+    conf = d / "config.json"
+    ident.update(
+        name=d.resolve().name,
+        config=hashlib.sha256(conf.read_bytes()).hexdigest()[:16] if conf.is_file() else None,
+        weights=_sha([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]))
+  else:
+    ident["name"] = f"{cfg.family}-random"
+  return ident
+
+
+def table_key(identity: dict, device: str | None = None, jax_version: str | None = None) -> str:
+  """The cache key of a table: the model identity, the device and the jax version, hashed."""
+  return _sha(dict(model=identity, device=device or device_name(),
+                   jax=jax_version or jax.__version__))
+
+
 def device_name() -> str:
   return jax.devices()[0].device_kind
+
+
+def default_table_dir() -> Path:
+  """The user cache folder of calibration tables: `$BOLE_JAX_CACHE/calibration`, else
+  `$XDG_CACHE_HOME/bole_jax/calibration`, else `~/.cache/bole_jax/calibration`."""
+  root = os.environ.get("BOLE_JAX_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "bole_jax")
+  return Path(root) / "calibration"
+
+
+def table_path(identity: dict, device: str | None = None,
+               jax_version: str | None = None) -> Path:
+  """Where the table of this model on this device and jax version lives in the user cache."""
+  name = "".join(c if c.isalnum() or c in "-_." else "_" for c in identity.get("name", "model"))
+  return default_table_dir() / f"{name}-{table_key(identity, device, jax_version)}.json"
+
+
+def _package_dir() -> Path:
+  return Path(__file__).resolve().parent.parent
+
+
+def check_writable_location(path: str | os.PathLike) -> Path:
+  """`path` unless it lies inside the installed package (tables belong in the user cache)."""
+  p = Path(path).resolve()
+  if p == _package_dir() or _package_dir() in p.parents:
+    raise ValueError(f"{path} is inside the installed bole_jax package: calibration tables go "
+                     f"to the user cache ({default_table_dir()}, set BOLE_JAX_CACHE to move it) "
+                     "or to an --out path outside the package")
+  return Path(path)
 
 
 def load_table(path: str | os.PathLike) -> dict:
@@ -116,26 +211,21 @@ def load_table(path: str | os.PathLike) -> dict:
     table = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"{path}: not a calibration table (invalid JSON: {e.msg})") from None
-  if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT or not table.get(
-      "entries"):
+  fmt = table.get("format") if isinstance(table, dict) else None
+  if fmt in OLD_FORMATS:
+    raise ValueError(f"{path}: a calibration table of the old format {fmt!r} (verify times "
+                     "only, no step times or acceptance): run `bole-jax calibrate` again")
+  if fmt != TABLE_FORMAT or not table.get("entries"):
     raise ValueError(f"{path}: not a calibration table (expected format {TABLE_FORMAT!r})")
   return table
 
 
-def default_table_dir() -> Path:
-  """Where `bole-jax calibrate` writes tables for presets, and the engine looks for them."""
-  root = os.environ.get("BOLE_JAX_CACHE") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "bole_jax")
-  return Path(root) / "calibration"
-
-
 def table_mismatch(table: dict, cfg, param_dtype, device: str | None = None) -> str | None:
-  """Why `table` does not apply to this model on this device (None when it does)."""
+  """Why `table` does not apply to this model's dims on this device (None when it does)."""
   device = device or device_name()
   if table.get("device") != device:
     return f"calibrated on {table.get('device')!r}, running on {device!r}"
   sig = model_signature(cfg, param_dtype)
-  # Tables written before tensor parallelism existed were single-device ones.
   model = {"tp": 1, **table.get("model", {})}
   diff = sorted(k for k in set(sig) | set(model) if sig.get(k) != model.get(k))
   if diff:
@@ -144,22 +234,23 @@ def table_mismatch(table: dict, cfg, param_dtype, device: str | None = None) -> 
 
 
 def find_table(cfg, param_dtype, *, path: str | os.PathLike | None = None,
-               model_dir: str | os.PathLike | None = None) -> tuple[dict | None, str]:
-  """The calibration table for this model and device: `path` if given (must exist), else
-  `<model_dir>/bole_calibration.json`, else the first match in `default_table_dir()`.
-  Returns (table or None, where it came from or why none matched)."""
-  candidates = []
+               model_dir: str | os.PathLike | None = None,
+               identity: dict | None = None) -> tuple[dict | None, str]:
+  """The calibration table for this model and device.
+
+  Searched: `path` if given (must exist; must match the device and model dims); else the user
+  cache entry keyed by (identity, device, jax version) (`table_path`; identity defaults to
+  `model_identity(cfg, param_dtype, model_dir)`); else `<model_dir>/bole_calibration.json` (a
+  table shipped with a checkpoint, checked against the device and dims). Returns (table or None,
+  where it came from or why none matched)."""
   if path is not None:
-    candidates.append(Path(path))
-    if not Path(path).is_file():
-      raise FileNotFoundError(f"calibration table not found: {path}")
-  else:
-    if model_dir is not None:
-      candidates.append(Path(model_dir) / CALIBRATION_FILE)
-    d = default_table_dir()
-    if d.is_dir():
-      candidates += sorted(d.glob("*.json"))
+    table = load_table(path)
+    why = table_mismatch(table, cfg, param_dtype)
+    return (table, str(path)) if why is None else (None, f"{path}: {why}")
+  identity = identity or model_identity(cfg, param_dtype, model_dir)
   reasons = []
+  cached = table_path(identity)
+  candidates = [cached] + ([Path(model_dir) / CALIBRATION_FILE] if model_dir is not None else [])
   for c in candidates:
     if not c.is_file():
       continue
@@ -172,7 +263,7 @@ def find_table(cfg, param_dtype, *, path: str | os.PathLike | None = None,
     if why is None:
       return table, str(c)
     reasons.append(f"{c}: {why}")
-  return None, "; ".join(reasons) or "no table found"
+  return None, "; ".join(reasons) or f"no table at {cached}"
 
 
 def _bucket(values: Sequence[int], x: int | None) -> int:
@@ -183,22 +274,92 @@ def _bucket(values: Sequence[int], x: int | None) -> int:
   return next((v for v in values if v >= x), values[-1])
 
 
-def choose(table: dict, batch: int, kv: int | None = None, source: str = "table") -> BudgetChoice:
-  """The table's choice for a batch of `batch` requests with KV capacity `kv` (None: the
-  largest KV bucket, the conservative one)."""
+def candidate_id(c: dict) -> str:
+  """The configuration a candidate names: 'ar', 'chain d=8', 'bole N=16 d=8 k=4'."""
+  if c["mode"] == "ar":
+    return "ar"
+  if c["mode"] == "chain":
+    return f"chain d={c['depth']}"
+  return f"{c['mode']} N={c['nodes']} d={c['depth']} k={c['topk']}"
+
+
+def acceptance_of(table: dict, c: dict) -> float | None:
+  """Tokens emitted per request per step of candidate `c`: the table's acceptance estimate for
+  its configuration (pooled over the batch buckets), else the candidate's own measurement."""
+  if c["mode"] == "ar":
+    return 1.0
+  a = table.get("acceptance", {}).get(candidate_id(c))
+  if a is not None:
+    return float(a["tokens_per_step"] if isinstance(a, dict) else a)
+  return c.get("tokens_per_step")
+
+
+def rank_candidates(table: dict, entry: dict, modes: Sequence[str] | None = None) -> list[dict]:
+  """The entry's timed candidates (of `modes`, default all) with their expected throughput
+  `tokens_per_ms` = acceptance / step_ms, best first (ties: fewer verified rows, i.e. ar before
+  chain before bole, then the smaller tree)."""
+  out = []
+  for c in entry["candidates"]:
+    if modes is not None and c["mode"] not in modes:
+      continue
+    acc = acceptance_of(table, c)
+    if c.get("step_ms") is None or acc is None or not c["step_ms"] > 0:
+      continue  # not timed (early stop, time budget, out of memory)
+    out.append({**c, "tokens_per_step": acc, "tokens_per_ms": acc / c["step_ms"]})
+  order = {"ar": 0, "chain": 1}
+  out.sort(key=lambda c: (-c["tokens_per_ms"], order.get(c["mode"], 2), c["nodes"]))
+  return out
+
+
+def choose(table: dict, batch: int, kv: int | None = None, source: str = "table",
+           mode: str | None = None) -> BudgetChoice | None:
+  """The table's choice for a batch of `batch` requests (bucket: the smallest >= batch, else the
+  largest): the timed candidate with the most expected tokens per second, among all modes
+  (mode None) or of one mode (an explicit spec: "bole" / "pernode" take the best bole tree,
+  "chain" the best chain depth). None when the table timed no candidate of that mode there.
+  kv: the KV capacity (the smallest bucket >= kv; None: the largest, the conservative one)."""
   b = _bucket(sorted({e["batch"] for e in table["entries"]}), batch)
-  s = _bucket(sorted({e["kv"] for e in table["entries"]}), kv)
+  s = _bucket(sorted({e["kv"] for e in table["entries"] if e["batch"] == b}), kv)
   e = next(e for e in table["entries"] if e["batch"] == b and e["kv"] == s)
-  return BudgetChoice(num_nodes=int(e["nodes"]), budget=int(e["budget"]), source=source)
+  want = None if mode is None else ("bole",) if mode in ("bole", "pernode") else (mode,)
+  ranked = rank_candidates(table, e, want)
+  if not ranked:
+    return None
+  c = ranked[0]
+  spec = c["mode"] != "ar"
+  return BudgetChoice(
+      num_nodes=int(c["nodes"]), budget=batch_bucket(batch) * int(c["nodes"]) if spec else None,
+      source=source, mode=c["mode"] if mode is None else mode,
+      depth=int(c["depth"]) if spec else None, topk=int(c["topk"]) if spec else None,
+      tokens_per_step=c["tokens_per_step"], step_ms=c["step_ms"])
+
+
+def batch_bucket(batch: int) -> int:
+  """The engine's batch bucket (the compiled batch): the next power of two."""
+  return 1 << (max(batch, 1) - 1).bit_length()
 
 
 def default_choice(batch: int) -> BudgetChoice:
-  """Without a table: about DEFAULT_VERIFY_ROWS verify rows per step (power-of-two width in
-  [4, 64]), budget = batch bucket * width. Correct anywhere; fast only by luck."""
-  b = 1 << (max(batch, 1) - 1).bit_length()
+  """An explicit bole without a table: about DEFAULT_VERIFY_ROWS verify rows per step
+  (power-of-two width in [4, 64]), budget = batch bucket * width. Correct anywhere; fast only
+  by luck (docs/budget.md)."""
+  b = batch_bucket(batch)
   n = 1 << int(math.log2(max(DEFAULT_VERIFY_ROWS // b, 1)))
   n = min(max(n, 4), 64)
   return BudgetChoice(num_nodes=n, budget=b * n, source="default")
+
+
+def untabled_mode() -> str:
+  """The mode the engine decodes with when no table applies: ar, on every platform.
+
+  Why (docs/budget.md): whether a tree or a chain wins depends on the model's acceptance and
+  the step times, which only a measurement knows. Without one, speculation has lost to AR in
+  measured configurations: on CPU the bole default decoded the demo model at 27 tok/s against
+  AR's 165 (B = 1), and on an H200 the default tree ran the demo model at 0.69x AR at B = 64;
+  a chain's step cost ~2.2x an AR step there, so it loses wherever the head accepts fewer than
+  ~2.2 tokens per step. AR is the only configuration that never loses to AR. On an
+  accelerator the engine measures first (automatic calibration) and only then speculates."""
+  return "ar"
 
 
 _warned: set = set()
@@ -210,32 +371,101 @@ def _warn_once(key, msg: str) -> None:
     log.warning(msg)
 
 
+def calibrate_command(model_dir: str | os.PathLike | None, *, embedded: bool = False,
+                      preset: str | None = None) -> str:
+  """The command that calibrates this model: `bole-jax calibrate` for the embedded demo,
+  `bole-jax calibrate --model DIR` for a checkpoint folder, `--preset NAME` for random dims."""
+  if embedded:
+    return "bole-jax calibrate"
+  if model_dir is not None:
+    return f"bole-jax calibrate --model {shlex.quote(str(Path(model_dir).resolve()))}"
+  if preset is not None:
+    return f"bole-jax calibrate --preset {preset}"
+  return "LLM(...).calibrate()"  # random weights: no folder to name
+
+
+def notice(command: str, where: str, *, mode: str, width: BudgetChoice | None = None) -> str:
+  """The message printed once when no table applies."""
+  what = (f"decoding with {mode}" if width is None else
+          f"decoding {mode} at the default tree width {width.num_nodes}")
+  return (f"bole_jax: no calibration table for this model on {device_name()} ({where}); "
+          f"{what}. Measure the fastest mode for it with `{command}`.")
+
+
 def choice_for(cfg, param_dtype, batch: int, *, calibration: str | os.PathLike | None = None,
-               model_dir: str | os.PathLike | None = None, kv: int | None = None) -> BudgetChoice:
-  """Tree width and budget for `batch` requests: from the matching calibration table, else the
-  safe default (with one logged warning per model and device)."""
-  table, where = find_table(cfg, param_dtype, path=calibration, model_dir=model_dir)
+               model_dir: str | os.PathLike | None = None, kv: int | None = None,
+               mode: str | None = "bole", identity: dict | None = None,
+               command: str | None = None) -> BudgetChoice:
+  """The decode configuration for `batch` requests from the matching table (see `find_table`):
+  mode None = the best of every mode; a mode name = that mode's best shape. Without a table (or
+  a table that timed no candidate of `mode`): mode None -> `untabled_mode()`; an explicit mode
+  keeps it at `default_choice`'s width; one notice per model and device, naming `command`."""
+  table, where = find_table(cfg, param_dtype, path=calibration, model_dir=model_dir,
+                            identity=identity)
   if table is not None:
-    return choose(table, batch, kv, source=where)
-  d = default_choice(batch)
-  _warn_once((device_name(), json.dumps(model_signature(cfg, param_dtype), sort_keys=True)),
-             f"bole_jax: no calibration table for this model on {device_name()} ({where}); "
-             f"using the default of about {DEFAULT_VERIFY_ROWS} verify rows per step (tree "
-             f"width {d.num_nodes} per request at batch {batch}, 4-64 by batch). Run `bole-jax "
-             "calibrate` to measure the verify budget.")
+    c = choose(table, batch, kv, source=where, mode=mode)
+    if c is not None:
+      return c
+    where = f"{where} timed no {mode} configuration"
+  if mode is None:
+    m = untabled_mode()
+    d = BudgetChoice(num_nodes=1, budget=None, source="default", mode=m)
+  else:
+    d = dataclasses.replace(default_choice(batch), mode=mode)
+  _warn_once((device_name(), _sha(identity or model_signature(cfg, param_dtype)), mode is None),
+             notice(command or calibrate_command(model_dir), where, mode=d.mode,
+                    width=None if d.mode == "ar" else d))
   return d
 
 
 def resolve_spec_options(cfg, spec_options: dict | None, *, param_dtype, batch: int,
-                         model_dir: str | os.PathLike | None = None) -> dict:
-  """`LLM(spec_options=...)` with the calibrated width and budget filled in.
+                         model_dir: str | os.PathLike | None = None, mode: str = "bole",
+                         identity: dict | None = None, command: str | None = None) -> dict:
+  """`LLM(spec_options=...)` for `mode` with the calibrated tree shape filled in.
 
   Explicit `num_nodes` or `budget` win (the table is not consulted); `calibration` (a table
-  path) is consumed here. Otherwise the table matching (device, model dims) chooses them for a
-  batch of `batch` requests (see `choice_for`)."""
+  path) and `auto_calibrate` are consumed here. Otherwise the table matching (model, device)
+  chooses the width, budget and depth for `mode` at a batch of `batch` requests (explicit
+  `depth` / `topk` win over the table's)."""
   opts = dict(spec_options or {})
   path = opts.pop("calibration", None)
+  opts.pop("auto_calibrate", None)
   if "num_nodes" in opts or "budget" in opts:
     return opts
-  c = choice_for(cfg, param_dtype, batch, calibration=path, model_dir=model_dir)
-  return {**opts, **c.spec_options()}
+  c = choice_for(cfg, param_dtype, batch, calibration=path, model_dir=model_dir, mode=mode,
+                 identity=identity, command=command)
+  if c.mode == "chain":  # chain's width is depth + 1 (SpecConfig.for_mode)
+    return {**{k: v for k, v in c.spec_options().items() if k == "depth"}, **opts}
+  return {**c.spec_options(), **opts}
+
+
+# ============================================================================ the engine's view
+
+
+def llm_identity(llm) -> dict:
+  """`model_identity` of an `LLM` (duck-typed: cfg, params, path, spec_options)."""
+  from bole_jax.spec_decode import draft_vocab as dv
+
+  dtype = llm.params["embed"].dtype
+  nv = int(llm.params["mtp"]["draft_ids"].shape[0]) if dv.has_draft_vocab(llm.params) else None
+  p = (llm.spec_options or {}).get("synthetic_accept")
+  return model_identity(llm.cfg, dtype, llm.path, draft_vocab=nv,
+                        drafter="mtp" if p is None else f"synthetic p={p:.4f}")
+
+
+def is_embedded_model(path) -> bool:
+  """Whether `path` is the demo model embedded in the package (bole_jax/default_model)."""
+  return path is not None and Path(path).resolve() == (_package_dir() / "default_model").resolve()
+
+
+def llm_command(llm) -> str:
+  """The calibrate command for this LLM's model (`calibrate_command`)."""
+  path = getattr(llm, "path", None)
+  return calibrate_command(path, embedded=is_embedded_model(path))
+
+
+def spec_options_for(llm, mode: str, batch: int) -> dict:
+  """The SpecConfig options `llm` decodes `mode` with at a batch of `batch` requests."""
+  return resolve_spec_options(llm.cfg, llm.spec_options, param_dtype=llm.params["embed"].dtype,
+                              batch=batch, model_dir=llm.path, mode=mode,
+                              identity=llm_identity(llm), command=llm_command(llm))
