@@ -86,14 +86,16 @@ def emit(state: DecodeState, tokens: jax.Array, count: jax.Array) -> DecodeState
 
 
 def ar_step(params, state: DecodeState, *, cfg: ModelConfig) -> DecodeState:
-  """One autoregressive step: feed next_token, sample one token, append it."""
-  key, sub = jax.random.split(state.key)
-  num_new = jnp.where(state.done, 0, 1).astype(jnp.int32)
-  hidden, cache = forward(params, cfg, state.next_token[:, None], state.cache, num_new)
-  tok = sample(lm_logits(params, cfg, hidden[:, 0]), state.sampling, sub)
-  state = dataclasses.replace(state, cache=cache, key=key,
-                              steps=state.steps + (~state.done).astype(jnp.int32))
-  return emit(state, tok[:, None], jnp.ones_like(state.num_out))
+  """One autoregressive step: feed next_token, sample one token, append it. Under the named
+  scope "stage_ar" (step.STAGE_SCOPE: the in-loop profile's stage)."""
+  with jax.named_scope("stage_ar"):
+    key, sub = jax.random.split(state.key)
+    num_new = jnp.where(state.done, 0, 1).astype(jnp.int32)
+    hidden, cache = forward(params, cfg, state.next_token[:, None], state.cache, num_new)
+    tok = sample(lm_logits(params, cfg, hidden[:, 0]), state.sampling, sub)
+    state = dataclasses.replace(state, cache=cache, key=key,
+                                steps=state.steps + (~state.done).astype(jnp.int32))
+    return emit(state, tok[:, None], jnp.ones_like(state.num_out))
 
 
 def run_segment(params, state: DecodeState, max_steps: jax.Array, *,
