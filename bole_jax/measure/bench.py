@@ -29,15 +29,22 @@ def tree_bytes(tree) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
-  """Fewest bytes one AR decode step must move: every weight once (the embedding table only
-  for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
-  read + written, each attention layer's committed KV read once and one new row written."""
+def target_weight_bytes(cfg: ModelConfig, params, batch: int) -> int:
+  """Bytes of the target's weights one forward reads: every weight once, the embedding table
+  only for the B rows looked up, the lm_head fully (the tied embedding fully when tied)."""
   w = tree_bytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
   emb = params["embed"]
   w += batch * emb.shape[1] * emb.dtype.itemsize
   if cfg.tie_word_embeddings:
     w += emb.size * emb.dtype.itemsize
+  return w
+
+
+def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
+  """Fewest bytes one AR decode step must move: every weight once (the embedding table only
+  for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
+  read + written, each attention layer's committed KV read once and one new row written."""
+  w = target_weight_bytes(cfg, params, batch)
   state = 0
   lengths = np.asarray(cache.lengths)
   for c in cache.layers:
@@ -238,6 +245,72 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
   return dict(draft=jax.jit(draft), select=jax.jit(select),
               verify=jax.jit(verify_, donate_argnums=2), accept=jax.jit(accept_),
               commit=jax.jit(commit, donate_argnums=0), emit=jax.jit(emit))
+
+
+def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
+  """Fewest bytes each stage of one spec step must move, {stage: bytes}, for the decode state
+  `state` (its cache lengths: the KV read) and `spec`:
+
+    draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
+            the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
+            depth below the first; the early stop may run fewer)
+    select  the pool read (tokens, parents, scores) + the tree written
+    verify  the target's weights + the committed KV, GDN and conv states read + the step's
+            factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a
+            full state and conv window per node) and KV rows written, the verify logits
+            [B, N, V] fp32 written
+    accept  the logits read + the tree
+    commit  bole eager: every GDN state read + written, conv states written; lazy: the conv
+            states written (the state write is the next verify's, counted there); pernode /
+            chain: the accepted node's state and conv window copied (read + write)
+    emit    the emitted tokens and the drafter's pending hidden rows written (their read)
+  """
+  b = state.next_token.shape[0]
+  n, d = spec.shape.num_nodes, spec.shape.depth
+  m = spec.shape.pool_size
+  mtp = params["mtp"]
+  layer_w = tree_bytes({k: v for k, v in mtp.items() if k not in ("draft_head", "draft_ids")})
+  if "draft_head" in mtp:
+    head = tree_bytes(mtp["draft_head"])
+  else:
+    head = tree_bytes(params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
+  cache = state.cache
+  lengths = np.asarray(cache.lengths)
+  gdn = conv = kv_read = kv_row = 0
+  for c in cache.layers:
+    if isinstance(c, GDNCache):
+      gdn += tree_bytes(c.state)
+      conv += tree_bytes(c.conv)
+    else:
+      row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+      kv_read += int(lengths.sum()) * row
+      kv_row += row
+  dtype = params["embed"].dtype
+  mem = memory_per_request(cfg, spec.mode, n, cache.capacity, dtype)
+  factors = b * int((mem["verify_state_mib"] + mem["verify_conv_mib"]) * MiB)
+  logits = b * n * cfg.vocab_size * 4
+  tree = b * n * 4 * 4 + b * 4
+  lazy = spec.mode == "bole" and spec.lazy_commit
+  if spec.mode == "bole":
+    commit = conv if lazy else 2 * gdn + conv
+  else:
+    commit = 2 * (gdn + conv)
+  hid = b * (d + 1) * cfg.hidden_size * jnp.dtype(dtype).itemsize
+  return dict(
+      draft=d * (layer_w + head), select=b * m * 12 + tree,
+      verify=(target_weight_bytes(cfg, params, b) + kv_read + gdn + conv + factors
+              + b * n * kv_row + logits + (gdn if lazy else 0)),
+      accept=logits + tree, commit=commit, emit=b * (d + 1) * 4 + 2 * hid)
+
+
+# Peak HBM bandwidth (GB/s) by device kind, for the floors' times: the datasheet figures.
+PEAK_GBPS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H100": 3350.0,
+             "NVIDIA A100-SXM4-80GB": 2039.0}
+
+
+def peak_gbps(device_kind: str | None = None) -> float | None:
+  kind = device_kind or jax.devices()[0].device_kind
+  return next((v for k, v in PEAK_GBPS.items() if kind.startswith(k)), None)
 
 
 def _light(state, ds):
