@@ -301,3 +301,30 @@ def test_loop_stage_split_tiny(tmp_path):
     assert rows["idle"]["ms_per_step"] == pytest.approx(
         max(prog["wall_ms_per_rep"] - prog["active_ms_per_rep"], 0.0), abs=1e-9)
     assert prog["active_ms_per_rep"] <= prog["wall_ms_per_rep"]
+
+
+def test_bench_e2e_profile_loop(tmp_path):
+  """`bole-jax bench --profile-loop`: every point's row holds the in-loop stage split of its
+  loop (ar: the AR step; bole: the six stages), with floors, and the output prints it."""
+  from bole_jax.measure import bench
+  from bole_jax.serving import cli
+
+  args = cli.build_parser().parse_args([
+      "bench", "--preset", "tiny", "--dtype", "float32", "--batch", "2", "--quick",
+      "--compile-cache", "none", "--compile-workers", "1", "--depth", "2", "--topk", "2",
+      "--nodes", "4", "--budget", "none", "--accept-mean", "2.5", "--breakdown-batch", "0",
+      "--modes", "ar", "bole", "--profile-loop", "3", "--no-plots", "--out", str(tmp_path)])
+  res = bench.run_e2e(args)
+  assert res["errors"] == [] and res["skipped"] == []
+  rows = {r["mode"]: r for r in res["rows"]}
+  for m, stages in (("ar", ("ar",)), ("bole", ps.STAGES)):
+    lp = rows[m]["loop_profile"]
+    assert lp["steps"] == 3 and lp["wall_ms_per_step"] > 0
+    split = {x["stage"]: x for x in lp["stage_split"]}
+    assert list(split) == [*stages, "other", "idle"]
+    assert all(split[st]["ms_per_step"] > 0 and split[st]["floor_mib"] > 0 for st in stages)
+    assert sum(split[st]["ms_per_step"] for st in (*stages, "other")) == pytest.approx(
+        lp["busy_ms_per_step"], rel=1e-6)
+  assert rows["bole"]["ar_agreement"] == 1.0  # the profiled steps are decode steps too
+  saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
+  assert saved["rows"][1]["loop_profile"]["stage_split"]

@@ -388,6 +388,60 @@ def synthetic_oracle(ar_out: np.ndarray) -> jax.Array:
   return jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
 
 
+# ---------------------------------------------------------------- in-loop stage split
+
+
+def _profile_step_module():
+  """benchmarks/profile_step.py of this source checkout (its trace reading and HLO parsing)."""
+  import importlib.util
+  import sys
+  from pathlib import Path
+
+  if "profile_step" in sys.modules:
+    return sys.modules["profile_step"]
+  root = Path(__file__).resolve().parents[2]
+  for rel in ("benchmarks/profile_step.py", "benchmarks/profile/profile_step.py"):
+    path = root / rel
+    if path.is_file():
+      spec = importlib.util.spec_from_file_location("profile_step", path)
+      mod = importlib.util.module_from_spec(spec)
+      sys.modules["profile_step"] = mod
+      spec.loader.exec_module(mod)
+      return mod
+  raise FileNotFoundError(f"--profile-loop reads traces with benchmarks/profile_step.py of a "
+                          f"source checkout; none under {root}: run from the repository")
+
+
+def loop_profile(run, params, state, steps: int, n: int, cfg: ModelConfig, spec):
+  """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
+  loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
+  Returns (profile dict, the state after the traced steps)."""
+  import tempfile
+
+  ps = _profile_step_module()
+  floors = (dict(ar=ar_step_floor_bytes(cfg, params, state.cache, state.next_token.shape[0]))
+            if spec is None else stage_floor_bytes(cfg, params, state, spec))
+  max_steps = jax.device_put(np.int32(steps))  # made here: no transfer inside the trace
+  s0 = np.asarray(state.steps).copy()
+  with tempfile.TemporaryDirectory(prefix="bench_loop_") as d:
+    with jax.profiler.trace(d, profiler_options=ps._trace_options()):
+      t = time.perf_counter()
+      state = run(params, state, max_steps)
+      jax.block_until_ready(state)
+      dt = time.perf_counter() - t
+    how, events = ps.read_trace(d)
+  nsteps = max(int((np.asarray(state.steps) - s0)[:n].max()), 1)
+  r = ps.summarise(events, nsteps, ps._hlo_text(run))
+  r["wall_ms_per_rep"] = 1e3 * dt / nsteps
+  gbps = peak_gbps()
+  split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps)
+  prof = dict(steps=nsteps, wall_ms_per_step=r["wall_ms_per_rep"],
+              busy_ms_per_step=r["busy_ms_per_rep"], active_ms_per_step=r["active_ms_per_rep"],
+              events_from=r["events_from"], attributed_share=r["attributed_share"],
+              peak_gbps=gbps, trace=how, stage_split=split)
+  return prof, state
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -423,6 +477,8 @@ def _check_e2e_args(a) -> None:
   for name in ("steps", "prompt_len", "topk", "depth", "breakdown_reps", "compile_workers"):
     if getattr(a, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+  if getattr(a, "profile_loop", 0) < 0:
+    raise ValueError("--profile-loop must be >= 0 (traced steps per point; 0 = off)")
   if a.warm < 0 or a.breakdown_batch < 0 or a.time_budget <= 0:
     raise ValueError("--warm and --breakdown-batch must be >= 0, --time-budget > 0")
   a.nodes = _int_or(a.nodes, "--nodes", ("auto",))
@@ -638,7 +694,9 @@ def run_e2e(a) -> dict:
   if synthetic and spec_modes:
     p = a.accept_prob if a.accept_prob is not None else synthetic_accept_prob(a.accept_mean,
                                                                               a.depth)
-  gen = 1 + (a.warm + a.steps) * (a.depth + 1)  # no request finishes inside the timed window
+  prof_steps = getattr(a, "profile_loop", 0) or 0
+  # no request finishes inside the timed window (nor the profiled one)
+  gen = 1 + (a.warm + a.steps + prof_steps) * (a.depth + 1)
   phases = dict(setup_s=time.perf_counter() - t_start)
   say(f"[bench] {a.preset or a.model}: {cfg.num_layers} layers, {dtype}, {env['device']}; "
       f"modes {a.modes}, batches {a.batch}, {gen} tokens per request"
@@ -726,6 +784,12 @@ def run_e2e(a) -> dict:
         run = progs[b, m]
         state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
         r, state = timed_segment(run, params, state, a.warm, a.steps, n)
+        if prof_steps:  # after the timed window: the trace's overhead stays out of it
+          try:
+            r["loop_profile"], state = loop_profile(run, params, state, prof_steps, n, cfg,
+                                                    spec)
+          except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
+            errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))
         if m == "ar":  # continue to the end of the generation budget
           state = run(params, state, jnp.int32(gen))
           ar_out = np.asarray(state.out)
@@ -813,6 +877,9 @@ def run_e2e(a) -> dict:
     print(f"\nmemory per request (MiB; KV at capacity {mem_rows[0]['kv_capacity']})")
     print_table(mem_rows, ["mode", "nodes", "gdn_state_mib", "conv_state_mib", "kv_mib",
                            "verify_state_mib", "verify_conv_mib"])
+  prof_rows = [r for r in rows if r.get("loop_profile")]
+  if prof_rows:
+    print_loop_profiles(prof_rows)
   if breakdown:
     print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
           "commit lazy: conv + KV (+ the pending-row gathers with BOLE_LAZY_ROWS=gather), the "
@@ -834,6 +901,36 @@ def run_e2e(a) -> dict:
   if not a.no_plots:
     result["plots"] = plot_e2e(result, a.out, tag)
   return result
+
+
+def print_loop_profiles(rows: Sequence[dict]) -> str:
+  """One line per (batch, mode): ms per loop step of each stage inside the jitted loop, then
+  other, idle and the profiled wall; a second table: each stage's time over its bytes floor
+  (where the device's bandwidth is known), else the floor in MiB."""
+  names = [*STAGES, "ar", "other", "idle"]
+  table, ratio = [], []
+  gbps = None
+  for r in rows:
+    lp = r["loop_profile"]
+    gbps = gbps or lp.get("peak_gbps")
+    split = {x["stage"]: x for x in lp["stage_split"]}
+    table.append(dict(batch=r["batch"], mode=r["mode"], wall_ms=lp["wall_ms_per_step"],
+                      **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split}))
+    key = "x_floor" if gbps else "floor_mib"
+    ratio.append(dict(batch=r["batch"], mode=r["mode"],
+                      **{k: split[k].get(key) for k in (*STAGES, "ar") if k in split}))
+  print(f"\nin-loop stage split (ms per loop step, from a profiler trace of "
+        f"{rows[0]['loop_profile']['steps']} steps of the jitted loop; "
+        f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = wall "
+        "where kernels do not overlap)")
+  cols = ["batch", "mode", "wall_ms"] + [f"{k}_ms" for k in names
+                                         if any(f"{k}_ms" in t for t in table)]
+  out = print_table(table, cols)
+  how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"
+  print(f"\neach stage over its bytes floor ({how})")
+  print_table(ratio, ["batch", "mode"] + [k for k in (*STAGES, "ar")
+                                          if any(k in t for t in ratio)])
+  return out
 
 
 def plot_e2e(result: dict, out: str, tag: str) -> list[str]:
