@@ -329,6 +329,49 @@ def parse_hlo(text: str) -> tuple[str, dict[str, HloOp]]:
   return module, ops
 
 
+# Instructions that launch nothing: bookkeeping of the compiled program, and control flow.
+NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                       "while", "conditional", "call", "after-all", "partition-id",
+                       "replica-id", "opt-barrier"})
+
+
+def hlo_stage_counts(text: str) -> dict[str, dict]:
+  """{stage: {opcode: count}} of the instructions a compiled program runs as its own kernels
+  or thunks (those of the entry, while bodies / conditions, conditional branches and called
+  computations; not those inside fusions or reducers; not `NO_KERNEL`), by the stage their
+  op_name names (`stage_of`, OTHER where none). Static: a while body counts once."""
+  comps, cur = collections.defaultdict(list), ""
+  runs = set()
+  for line in text.splitlines():
+    head = re.match(r"(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      cur = head.group(2)
+      if head.group(1):
+        runs.add(cur)
+      continue
+    m = re.match(r"\s*(?:ROOT\s+)?%?([^\s=%]+) = (.*)", line)
+    if not m:
+      continue
+    rest = m.group(2)
+    opcode = re.search(r"(?:^|\s)([a-z][a-z0-9\-]*)\(", rest)
+    opcode = opcode.group(1) if opcode else ""
+    for key in ("body", "condition"):
+      if (c := re.search(rf"\b{key}=%?([^\s,}}]+)", rest)):
+        runs.add(c.group(1))
+    if (c := re.search(r"branch_computations=\{([^}]*)\}", rest)):
+      runs.update(x.strip().lstrip("%") for x in c.group(1).split(","))
+    if opcode == "call" and (c := re.search(r"to_apply=%?([^\s,}]+)", rest)):
+      runs.add(c.group(1))
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    comps[cur].append((opcode, stage_of(op_name.group(1)) if op_name else ""))
+  out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for comp in runs:
+    for opcode, stage in comps.get(comp, []):
+      if opcode and opcode not in NO_KERNEL:
+        out[stage or OTHER][opcode] += 1
+  return {k: dict(v.most_common()) for k, v in sorted(out.items())}
+
+
 def kernel_names(ops: dict[str, HloOp]) -> dict[str, str]:
   """{kernel name: op} for XLA's own kernels, named after their op with '.' and '-' made '_'
   ("loop_add_fusion.3" -> "loop_add_fusion_3"): attributes kernels whose event lost its

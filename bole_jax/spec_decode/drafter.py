@@ -238,9 +238,10 @@ def expand(params, cfg: ModelConfig, shape: TreeShape, kv, h_root, lengths, forc
     p_tok = jax.lax.dynamic_update_slice(p_tok, c_tok, (0, base))
     p_par = jax.lax.dynamic_update_slice(p_par, c_par, (0, base))
     p_sc = jax.lax.dynamic_update_slice(p_sc, c_sc, (0, base))
-    # Next frontier: the k best candidates (top_k puts the lower index first among equals: ties
-    # go to the earlier candidate, as a stable sort would).
-    f_sc, best = jax.lax.top_k(c_sc, k)
+    # Next frontier: the k best candidates (stable: ties go to the earlier candidate, which
+    # keeps the forced chain's node, candidate 0 with the top score 0, first).
+    best = jnp.argsort(-c_sc, axis=-1, stable=True)[:, :k]
+    f_sc = jnp.take_along_axis(c_sc, best, axis=1)
     parent_f = best // k
     f_tok = jnp.take_along_axis(c_tok, best, axis=1)
     f_idx = (base + best).astype(jnp.int32)
