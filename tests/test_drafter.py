@@ -12,7 +12,9 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import init_params
-from bole_jax.spec_decode import budget, drafter, step as step_mod, tree as tree_mod
+from bole_jax.spec_decode import budget, drafter
+from bole_jax.spec_decode import step as step_mod
+from bole_jax.spec_decode import tree as tree_mod
 
 SELECT = jax.jit(tree_mod.select_from_pool, static_argnums=5)
 COUNTS = jax.jit(budget.select_counts, static_argnums=2)

@@ -271,6 +271,9 @@ ENTRY %main (p: f32[8]) -> f32[8] {
   _, ops = ps.parse_hlo(hlo)
   assert ops["f.1"].stage == "verify" and ops["call.1"].stage == "verify"
   assert ops["call.2"].stage == "mixed(draft+emit)"
+  # kernels per stage: the fusions of the called computations, not the calls or parameters
+  assert ps.hlo_stage_counts(hlo) == {"draft": {"fusion": 1}, "emit": {"fusion": 1},
+                                      "verify": {"fusion": 1}}
 
 
 def test_loop_stage_split_tiny(tmp_path):
