@@ -26,6 +26,16 @@ launches, host syncs), and the kernel time by kernel name, by HLO op (with the l
 source it was traced from, read off the compiled HLO's metadata), by category and by source
 line. Prints the tables; writes JSON to --out.
 
+In-loop stage split (programs ar and step): spec_step runs each stage under a named scope
+("stage_draft" ... "stage_emit", loop.ar_step "stage_ar"), which the compiled HLO keeps in each
+op's metadata op_name; the loop's kernel time is summed by the stage of its op (a GPU command
+buffer takes the stage of the ops it calls, "mixed(...)" when they span stages), with an
+"other" row (the loop's own ops, XLA copies) and an "idle" row (wall - active), per loop step:
+the split of the step as the engine runs it, not of stages compiled alone. Beside each stage
+its bytes floor (bench.stage_floor_bytes, bench.ar_step_floor_bytes) and, on a device of known
+bandwidth (bench.PEAK_GBPS), the floor's time and the ratio to it. XLA may fuse ops of two
+stages into one kernel: a fusion counts for the stage of its root op.
+
 Trace formats: the run's *.xplane.pb through `jax.profiler.ProfileData` (from_file, else
 from_serialized_xspace), else its *.trace.json.gz (--trace-reader forces one). Device time is
 the events on the stream lines of the "/device:..." planes (the derived lines "XLA Ops",
@@ -232,6 +242,17 @@ class HloOp:
   target: str
   op_leaf: str
   source: str
+  stage: str = ""  # the step stage its op_name names (`stage_of`), "" if none
+
+
+STAGE_RE = re.compile(r"(?:^|/)stage_([A-Za-z0-9]+)(?:/|$)")
+
+
+def stage_of(op_name: str) -> str:
+  """The stage of an op from its jax op_name: the outermost "stage_<name>" named scope
+  (spec_decode/step.py's stages, "ar" for loop.ar_step), "" where there is none."""
+  m = STAGE_RE.search(op_name)
+  return m.group(1) if m else ""
 
 
 def _numbered_section(text: str, name: str) -> dict[int, str]:
@@ -268,7 +289,12 @@ def parse_hlo(text: str) -> tuple[str, dict[str, HloOp]]:
     return f"{path}:{loc.get('line', '?')} {func}"
 
   ops = {}
+  comp, comp_stages, calls = "", collections.defaultdict(set), {}
   for line in text.splitlines():
+    head = re.match(r"(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):  # a computation's header
+      comp = head.group(1)
+      continue
     m = re.match(r"\s*(?:ROOT\s+)?%?([^\s=%]+) = (.*)", line)
     if not m:
       continue
@@ -284,9 +310,66 @@ def parse_hlo(text: str) -> tuple[str, dict[str, HloOp]]:
       source = f"{_short_path(f.group(1))}:{line_no.group(1) if line_no else '?'}"
     elif (sf := re.search(r"stack_frame_id=(\d+)", meta)):
       source = frame_source(int(sf.group(1)))
+    stage = stage_of(op_name.group(1)) if op_name else ""
+    if stage:
+      comp_stages[comp].add(stage)
+    if (c := re.search(r"(?:to_apply|calls)=%?([^\s,}]+)", rest)):
+      calls[name] = c.group(1)
     ops[name] = HloOp(opcode.group(1) if opcode else "", target.group(1) if target else "",
-                      op_name.group(1).rsplit("/", 1)[-1] if op_name else "", source)
+                      op_name.group(1).rsplit("/", 1)[-1] if op_name else "", source, stage)
+  # An op without a stage of its own that calls a computation (a GPU command buffer, whose
+  # kernels lose their op in the trace; a fusion XLA made without metadata) takes the stage of
+  # the ops it calls when they are of one stage, else "mixed(...)".
+  for name, callee in calls.items():
+    op = ops[name]
+    if not op.stage and op.opcode in ("call", "fusion") and comp_stages.get(callee):
+      st = sorted(comp_stages[callee])
+      ops[name] = dataclasses.replace(op, stage=st[0] if len(st) == 1
+                                      else f"mixed({'+'.join(st)})")
   return module, ops
+
+
+# Instructions that launch nothing: bookkeeping of the compiled program, and control flow.
+NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                       "while", "conditional", "call", "after-all", "partition-id",
+                       "replica-id", "opt-barrier"})
+
+
+def hlo_stage_counts(text: str) -> dict[str, dict]:
+  """{stage: {opcode: count}} of the instructions a compiled program runs as its own kernels
+  or thunks (those of the entry, while bodies / conditions, conditional branches and called
+  computations; not those inside fusions or reducers; not `NO_KERNEL`), by the stage their
+  op_name names (`stage_of`, OTHER where none). Static: a while body counts once."""
+  comps, cur = collections.defaultdict(list), ""
+  runs = set()
+  for line in text.splitlines():
+    head = re.match(r"(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      cur = head.group(2)
+      if head.group(1):
+        runs.add(cur)
+      continue
+    m = re.match(r"\s*(?:ROOT\s+)?%?([^\s=%]+) = (.*)", line)
+    if not m:
+      continue
+    rest = m.group(2)
+    opcode = re.search(r"(?:^|\s)([a-z][a-z0-9\-]*)\(", rest)
+    opcode = opcode.group(1) if opcode else ""
+    for key in ("body", "condition"):
+      if (c := re.search(rf"\b{key}=%?([^\s,}}]+)", rest)):
+        runs.add(c.group(1))
+    if (c := re.search(r"branch_computations=\{([^}]*)\}", rest)):
+      runs.update(x.strip().lstrip("%") for x in c.group(1).split(","))
+    if opcode == "call" and (c := re.search(r"to_apply=%?([^\s,}]+)", rest)):
+      runs.add(c.group(1))
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    comps[cur].append((opcode, stage_of(op_name.group(1)) if op_name else ""))
+  out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for comp in runs:
+    for opcode, stage in comps.get(comp, []):
+      if opcode and opcode not in NO_KERNEL:
+        out[stage or OTHER][opcode] += 1
+  return {k: dict(v.most_common()) for k, v in sorted(out.items())}
 
 
 def kernel_names(ops: dict[str, HloOp]) -> dict[str, str]:
@@ -382,22 +465,27 @@ def attribute(e: Event, ops: dict[str, HloOp], by_kernel: dict[str, str]) -> str
   return by_kernel.get(e.name) or stat or "(no hlo_op)"
 
 
+OTHER = "other"  # kernels of no stage: the loop's own ops, XLA's copies, runtime memcpys
+
+
 def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
   """Kernel time of one program's trace per repetition: totals, and the time by kernel name,
-  by HLO op, by category and by source line (rows sorted by time; share = of busy time)."""
+  by HLO op, by category, by source line and by step stage (the "stage_*" named scope in the
+  op's metadata, `stage_of`; OTHER where none) (rows sorted by time; share = of busy time)."""
   module, ops = parse_hlo(hlo_text)
   by_kernel = kernel_names(ops)
   where, work, others = op_events(events, module, ops)
   own = exclusive_ns(work)
   busy = sum(own)
-  groups = {t: {} for t in ("kernel", "hlo_op", "category", "source")}
+  groups = {t: {} for t in ("kernel", "hlo_op", "category", "source", "stage")}
   attributed = 0.0
   for e, ns in zip(work, own):
     op = attribute(e, ops, by_kernel)
     attributed += ns if op in ops and ops[op].opcode not in CONTAINER_OPCODES else 0.0
     info = ops.get(op, HloOp("", "", "", ""))
     cat = category(f"{e.name} {op} {info.opcode} {info.target}", info.op_leaf)
-    keys = dict(kernel=e.name, hlo_op=op, category=cat, source=info.source or "(unknown)")
+    keys = dict(kernel=e.name, hlo_op=op, category=cat, source=info.source or "(unknown)",
+                stage=info.stage or OTHER)
     for table, key in keys.items():
       g = groups[table].setdefault(key, dict(ns=0.0, n=0, cat=cat,
                                              related=collections.Counter()))
@@ -414,7 +502,7 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
         row["category"] = g["cat"]
       if table == "hlo_op":
         info = ops.get(key, HloOp("", "", "", ""))
-        row.update(opcode=info.opcode, source=info.source)
+        row.update(opcode=info.opcode, source=info.source, stage=info.stage)
       row["kernels" if table == "hlo_op" else "hlo_ops"] = [
           k for k, _ in g["related"].most_common(3)]
       out.append(row)
@@ -425,7 +513,48 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
       busy_ms_per_rep=busy / 1e6 / reps, active_ms_per_rep=union_ns(work) / 1e6 / reps,
       attributed_share=attributed / busy if busy else 0.0, other_modules_ms=others,
       kernels=rows("kernel"), hlo_ops=rows("hlo_op"), categories=rows("category"),
-      sources=rows("source"))
+      sources=rows("source"), stages=rows("stage"))
+
+
+# ============================================================================ in-loop stages
+
+
+def stage_split(r: dict, stages: tuple[str, ...], floors: dict | None = None,
+                gbps: float | None = None) -> list[dict]:
+  """Per-step time of a loop program's trace (`summarise` result r, reps = loop steps) split by
+  stage: one row per stage in `stages`, then "other" (kernels of no stage, and "mixed(...)"
+  command buffers spanning stages), then "idle" (wall - active: the device waiting on
+  launches and the loop's host round trips). The stage and other rows sum to the busy time;
+  with idle they sum to the wall time where kernels do not overlap (one GPU stream: busy =
+  active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
+  active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
+  times are computed at."""
+  ms = {row["stage"]: row["ms_per_rep"] for row in r.get("stages", [])}
+  wall = r["wall_ms_per_rep"]
+  out = []
+  for st in stages:
+    row = dict(stage=st, ms_per_step=ms.pop(st, 0.0))
+    if floors and st in floors:
+      row["floor_mib"] = floors[st] / 2 ** 20
+      if gbps:
+        row["floor_ms"] = floors[st] / (gbps * 1e6)
+        row["x_floor"] = row["ms_per_step"] / row["floor_ms"] if row["floor_ms"] else None
+    out.append(row)
+  out.append(dict(stage=OTHER, ms_per_step=sum(ms.values()),
+                  detail={k: v for k, v in sorted(ms.items(), key=lambda kv: -kv[1])}))
+  out.append(dict(stage="idle", ms_per_step=max(wall - r["active_ms_per_rep"], 0.0)))
+  for row in out:
+    row["share_of_wall"] = row["ms_per_step"] / wall if wall else 0.0
+  return out
+
+
+def print_stage_split(title: str, rows: list[dict]) -> str:
+  cols = ["stage", "ms_per_step", "share_of_wall", "floor_mib", "floor_ms", "x_floor"]
+  cols = [c for c in cols if any(c in r for r in rows)]
+  fmt = lambda c, v: (f"{100 * v:.1f}%" if c == "share_of_wall" else  # noqa: E731
+                      f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v))
+  print(f"\n{title}")
+  return bench.print_table([{c: fmt(c, r.get(c)) for c in cols} for r in rows], cols)
 
 
 # ============================================================================ report
@@ -603,7 +732,7 @@ def run(a) -> dict:
   say(f"[profile] {len(exe)} programs compiled in {phases['compile_s']:.0f} s")
 
   t = time.perf_counter()
-  results = {}
+  results, floors = {}, {}
   with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
     root = a.trace_dir or tmp
 
@@ -614,6 +743,7 @@ def run(a) -> dict:
 
     if "ar" in a.programs:
       st = exe["ar"](params, bench._derive_state(base, "ar", None, cfg), jnp.int32(a.warm))
+      floors["ar"] = dict(ar=bench.ar_step_floor_bytes(cfg, params, st.cache, a.batch))
       profile("ar", LoopRun(exe["ar"], params, jax.block_until_ready(st), a.reps))
     if spec_wanted:
       st = exe["ar"](params, bench._derive_state(base, "ar", None, cfg), jnp.int32(gen))
@@ -628,6 +758,7 @@ def run(a) -> dict:
         del inputs  # it holds st's cache, which the step loop donates
       if "step" in a.programs:
         st = jax.block_until_ready(exe["step"](params, st, jnp.int32(a.warm)))
+        floors["step"] = bench.stage_floor_bytes(cfg, params, st, spec)
         n0, s0 = np.asarray(st.num_out), np.asarray(st.steps)
         loop = LoopRun(exe["step"], params, st, a.reps)
         profile("step", loop)
@@ -637,8 +768,19 @@ def run(a) -> dict:
       say(f"[profile] raw traces kept under {a.trace_dir}/<program>/plugins/profile/")
   phases["profile_s"] = time.perf_counter() - t
 
+  gbps = bench.peak_gbps()
+  splits = {}
+  if "ar" in results:
+    splits["ar"] = stage_split(results["ar"], ("ar",), floors.get("ar"), gbps)
+  if "step" in results:
+    splits["step"] = stage_split(results["step"], STAGES, floors.get("step"), gbps)
   for name in a.programs:
     print_program(results[name], a.top)
+  for name, rows in splits.items():
+    results[name]["stage_split"] = rows
+    print_stage_split(f"in-loop stage split of {name} ({a.mode if name == 'step' else 'ar'}, "
+                      f"B={a.batch}; ms per loop step"
+                      + (f"; floors at {gbps:.0f} GB/s" if gbps else "") + ")", rows)
   table = print_overview({name: results[name] for name in a.programs})
   out = dict(command=" ".join([os.path.basename(sys.executable), *sys.argv]), env=env,
              args=vars(a), config=cfg, spec=spec, synthetic_accept=p, gen_tokens=gen,

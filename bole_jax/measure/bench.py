@@ -35,15 +35,22 @@ def tree_bytes(tree) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
-def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
-  """Fewest bytes one AR decode step must move: every weight once (the embedding table only
-  for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
-  read + written, each attention layer's committed KV read once and one new row written."""
+def target_weight_bytes(cfg: ModelConfig, params, batch: int) -> int:
+  """Bytes of the target's weights one forward reads: every weight once, the embedding table
+  only for the B rows looked up, the lm_head fully (the tied embedding fully when tied)."""
   w = tree_bytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
   emb = params["embed"]
   w += batch * emb.shape[1] * emb.dtype.itemsize
   if cfg.tie_word_embeddings:
     w += emb.size * emb.dtype.itemsize
+  return w
+
+
+def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
+  """Fewest bytes one AR decode step must move: every weight once (the embedding table only
+  for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
+  read + written, each attention layer's committed KV read once and one new row written."""
+  w = target_weight_bytes(cfg, params, batch)
   state = 0
   lengths = np.asarray(cache.lengths)
   for c in cache.layers:
@@ -214,6 +221,72 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
               commit=jax.jit(commit, donate_argnums=0), emit=jax.jit(emit))
 
 
+def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
+  """Fewest bytes each stage of one spec step must move, {stage: bytes}, for the decode state
+  `state` (its cache lengths: the KV read) and `spec`:
+
+    draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
+            the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
+            depth below the first; the early stop may run fewer)
+    select  the pool read (tokens, parents, scores) + the tree written
+    verify  the target's weights + the committed KV, GDN and conv states read + the step's
+            factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a
+            full state and conv window per node) and KV rows written, the verify logits
+            [B, N, V] fp32 written
+    accept  the logits read + the tree
+    commit  bole eager: every GDN state read + written, conv states written; lazy: the conv
+            states written (the state write is the next verify's, counted there); pernode /
+            chain: the accepted node's state and conv window copied (read + write)
+    emit    the emitted tokens and the drafter's pending hidden rows written (their read)
+  """
+  b = state.next_token.shape[0]
+  n, d = spec.shape.num_nodes, spec.shape.depth
+  m = spec.shape.pool_size
+  mtp = params["mtp"]
+  layer_w = tree_bytes({k: v for k, v in mtp.items() if k not in ("draft_head", "draft_ids")})
+  if "draft_head" in mtp:
+    head = tree_bytes(mtp["draft_head"])
+  else:
+    head = tree_bytes(params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
+  cache = state.cache
+  lengths = np.asarray(cache.lengths)
+  gdn = conv = kv_read = kv_row = 0
+  for c in cache.layers:
+    if isinstance(c, GDNCache):
+      gdn += tree_bytes(c.state)
+      conv += tree_bytes(c.conv)
+    else:
+      row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+      kv_read += int(lengths.sum()) * row
+      kv_row += row
+  dtype = params["embed"].dtype
+  mem = memory_per_request(cfg, spec.mode, n, cache.capacity, dtype)
+  factors = b * int((mem["verify_state_mib"] + mem["verify_conv_mib"]) * MiB)
+  logits = b * n * cfg.vocab_size * 4
+  tree = b * n * 4 * 4 + b * 4
+  lazy = spec.mode == "bole" and spec.lazy_commit
+  if spec.mode == "bole":
+    commit = conv if lazy else 2 * gdn + conv
+  else:
+    commit = 2 * (gdn + conv)
+  hid = b * (d + 1) * cfg.hidden_size * jnp.dtype(dtype).itemsize
+  return dict(
+      draft=d * (layer_w + head), select=b * m * 12 + tree,
+      verify=(target_weight_bytes(cfg, params, b) + kv_read + gdn + conv + factors
+              + b * n * kv_row + logits + (gdn if lazy else 0)),
+      accept=logits + tree, commit=commit, emit=b * (d + 1) * 4 + 2 * hid)
+
+
+# Peak HBM bandwidth (GB/s) by device kind, for the floors' times: the datasheet figures.
+PEAK_GBPS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H100": 3350.0,
+             "NVIDIA A100-SXM4-80GB": 2039.0}
+
+
+def peak_gbps(device_kind: str | None = None) -> float | None:
+  kind = device_kind or jax.devices()[0].device_kind
+  return next((v for k, v in PEAK_GBPS.items() if kind.startswith(k)), None)
+
+
 def _light(state, ds):
   return dataclasses.replace(state, cache=None, extra=None), dataclasses.replace(ds, kv=())
 
@@ -287,6 +360,60 @@ def synthetic_oracle(ar_out: np.ndarray) -> jax.Array:
   return jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
 
 
+# ---------------------------------------------------------------- in-loop stage split
+
+
+def _profile_step_module():
+  """benchmarks/profile_step.py of this source checkout (its trace reading and HLO parsing)."""
+  import importlib.util
+  import sys
+  from pathlib import Path
+
+  if "profile_step" in sys.modules:
+    return sys.modules["profile_step"]
+  root = Path(__file__).resolve().parents[2]
+  for rel in ("benchmarks/profile_step.py", "benchmarks/profile/profile_step.py"):
+    path = root / rel
+    if path.is_file():
+      spec = importlib.util.spec_from_file_location("profile_step", path)
+      mod = importlib.util.module_from_spec(spec)
+      sys.modules["profile_step"] = mod
+      spec.loader.exec_module(mod)
+      return mod
+  raise FileNotFoundError(f"--profile-loop reads traces with benchmarks/profile_step.py of a "
+                          f"source checkout; none under {root}: run from the repository")
+
+
+def loop_profile(run, params, state, steps: int, n: int, cfg: ModelConfig, spec):
+  """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
+  loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
+  Returns (profile dict, the state after the traced steps)."""
+  import tempfile
+
+  ps = _profile_step_module()
+  floors = (dict(ar=ar_step_floor_bytes(cfg, params, state.cache, state.next_token.shape[0]))
+            if spec is None else stage_floor_bytes(cfg, params, state, spec))
+  max_steps = jax.device_put(np.int32(steps))  # made here: no transfer inside the trace
+  s0 = np.asarray(state.steps).copy()
+  with tempfile.TemporaryDirectory(prefix="bench_loop_") as d:
+    with jax.profiler.trace(d, profiler_options=ps._trace_options()):
+      t = time.perf_counter()
+      state = run(params, state, max_steps)
+      jax.block_until_ready(state)
+      dt = time.perf_counter() - t
+    how, events = ps.read_trace(d)
+  nsteps = max(int((np.asarray(state.steps) - s0)[:n].max()), 1)
+  r = ps.summarise(events, nsteps, ps._hlo_text(run))
+  r["wall_ms_per_rep"] = 1e3 * dt / nsteps
+  gbps = peak_gbps()
+  split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps)
+  prof = dict(steps=nsteps, wall_ms_per_step=r["wall_ms_per_rep"],
+              busy_ms_per_step=r["busy_ms_per_rep"], active_ms_per_step=r["active_ms_per_rep"],
+              events_from=r["events_from"], attributed_share=r["attributed_share"],
+              peak_gbps=gbps, trace=how, stage_split=split)
+  return prof, state
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -333,6 +460,8 @@ def _check_e2e_args(a) -> None:
   for name in ("steps", "prompt_len", "topk", "depth", "breakdown_reps", "compile_workers"):
     if getattr(a, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+  if getattr(a, "profile_loop", 0) < 0:
+    raise ValueError("--profile-loop must be >= 0 (traced steps per point; 0 = off)")
   if a.warm < 0 or a.breakdown_batch < 0 or a.time_budget <= 0:
     raise ValueError("--warm and --breakdown-batch must be >= 0, --time-budget > 0")
   a.nodes = _int_or(a.nodes, "--nodes", ("auto",))
@@ -531,7 +660,9 @@ def run_e2e(a) -> dict:
   if synthetic and spec_modes:
     p = a.accept_prob if a.accept_prob is not None else synthetic_accept_prob(a.accept_mean,
                                                                               a.depth)
-  gen = 1 + (a.warm + a.steps) * (a.depth + 1)  # no request finishes inside the timed window
+  prof_steps = getattr(a, "profile_loop", 0) or 0
+  # no request finishes inside the timed window (nor the profiled one)
+  gen = 1 + (a.warm + a.steps + prof_steps) * (a.depth + 1)
   phases = dict(setup_s=time.perf_counter() - t_start)
   say(f"[bench] {a.preset or a.model}: {cfg.num_layers} layers, {dtype}, {env['device']}; "
       f"modes {a.modes}, batches {a.batch}, {gen} tokens per request"
@@ -619,6 +750,12 @@ def run_e2e(a) -> dict:
         run = progs[b, m]
         state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
         r, state = timed_segment(run, params, state, a.warm, a.steps, n)
+        if prof_steps:  # after the timed window: the trace's overhead stays out of it
+          try:
+            r["loop_profile"], state = loop_profile(run, params, state, prof_steps, n, cfg,
+                                                    spec)
+          except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
+            errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))
         if m == "ar":  # continue to the end of the generation budget
           state = run(params, state, jnp.int32(gen))
           ar_out = np.asarray(state.out)
@@ -708,6 +845,9 @@ def run_e2e(a) -> dict:
     print(f"\nmemory per request (MiB; KV at capacity {mem_rows[0]['kv_capacity']})")
     print_table(mem_rows, ["mode", "nodes", "gdn_state_mib", "conv_state_mib", "kv_mib",
                            "verify_state_mib", "verify_conv_mib"])
+  prof_rows = [r for r in rows if r.get("loop_profile")]
+  if prof_rows:
+    print_loop_profiles(prof_rows)
   if breakdown:
     print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
           "commit lazy: conv + KV (+ the pending-row gathers with lazy_rows 'gather'), the "
@@ -729,6 +869,36 @@ def run_e2e(a) -> dict:
   if not a.no_plots:
     result["plots"] = plot_e2e(result, a.out, tag)
   return result
+
+
+def print_loop_profiles(rows: Sequence[dict]) -> str:
+  """One line per (batch, mode): ms per loop step of each stage inside the jitted loop, then
+  other, idle and the profiled wall; a second table: each stage's time over its bytes floor
+  (where the device's bandwidth is known), else the floor in MiB."""
+  names = [*STAGES, "ar", "other", "idle"]
+  table, ratio = [], []
+  gbps = None
+  for r in rows:
+    lp = r["loop_profile"]
+    gbps = gbps or lp.get("peak_gbps")
+    split = {x["stage"]: x for x in lp["stage_split"]}
+    table.append(dict(batch=r["batch"], mode=r["mode"], wall_ms=lp["wall_ms_per_step"],
+                      **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split}))
+    key = "x_floor" if gbps else "floor_mib"
+    ratio.append(dict(batch=r["batch"], mode=r["mode"],
+                      **{k: split[k].get(key) for k in (*STAGES, "ar") if k in split}))
+  print(f"\nin-loop stage split (ms per loop step, from a profiler trace of "
+        f"{rows[0]['loop_profile']['steps']} steps of the jitted loop; "
+        f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = wall "
+        "where kernels do not overlap)")
+  cols = ["batch", "mode", "wall_ms"] + [f"{k}_ms" for k in names
+                                         if any(f"{k}_ms" in t for t in table)]
+  out = print_table(table, cols)
+  how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"
+  print(f"\neach stage over its bytes floor ({how})")
+  print_table(ratio, ["batch", "mode"] + [k for k in (*STAGES, "ar")
+                                          if any(k in t for t in ratio)])
+  return out
 
 
 def plot_e2e(result: dict, out: str, tag: str) -> list[str]:

@@ -310,6 +310,9 @@ def add_bench_args(ap) -> None:
   ap.add_argument("--breakdown-modes", nargs="+", choices=BENCH_MODES[1:],
                   help="spec modes whose step is split (default: all run)")
   ap.add_argument("--breakdown-reps", type=int, default=5, help="timed repeats per stage")
+  ap.add_argument("--profile-loop", type=int, default=0, metavar="STEPS",
+                  help="after each point's timed window, trace STEPS more steps of its jitted "
+                  "loop and split them by stage, with each stage's bytes floor (0 = off)")
   ap.add_argument("--quick", action="store_true",
                   help="smoke run: short timing windows, batch 1, no breakdown, a 75 s "
                   "time budget (each unless given)")

@@ -47,14 +47,25 @@ def draft_top_k(params, cfg: ModelConfig, h: jax.Array, k: int):
   """Top-k of the draft distribution at h [..., H]: (log q [..., k] fp32, token ids [..., k]).
 
   With a draft vocabulary the softmax runs over its V_d tokens (the scores rank candidates
-  only); without one, over the whole lm_head."""
+  only); without one, over the whole lm_head. The top-k is taken on the fp32 logits and the
+  logsumexp subtracted from the k winners only: the same order and fp32 scores as a top-k of
+  log_softmax, without writing and re-reading a [..., V] fp32 log-prob array (log_softmax's
+  output) per draft level."""
   mtp = params["mtp"]
   if "draft_head" in mtp:
     z = jnp.einsum("...h,hv->...v", h, mtp["draft_head"], preferred_element_type=jnp.float32)
-    lp, idx = jax.lax.top_k(jax.nn.log_softmax(z, axis=-1), k)
+    lp, idx = _top_k_log_softmax(z, k)
     return lp, mtp["draft_ids"][idx]
-  z = lm_logits(params, cfg, h).astype(jnp.float32)
-  return jax.lax.top_k(jax.nn.log_softmax(z, axis=-1), k)
+  return _top_k_log_softmax(lm_logits(params, cfg, h).astype(jnp.float32), k)
+
+
+def _top_k_log_softmax(z: jax.Array, k: int):
+  """(top-k of log_softmax(z) [..., k], their indices) from fp32 logits z [..., V]. log q =
+  z - lse <= 0 exactly in fp (lse = max + log(sum exp(z - max)) with the sum >= 1), which the
+  drafter's early stop relies on (rho never increases down a path)."""
+  top, idx = jax.lax.top_k(z, k)
+  lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+  return jnp.minimum(top - lse, 0.0), idx
 
 
 def select_ids(cfg: ModelConfig, size: int, model_dir: str | os.PathLike | None = None

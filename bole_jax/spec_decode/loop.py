@@ -131,16 +131,18 @@ def emit(state: DecodeState, tokens: jax.Array, count: jax.Array,
 
 
 def ar_step(params, state: DecodeState, *, cfg: ModelConfig) -> DecodeState:
-  """One autoregressive step: feed next_token, sample one token, append it."""
-  key, sub = jax.random.split(state.key)
-  num_new = jnp.where(state.done, 0, 1).astype(jnp.int32)
-  hidden, cache = forward(params, cfg, state.next_token[:, None], state.cache, num_new)
-  logits = lm_logits(params, cfg, hidden[:, 0])
-  tok = sample(logits, state.sampling, sub)
-  state = dataclasses.replace(state, cache=cache, key=key,
-                              steps=state.steps + (~state.done).astype(jnp.int32))
-  return emit(state, tok[:, None], jnp.ones_like(state.num_out),
-              None if state.logprobs is None else logits[:, None])
+  """One autoregressive step: feed next_token, sample one token, append it. Under the named
+  scope "stage_ar" (step.STAGE_SCOPE: the in-loop profile's stage)."""
+  with jax.named_scope("stage_ar"):
+    key, sub = jax.random.split(state.key)
+    num_new = jnp.where(state.done, 0, 1).astype(jnp.int32)
+    hidden, cache = forward(params, cfg, state.next_token[:, None], state.cache, num_new)
+    logits = lm_logits(params, cfg, hidden[:, 0])
+    tok = sample(logits, state.sampling, sub)
+    state = dataclasses.replace(state, cache=cache, key=key,
+                                steps=state.steps + (~state.done).astype(jnp.int32))
+    return emit(state, tok[:, None], jnp.ones_like(state.num_out),
+                None if state.logprobs is None else logits[:, None])
 
 
 def run_segment(params, state: DecodeState, max_steps: jax.Array, *,

@@ -104,6 +104,29 @@ def check_cache_layout(spec: SpecConfig, cache: Cache) -> None:
                          "(LLM.state_after_prefill does)")
 
 
+# Named scopes of the step's stages: every HLO op of a compiled decode loop carries its stage in
+# its metadata op_name (".../stage_verify/..."), which benchmarks/profile_step.py attributes the
+# loop's device time by. loop.ar_step is "stage_ar".
+STAGES = ("draft", "select", "verify", "accept", "commit", "emit")
+STAGE_SCOPE = "stage_"
+
+# The drafter's early stop (drafter.can_gain) is on unless a test compares against the full
+# expansion (read at trace time).
+EARLY_STOP = True
+
+
+def stage(name: str):
+  return jax.named_scope(STAGE_SCOPE + name)
+
+
+def stop_rule(spec: SpecConfig, state: DecodeState) -> drafter.StopRule:
+  """What `select` will keep, for the drafter's early stop."""
+  n = spec.shape.num_nodes
+  room = state.cache.capacity - state.cache.lengths
+  cap = jnp.clip(room - 1, 0, n - 1) if spec.budget is not None else None
+  return drafter.StopRule(num_select=n - 1, budget=spec.budget, cap=cap, active=~state.done)
+
+
 def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):
   """Catch up the MTP cache and expand the candidate pool. Returns (pool, DraftState)."""
   ds = state.extra
@@ -113,7 +136,8 @@ def draft(params, cfg: ModelConfig, spec: SpecConfig, state: DecodeState, key):
   if spec.synthetic_accept is not None:
     forced = drafter.synthetic_chain(ds.oracle, state.num_out, spec.shape.depth,
                                      spec.synthetic_accept, cfg.vocab_size, key)
-  pool, kv = drafter.expand(params, cfg, spec.shape, ds.kv, h_root, lengths, forced)
+  stop = stop_rule(spec, state) if EARLY_STOP else None
+  pool, kv = drafter.expand(params, cfg, spec.shape, ds.kv, h_root, lengths, forced, stop)
   return pool, dataclasses.replace(ds, kv=kv)
 
 
@@ -133,6 +157,9 @@ def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
 
 
 def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig) -> DecodeState:
+  """One step; each stage under its named scope (`stage`), the verify's lm_head included in
+  "verify" and the drafter's bookkeeping (after_accept) in "emit", as bench.stage_functions
+  splits them."""
   if spec.kernels != cfg.kernels:
     raise ValueError(f"SpecConfig.kernels {spec.kernels} differs from ModelConfig.kernels "
                      f"{cfg.kernels}: build both from one KernelOptions (LLM(kernel_options=...) "
@@ -140,19 +167,25 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
   check_cache_layout(spec, state.cache)
   key, k_draft, k_acc = jax.random.split(state.key, 3)
   active = ~state.done
-  pool, ds = draft(params, cfg, spec, state, k_draft)
-  tree = select(spec, state, pool)
-  hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
-                                              backend=spec.backend,
-                                              depth_bound=spec.shape.path_nodes)
-  logits = lm_logits(params, cfg, hidden)
-  acc = accept(tree, logits, state.sampling, k_acc,
-               max_depth=spec.shape.depth, max_children=spec.shape.topk)
-  cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
-  ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
-  state = dataclasses.replace(state, cache=cache, extra=ds, key=key,
-                              steps=state.steps + active.astype(jnp.int32))
-  # Token j of the accepted run was drawn at path node j (a draft accepted there, or the bonus).
-  at_path = None if state.logprobs is None else jnp.take_along_axis(
-      logits, acc.path[:, :, None], axis=1)
-  return emit(state, acc.tokens, acc.num_accepted, at_path)
+  with stage("draft"):
+    pool, ds = draft(params, cfg, spec, state, k_draft)
+  with stage("select"):
+    tree = select(spec, state, pool)
+  with stage("verify"):
+    hidden, cache, auxs = verify.verify_forward(params, cfg, tree, state.cache, mode=spec.mode,
+                                                backend=spec.backend,
+                                                depth_bound=spec.shape.path_nodes)
+    logits = lm_logits(params, cfg, hidden)
+  with stage("accept"):
+    acc = accept(tree, logits, state.sampling, k_acc, max_depth=spec.shape.depth,
+                 max_children=spec.shape.topk)
+  with stage("commit"):
+    cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
+  with stage("emit"):
+    ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
+    state = dataclasses.replace(state, cache=cache, extra=ds, key=key,
+                                steps=state.steps + active.astype(jnp.int32))
+    # Token j of the accepted run was drawn at path node j (a draft accepted there, or the bonus).
+    at_path = None if state.logprobs is None else jnp.take_along_axis(
+        logits, acc.path[:, :, None], axis=1)
+    return emit(state, acc.tokens, acc.num_accepted, at_path)

@@ -50,16 +50,20 @@ def select_from_pool(root_token: jax.Array, cand_tokens: jax.Array, cand_parents
   b, m = cand_tokens.shape
   num_select = jnp.broadcast_to(jnp.asarray(num_select, jnp.int32), (b,))
   num_select = jnp.minimum(num_select, min(n - 1, m))
+  # One sort of the pool; the rank and the compaction are scatters (an argsort of the order
+  # and one of the chosen positions did the same with two more sorts over the pool).
+  rows = jnp.arange(b)[:, None]
   order = jnp.argsort(-cand_scores, axis=-1, stable=True)  # [B, M]
-  rank = jnp.argsort(order, axis=-1)  # rank of each candidate
+  rank = jnp.zeros((b, m), jnp.int32).at[rows, order].set(jnp.arange(m, dtype=jnp.int32)[None])
   chosen = (rank < num_select[:, None]) & jnp.isfinite(cand_scores)
   # New index of each chosen candidate: 1 + number of chosen candidates before it in pool order.
-  new_idx = jnp.where(chosen, jnp.cumsum(chosen, axis=-1), -1)  # root is 0
+  csum = jnp.cumsum(chosen, axis=-1, dtype=jnp.int32)
+  new_idx = jnp.where(chosen, csum, -1)  # root is 0
   k = min(n - 1, m)
-  # Pool positions of the chosen candidates, in pool order: [B, k]
-  pos = jnp.argsort(jnp.where(chosen, jnp.arange(m)[None], m + jnp.arange(m)[None]),
-                    axis=-1)[:, :k]
-  sel_valid = jnp.take_along_axis(chosen, pos, axis=-1)
+  # Pool positions of the chosen candidates, in pool order: [B, k] (0 beyond the chosen ones)
+  pos = jnp.zeros((b, k), jnp.int32).at[rows, jnp.where(chosen, csum - 1, k)].set(
+      jnp.arange(m, dtype=jnp.int32)[None], mode="drop")
+  sel_valid = jnp.arange(k)[None] < jnp.sum(chosen, axis=-1, keepdims=True)
   tok = jnp.take_along_axis(cand_tokens, pos, axis=-1)
   ppos = jnp.take_along_axis(cand_parents, pos, axis=-1)
   par = jnp.where(ppos < 0, 0, jnp.take_along_axis(new_idx, jnp.maximum(ppos, 0), axis=-1))

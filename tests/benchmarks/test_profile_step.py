@@ -240,3 +240,94 @@ def test_profile_step_tiny(tmp_path):
     assert prog[table] and all(row["ms_per_rep"] > 0 for row in prog[table]), table
   assert any(row["source"].startswith("model/") for row in prog["hlo_ops"])
   assert list(traces.glob("ar/plugins/profile/*/*.xplane.pb"))
+
+
+def test_stage_of_and_command_buffer_stage():
+  assert ps.stage_of("jit(run_segment)/while/body/stage_draft/while/body/dot_general") == "draft"
+  assert ps.stage_of("jit(run_segment)/while/body/stage_ar/add") == "ar"
+  assert ps.stage_of("jit(run_segment)/while/cond/lt") == ""
+  hlo = """HloModule jit_run_segment
+
+%command_buffer (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %f.1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fa, \
+metadata={op_name="jit(run_segment)/while/body/stage_verify/add"}
+}
+
+%mixed (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %f.2 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fa, \
+metadata={op_name="jit(run_segment)/while/body/stage_draft/add"}
+  ROOT %f.3 = f32[8]{0} fusion(%f.2), kind=kLoop, calls=%fa, \
+metadata={op_name="jit(run_segment)/while/body/stage_emit/add"}
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %call.1 = f32[8]{0} call(%p), to_apply=%command_buffer
+  ROOT %call.2 = f32[8]{0} call(%call.1), to_apply=%mixed
+}
+"""
+  _, ops = ps.parse_hlo(hlo)
+  assert ops["f.1"].stage == "verify" and ops["call.1"].stage == "verify"
+  assert ops["call.2"].stage == "mixed(draft+emit)"
+  # kernels per stage: the fusions of the called computations, not the calls or parameters
+  assert ps.hlo_stage_counts(hlo) == {"draft": {"fusion": 1}, "emit": {"fusion": 1},
+                                      "verify": {"fusion": 1}}
+
+
+def test_loop_stage_split_tiny(tmp_path):
+  """The engine's AR and bole loops on the tiny preset (CPU: host thunk events): the split of
+  the loop's kernel time covers every stage, the stage rows and "other" sum to the busy time,
+  little is left to "other", the idle row is wall - active, and each stage has its floor."""
+  out = tmp_path / "p.json"
+  fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=fast)
+  r = subprocess.run(
+      [sys.executable, SCRIPT, "--preset", "tiny", "--dtype", "float32", "--batch", "2",
+       "--nodes", "4", "--depth", "3", "--topk", "2", "--accept-mean", "2.5",
+       "--programs", "ar", "step", "--reps", "3", "--warm", "1", "--draft-vocab", "0",
+       "--compile-cache", "none", "--compile-workers", "1", "--top", "3", "--out", str(out)],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "in-loop stage split of step" in r.stdout
+  res = json.loads(out.read_text())
+  for name, stages in (("ar", ("ar",)), ("step", ps.STAGES)):
+    prog = res["programs"][name]
+    rows = {row["stage"]: row for row in prog["stage_split"]}
+    assert list(rows) == [*stages, "other", "idle"]
+    for st in stages:
+      assert rows[st]["ms_per_step"] > 0 and rows[st]["floor_mib"] > 0, (name, st)
+    busy = sum(rows[st]["ms_per_step"] for st in (*stages, "other"))
+    assert busy == pytest.approx(prog["busy_ms_per_rep"], rel=1e-6)
+    assert rows["other"]["ms_per_step"] < 0.15 * busy, rows["other"]  # the loop's cond, copies
+    assert rows["idle"]["ms_per_step"] == pytest.approx(
+        max(prog["wall_ms_per_rep"] - prog["active_ms_per_rep"], 0.0), abs=1e-9)
+    assert prog["active_ms_per_rep"] <= prog["wall_ms_per_rep"]
+
+
+def test_bench_e2e_profile_loop(tmp_path):
+  """`bole-jax bench --profile-loop`: every point's row holds the in-loop stage split of its
+  loop (ar: the AR step; bole: the six stages), with floors, and the output prints it."""
+  from bole_jax.measure import bench
+  from bole_jax.serving import cli
+
+  args = cli.build_parser().parse_args([
+      "bench", "--preset", "tiny", "--dtype", "float32", "--batch", "2", "--quick",
+      "--compile-cache", "none", "--compile-workers", "1", "--depth", "2", "--topk", "2",
+      "--nodes", "4", "--budget", "none", "--accept-mean", "2.5", "--breakdown-batch", "0",
+      "--modes", "ar", "bole", "--profile-loop", "3", "--no-plots", "--out", str(tmp_path)])
+  res = bench.run_e2e(args)
+  assert res["errors"] == [] and res["skipped"] == []
+  rows = {r["mode"]: r for r in res["rows"]}
+  for m, stages in (("ar", ("ar",)), ("bole", ps.STAGES)):
+    lp = rows[m]["loop_profile"]
+    assert lp["steps"] == 3 and lp["wall_ms_per_step"] > 0
+    split = {x["stage"]: x for x in lp["stage_split"]}
+    assert list(split) == [*stages, "other", "idle"]
+    assert all(split[st]["ms_per_step"] > 0 and split[st]["floor_mib"] > 0 for st in stages)
+    assert sum(split[st]["ms_per_step"] for st in (*stages, "other")) == pytest.approx(
+        lp["busy_ms_per_step"], rel=1e-6)
+  assert rows["bole"]["ar_agreement"] == 1.0  # the profiled steps are decode steps too
+  saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
+  assert saved["rows"][1]["loop_profile"]["stage_split"]
