@@ -1,4 +1,4 @@
-"""Tensor-parallel checks on simulated CPU devices, run by tests/test_tp.py in a subprocess.
+"""Tensor-parallel checks on simulated CPU devices, run by tests/model/test_tp.py in a subprocess.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tp_worker.py OUT_DIR GROUP...
 

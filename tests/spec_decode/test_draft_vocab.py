@@ -1,5 +1,5 @@
 """Reduced draft vocabulary (spec_decode/draft_vocab.py): id selection, the restricted top-k and
-the CLI that counts token frequencies (greedy decoding with it == AR: tests/test_engine.py)."""
+the CLI that counts token frequencies (greedy decoding with it == AR: tests/spec_decode/test_engine.py)."""
 
 from __future__ import annotations
 
