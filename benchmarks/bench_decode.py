@@ -26,37 +26,58 @@ from bole_jax.model.presets import preset  # noqa: E402
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--preset", default="qwen3.5-9b")
-  ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-  ap.add_argument("--prompt-len", type=int, default=128)
-  ap.add_argument("--steps", type=int, default=64)
-  ap.add_argument("--out", default="benchmarks/results")
-  a = ap.parse_args(argv)
-  env = environment()
-  bw = copy_bandwidth()
-  cfg = preset(a.preset, mtp=False)
-  params = init_params(cfg, jax.random.key(0), "bfloat16")
-  llm = LLM(cfg, params=params, max_batch_size=max(a.batch))
-  rng = np.random.default_rng(0)
-  rows = []
-  for b in a.batch:
-    ids = rng.integers(0, cfg.vocab_size, (b, a.prompt_len)).tolist()
-    r, state = bench.run_mode(llm, ids, "ar", a.steps + 16, 8, a.steps)
-    floor = bench.ar_step_floor_bytes(cfg, params, state.cache, b)
-    r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw,
-             ratio_to_floor=r["step_ms"] / (1e3 * floor / bw),
-             achieved_tb_s=floor / (r["step_ms"] / 1e3) / 1e12)
-    rows.append(r)
-    del state
-  print(f"\n{a.preset} AR decode, bf16, {env['device']}, copy bandwidth {bw/1e12:.2f} TB/s")
-  table = bench.print_table(rows, ["batch", "step_ms", "tokens_per_s", "floor_gb", "floor_ms",
-                                   "ratio_to_floor", "achieved_tb_s"])
-  os.makedirs(a.out, exist_ok=True)
-  bench.write_json(os.path.join(a.out, f"decode_{a.preset}.json"), dict(
-      command="python " + " ".join(sys.argv), env=env, copy_bandwidth_bytes_s=bw,
-      config=cfg, rows=rows, table=table))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    env = environment()
+    bw = copy_bandwidth()
+    cfg = preset(a.preset, mtp=False)
+    params = init_params(cfg, jax.random.key(0), "bfloat16")
+    llm = LLM(cfg, params=params, max_batch_size=max(a.batch))
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in a.batch:
+        ids = rng.integers(0, cfg.vocab_size, (b, a.prompt_len)).tolist()
+        r, state = bench.run_mode(llm, ids, "ar", a.steps + 16, 8, a.steps)
+        floor = bench.ar_step_floor_bytes(cfg, params, state.cache, b)
+        r.update(
+            floor_gb=floor / 1e9,
+            floor_ms=1e3 * floor / bw,
+            ratio_to_floor=r["step_ms"] / (1e3 * floor / bw),
+            achieved_tb_s=floor / (r["step_ms"] / 1e3) / 1e12,
+        )
+        rows.append(r)
+        del state
+    print(f"\n{a.preset} AR decode, bf16, {env['device']}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    table = bench.print_table(
+        rows,
+        [
+            "batch",
+            "step_ms",
+            "tokens_per_s",
+            "floor_gb",
+            "floor_ms",
+            "ratio_to_floor",
+            "achieved_tb_s",
+        ],
+    )
+    os.makedirs(a.out, exist_ok=True)
+    bench.write_json(
+        os.path.join(a.out, f"decode_{a.preset}.json"),
+        dict(
+            command="python " + " ".join(sys.argv),
+            env=env,
+            copy_bandwidth_bytes_s=bw,
+            config=cfg,
+            rows=rows,
+            table=table,
+        ),
+    )
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -26,8 +26,8 @@ from bole_jax.serving import cli  # noqa: E402
 
 
 def main(argv=None) -> int:
-  return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

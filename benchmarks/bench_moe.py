@@ -57,8 +57,10 @@ CFG_KEYS = dict(bm="block_m", bn="block_n", bk="block_k", w="num_warps", s="num_
 
 
 def parse_cfg(spec: str) -> moe_gmm.GMMConfig:
-    kw = {CFG_KEYS[k.strip()]: int(v) for k, v in
-          (item.split("=") for item in filter(None, spec.split(",")))}
+    kw = {
+        CFG_KEYS[k.strip()]: int(v)
+        for k, v in (item.split("=") for item in filter(None, spec.split(",")))
+    }
     return moe_gmm.GMMConfig(**kw)
 
 
@@ -70,18 +72,27 @@ def cfg_str(cfg: moe_gmm.GMMConfig) -> str:
 def make_model(d, seed, dtype):
     """ModelConfig (for moe_route) and MoE params: router fp32, experts in dtype. Host RNG:
     nothing to compile, the same weights on every device."""
-    cfg = ModelConfig.tiny("qwen3_next", moe=True, hidden_size=d["hidden"],
-                           num_experts=d["experts"], num_experts_per_tok=d["topk"],
-                           moe_intermediate_size=d["inter"])
+    cfg = ModelConfig.tiny(
+        "qwen3_next",
+        moe=True,
+        hidden_size=d["hidden"],
+        num_experts=d["experts"],
+        num_experts_per_tok=d["topk"],
+        moe_intermediate_size=d["inter"],
+    )
     rng = np.random.default_rng(seed)
     h, i, e = d["hidden"], d["inter"], d["experts"]
 
     def normal(shape, scale):
-        return jnp.asarray((rng.standard_normal(shape, np.float32) * scale).astype(
-            jnp.dtype(dtype)))
+        return jnp.asarray(
+            (rng.standard_normal(shape, np.float32) * scale).astype(jnp.dtype(dtype))
+        )
 
-    p = {"router": normal((h, e), 1.0), "w_gate_up": normal((e, h, 2 * i), h ** -0.5),
-         "w_down": normal((e, i, h), i ** -0.5)}
+    p = {
+        "router": normal((h, e), 1.0),
+        "w_gate_up": normal((e, h, 2 * i), h**-0.5),
+        "w_down": normal((e, i, h), i**-0.5),
+    }
     return cfg, p
 
 
@@ -89,20 +100,30 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
     e, h, i, k = d["experts"], d["hidden"], d["inter"], d["topk"]
     dtype = p["w_gate_up"].dtype
     pairs = tokens * k
-    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, h), np.float32)
-                    .astype(dtype))
+    x = jnp.asarray(
+        np.random.default_rng(tokens).standard_normal((tokens, h), np.float32).astype(dtype)
+    )
     top_w, top_e = jax.jit(lambda x: layers.moe_route(p["router"], x, cfg))(x)
     per_expert = (h * 2 * i + i * h) * dtype.itemsize
     used = len(np.unique(np.asarray(top_e)))
-    limit = args.mem_limit_gb * 2 ** 30
+    limit = args.mem_limit_gb * 2**30
     gather_bytes = pairs * per_expert
     sorted_bytes = e * pairs * max(h, 2 * i) * 4
     bm = moe_gmm.GMMConfig.auto(pairs / e).block_m
-    auto = (moe_gmm.GMMConfig.for_block_m(bm, True, dtype.itemsize),
-            moe_gmm.GMMConfig.for_block_m(bm, False, dtype.itemsize))
-    point = dict(tokens=tokens, pairs=pairs, used_experts=used, weight_bytes=used * per_expert,
-                 gather_bytes=gather_bytes, sorted_dense_bytes=sorted_bytes,
-                 auto_config=[cfg_str(c) for c in auto], configs=[])
+    auto = (
+        moe_gmm.GMMConfig.for_block_m(bm, True, dtype.itemsize),
+        moe_gmm.GMMConfig.for_block_m(bm, False, dtype.itemsize),
+    )
+    point = dict(
+        tokens=tokens,
+        pairs=pairs,
+        used_experts=used,
+        weight_bytes=used * per_expert,
+        gather_bytes=gather_bytes,
+        sorted_dense_bytes=sorted_bytes,
+        auto_config=[cfg_str(c) for c in auto],
+        configs=[],
+    )
 
     def check(name, got, want, tol, rows=None):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -116,8 +137,9 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
     lay = moe_gmm.group_layout(top_e.reshape(-1), e, bm)
     xs = jnp.take(x, lay.row_pair // k, axis=0, mode="fill", fill_value=0)
     rows = np.repeat(np.asarray(lay.tile_expert) < e, bm)
-    kern = functools.partial(moe_gmm.gmm, tile_expert=lay.tile_expert, backend="pallas",
-                             interpret=interpret)
+    kern = functools.partial(
+        moe_gmm.gmm, tile_expert=lay.tile_expert, backend="pallas", interpret=interpret
+    )
 
     @jax.jit
     def kernels(p, xs):
@@ -125,10 +147,20 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
         return hs, kern(hs, p["w_down"], config=auto[1])
 
     hs, ys = kernels(p, xs)
-    check("gate_up+swiglu kernel vs gmm_ref", hs,
-          moe_gmm.gmm_ref(xs, p["w_gate_up"], lay.tile_expert, swiglu=True), TOL["gate_up"], rows)
-    check("down kernel vs gmm_ref", ys, moe_gmm.gmm_ref(hs, p["w_down"], lay.tile_expert),
-          TOL["down"], rows)
+    check(
+        "gate_up+swiglu kernel vs gmm_ref",
+        hs,
+        moe_gmm.gmm_ref(xs, p["w_gate_up"], lay.tile_expert, swiglu=True),
+        TOL["gate_up"],
+        rows,
+    )
+    check(
+        "down kernel vs gmm_ref",
+        ys,
+        moe_gmm.gmm_ref(hs, p["w_down"], lay.tile_expert),
+        TOL["down"],
+        rows,
+    )
     point["kernels_only"] = timer(kernels, [(p, xs)])
     del hs, ys
 
@@ -137,8 +169,11 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
     sets = [(p, x, top_w, top_e)]  # the weights alone are several times the L2 cache
     base = None
     for cfgs in [auto] + [(c, c) for c in args.configs]:
-        fn = jax.jit(functools.partial(layers.moe_experts_gmm, config=cfgs, backend="pallas",
-                                       interpret=interpret))
+        fn = jax.jit(
+            functools.partial(
+                layers.moe_experts_gmm, config=cfgs, backend="pallas", interpret=interpret
+            )
+        )
         entry = dict(config=[cfg_str(c) for c in cfgs])
         try:
             out = fn(*sets[0])
@@ -146,8 +181,12 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
                 base = out
                 if 2 * gather_bytes <= limit:
                     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (p, x, top_w))
-                    check("moe_experts_gmm vs gather (fp32)", out,
-                          jax.jit(layers.moe_experts_gather)(*f32, top_e), TOL["moe"])
+                    check(
+                        "moe_experts_gmm vs gather (fp32)",
+                        out,
+                        jax.jit(layers.moe_experts_gather)(*f32, top_e),
+                        TOL["moe"],
+                    )
             else:
                 check(f"moe_experts_gmm [{cfg_str(cfgs[0])}] vs auto", out, base, TOL["moe"])
             entry.update(timer(fn, sets))
@@ -158,10 +197,12 @@ def bench_point(tokens, d, cfg, p, args, timer, interpret, record) -> dict:
         point["configs"].append(entry)
     timed = [c for c in point["configs"] if "us" in c]
     point["gmm"] = min(timed, key=lambda c: c["us"]) if timed else None
-    for name, fn, need in (("gather", layers.moe_experts_gather, gather_bytes),
-                           ("sorted", layers.moe_experts_sorted, sorted_bytes)):
+    for name, fn, need in (
+        ("gather", layers.moe_experts_gather, gather_bytes),
+        ("sorted", layers.moe_experts_sorted, sorted_bytes),
+    ):
         if need > limit:
-            point[name] = dict(skipped=f"needs ~{need / 2 ** 30:.0f} GiB > --mem-limit-gb")
+            point[name] = dict(skipped=f"needs ~{need / 2**30:.0f} GiB > --mem-limit-gb")
             continue
         try:
             point[name] = timer(jax.jit(fn), sets)
@@ -174,16 +215,20 @@ def print_table(points):
     def us(v):
         return f"{v['us']:10.1f}" if v and "us" in v else f"{'-':>10s}"
 
-    hdr = (f"{'tokens':>6s} {'pairs':>6s} {'used E':>6s} | {'gmm us':>10s} {'GB/s':>6s} "
-           f"{'kernels us':>10s} {'gather us':>10s} {'sorted us':>10s} | best gmm config "
-           "(gate_up; down)")
+    hdr = (
+        f"{'tokens':>6s} {'pairs':>6s} {'used E':>6s} | {'gmm us':>10s} {'GB/s':>6s} "
+        f"{'kernels us':>10s} {'gather us':>10s} {'sorted us':>10s} | best gmm config "
+        "(gate_up; down)"
+    )
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for p in points:
         g = p["gmm"]
         bw = f"{g['weight_bw'] / 1e9:6.0f}" if g else f"{'-':>6s}"
         best = "; ".join(g["config"]) if g else "-"
-        print(f"{p['tokens']:6d} {p['pairs']:6d} {p['used_experts']:6d} | {us(g)} {bw} "
-              f"{us(p['kernels_only'])} {us(p['gather'])} {us(p['sorted'])} | {best}")
+        print(
+            f"{p['tokens']:6d} {p['pairs']:6d} {p['used_experts']:6d} | {us(g)} {bw} "
+            f"{us(p['kernels_only'])} {us(p['gather'])} {us(p['sorted'])} | {best}"
+        )
 
 
 def main(argv=None):
@@ -195,37 +240,61 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=DIMS["inter"], help="moe_intermediate_size")
     ap.add_argument("--topk", type=int, default=DIMS["topk"])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--configs", default="",
-                    help='";"-separated extra gmm configs for both matmuls (keys: bm bn bk w s)')
-    ap.add_argument("--mem-limit-gb", type=float, default=20.0,
-                    help="skip gather / sorted when their estimated memory exceeds this")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help='";"-separated extra gmm configs for both matmuls (keys: bm bn bk w s)',
+    )
+    ap.add_argument(
+        "--mem-limit-gb",
+        type=float,
+        default=20.0,
+        help="skip gather / sorted when their estimated memory exceeds this",
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timer", choices=("auto", "profile", "wall"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true",
-                    help="tiny dims (8 experts, hidden 64, top-2) and tokens 4, 32: a smoke run "
-                         "that works on CPU (interpret mode)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny dims (8 experts, hidden 64, top-2) and tokens 4, 32: a smoke run "
+        "that works on CPU (interpret mode)",
+    )
     ap.add_argument("--no-fail", action="store_true", help="exit 0 even if a check fails")
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not (on_gpu or args.tiny):
         ap.error("no GPU: the Pallas interpret mode at full dims would take hours; use --tiny")
-    d = dict(TINY) if args.tiny else dict(experts=args.experts, hidden=args.hidden,
-                                          inter=args.inter, topk=args.topk)
+    d = (
+        dict(TINY)
+        if args.tiny
+        else dict(experts=args.experts, hidden=args.hidden, inter=args.inter, topk=args.topk)
+    )
     tokens = [int(t) for t in (args.tokens or (TINY_TOKENS if args.tiny else TOKENS)).split(",")]
     args.configs = [parse_cfg(s) for s in args.configs.split(";") if s.strip()]
     interpret = not on_gpu
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "bench_moe.json")
-    result = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                  **environment(), interpret=interpret, dims=dict(d, dtype=args.dtype),
-                  tokens=tokens, extra_configs=[cfg_str(c) for c in args.configs],
-                  reps=args.reps, mem_limit_gb=args.mem_limit_gb, tolerances=TOL, checks=[],
-                  points=[])
-    print(f"device {result['device']} ({result['platform']}), jax {jax.__version__}, "
-          f"interpret={interpret}, commit {result['git_commit']}, dims {d}", flush=True)
+    result = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        **environment(),
+        interpret=interpret,
+        dims=dict(d, dtype=args.dtype),
+        tokens=tokens,
+        extra_configs=[cfg_str(c) for c in args.configs],
+        reps=args.reps,
+        mem_limit_gb=args.mem_limit_gb,
+        tolerances=TOL,
+        checks=[],
+        points=[],
+    )
+    print(
+        f"device {result['device']} ({result['platform']}), jax {jax.__version__}, "
+        f"interpret={interpret}, commit {result['git_commit']}, dims {d}",
+        flush=True,
+    )
 
     def dump():
         result["elapsed_s"] = time.perf_counter() - t_start
@@ -236,8 +305,9 @@ def main(argv=None):
         ok = bool(np.isfinite(err) and err <= tol)
         row = dict(check=name, rel_err=err, tol=tol, ok=ok)
         result["checks"].append(row)
-        print(f"  {'ok  ' if ok else 'FAIL'} {name:48s} rel err {err:.2e} (tol {tol:.0e})",
-              flush=True)
+        print(
+            f"  {'ok  ' if ok else 'FAIL'} {name:48s} rel err {err:.2e} (tol {tol:.0e})", flush=True
+        )
         return row
 
     cfg, p = make_model(d, args.seed, jnp.dtype(args.dtype))

@@ -54,30 +54,60 @@ def bench_point(b, n, cfgs, timer, seed) -> dict:
     parents = btg.make_trees(rng, b, n)
     num_nodes = jnp.full((b,), n, jnp.int32)
     order = np.asarray(dfs_order(jnp.asarray(parents), num_nodes))
-    trees = dict(index=parents, dfs=parents, relabel=relabel(parents, order),
-                 chain=np.broadcast_to(np.arange(n, dtype=np.int32) - 1, (b, n)).copy())
+    trees = dict(
+        index=parents,
+        dfs=parents,
+        relabel=relabel(parents, order),
+        chain=np.broadcast_to(np.arange(n, dtype=np.int32) - 1, (b, n)).copy(),
+    )
     r = btg.pernode_set_count(b, n, btg.input_set_count(b, n, cap=16))
     sets = btg.make_sets(jax.random.PRNGKey(seed + b * 1000 + n), b, n, r)
-    point = dict(B=b, N=n, input_sets=r, reloads=dict(
-        index=btg.reloads(parents), dfs=btg.reloads(parents, order),
-        relabel=btg.reloads(trees["relabel"]), chain=0.0), rows=[])
+    point = dict(
+        B=b,
+        N=n,
+        input_sets=r,
+        reloads=dict(
+            index=btg.reloads(parents),
+            dfs=btg.reloads(parents, order),
+            relabel=btg.reloads(trees["relabel"]),
+            chain=0.0,
+        ),
+        rows=[],
+    )
     # each tree's reference output, once for all launches ("dfs" walks the "index" trees)
-    o_refs = {var: tree_gdn_ref.tree_gdn_closed_form(
-        *sets[0], jnp.asarray(trees[var]), num_nodes,
-        tree=tree_structure(jnp.asarray(trees[var]), num_nodes))[0]
-        for var in VARIANTS if var != "dfs"}
+    o_refs = {
+        var: tree_gdn_ref.tree_gdn_closed_form(
+            *sets[0],
+            jnp.asarray(trees[var]),
+            num_nodes,
+            tree=tree_structure(jnp.asarray(trees[var]), num_nodes),
+        )[0]
+        for var in VARIANTS
+        if var != "dfs"
+    }
     o_refs["dfs"] = o_refs["index"]
-    print(f"B={b} N={n}: reloads per request " + ", ".join(
-        f"{k} {v:.1f}" for k, v in point["reloads"].items()), flush=True)
+    print(
+        f"B={b} N={n}: reloads per request "
+        + ", ".join(f"{k} {v:.1f}" for k, v in point["reloads"].items()),
+        flush=True,
+    )
     for cfg in cfgs:
         row = dict(config=btg.cfg_str(cfg))
         for var in VARIANTS:
             par = jnp.asarray(trees[var])
             c = dataclasses.replace(cfg, order="dfs" if var == "dfs" else "index")
             ordv = jnp.asarray(order) if var == "dfs" else None
-            fn = jax.jit(lambda *a, par=par, c=c, ordv=ordv: tree_pernode.tree_pernode_verify(
-                *a, par, num_nodes, backend="pallas", interpret=btg.INTERPRET, config=c,
-                order=ordv))
+            fn = jax.jit(
+                lambda *a, par=par, c=c, ordv=ordv: tree_pernode.tree_pernode_verify(
+                    *a,
+                    par,
+                    num_nodes,
+                    backend="pallas",
+                    interpret=btg.INTERPRET,
+                    config=c,
+                    order=ordv,
+                )
+            )
             try:
                 o = fn(*sets[0])[0]
                 err = btg.rel(o, o_refs[var])
@@ -90,9 +120,13 @@ def bench_point(b, n, cfgs, timer, seed) -> dict:
             except Exception as e:  # noqa: BLE001
                 row[f"{var}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         point["rows"].append(row)
-        print(f"  {row['config']:24s} " + "  ".join(
-            f"{v} {row[v]['us']:8.1f}" if v in row else f"{v} {'FAIL':>8s}" for v in VARIANTS),
-            flush=True)
+        print(
+            f"  {row['config']:24s} "
+            + "  ".join(
+                f"{v} {row[v]['us']:8.1f}" if v in row else f"{v} {'FAIL':>8s}" for v in VARIANTS
+            ),
+            flush=True,
+        )
     return point
 
 
@@ -101,14 +135,19 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--B", default="1,16")
     ap.add_argument("--N", default="8,64")
-    ap.add_argument("--configs", default="bv=8,w=1,ns=3;bv=16,w=1,ns=2",
-                    help='";"-separated PERNODE launches (bench_tree_gdn.py keys; ord is set '
-                         "per variant)")
+    ap.add_argument(
+        "--configs",
+        default="bv=8,w=1,ns=3;bv=16,w=1,ns=2",
+        help='";"-separated PERNODE launches (bench_tree_gdn.py keys; ord is set per variant)',
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="test this script without a GPU: interpret mode, tiny head dims")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="test this script without a GPU: interpret mode, tiny head dims",
+    )
     a = ap.parse_args(argv)
     if a.cpu_dry_run:
         btg.HK, btg.HV, btg.DK, btg.DV, btg.INTERPRET = 1, 2, 16, 128, True
@@ -129,14 +168,20 @@ def main(argv=None):
             result["points"].append(bench_point(b, n, cfgs, timer, a.seed))
             with open(path, "w") as f:  # after every point: a timeout keeps what was measured
                 json.dump(result, f, indent=1)
-    print("\n  B    N | launch                   | " + " | ".join(f"{v:>8s}" for v in VARIANTS)
-          + " | reloads index / dfs")
+    print(
+        "\n  B    N | launch                   | "
+        + " | ".join(f"{v:>8s}" for v in VARIANTS)
+        + " | reloads index / dfs"
+    )
     for p in result["points"]:
         for row in p["rows"]:
-            cells = " | ".join(f"{row[v]['us']:8.1f}" if v in row else f"{'-':>8s}"
-                               for v in VARIANTS)
-            print(f"{p['B']:3d} {p['N']:4d} | {row['config']:24s} | {cells} | "
-                  f"{p['reloads']['index']:.1f} / {p['reloads']['dfs']:.1f}")
+            cells = " | ".join(
+                f"{row[v]['us']:8.1f}" if v in row else f"{'-':>8s}" for v in VARIANTS
+            )
+            print(
+                f"{p['B']:3d} {p['N']:4d} | {row['config']:24s} | {cells} | "
+                f"{p['reloads']['index']:.1f} / {p['reloads']['dfs']:.1f}"
+            )
     result["total_s"] = time.perf_counter() - t0
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -75,11 +75,16 @@ def scale_cols(s, p, bk, bv, warps):
     b, hv, dk, dv = s.shape
     spec = pl.BlockSpec((None, None, bk, bv), lambda t, r, h, i: (i, h, r, t))
     return pl.pallas_call(
-        _scale_kernel, grid=(dv // bv, dk // bk, hv, b),
+        _scale_kernel,
+        grid=(dv // bv, dk // bk, hv, b),
         in_specs=[pl.BlockSpec((None, None), lambda t, r, h, i: (i, h)), spec],
-        out_specs=spec, out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
-        input_output_aliases={1: 0}, interpret=INTERPRET, compiler_params=_params(warps),
-        name="stream_scale_cols")(p, s)
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype),
+        input_output_aliases={1: 0},
+        interpret=INTERPRET,
+        compiler_params=_params(warps),
+        name="stream_scale_cols",
+    )(p, s)
 
 
 def scale_rows(s, p, rows, warps):
@@ -91,11 +96,16 @@ def scale_rows(s, p, rows, warps):
     pf = p.reshape(b * hv)
     spec = pl.BlockSpec((rows, dv), lambda r: (r, 0))
     out = pl.pallas_call(
-        _scale_kernel, grid=(b * hv * per_head,),
+        _scale_kernel,
+        grid=(b * hv * per_head,),
         in_specs=[pl.BlockSpec((None,), lambda r: (r // per_head,)), spec],
-        out_specs=spec, out_shape=jax.ShapeDtypeStruct(flat.shape, s.dtype),
-        input_output_aliases={1: 0}, interpret=INTERPRET, compiler_params=_params(warps),
-        name="stream_scale_rows")(pf, flat)
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(flat.shape, s.dtype),
+        input_output_aliases={1: 0},
+        interpret=INTERPRET,
+        compiler_params=_params(warps),
+        name="stream_scale_rows",
+    )(pf, flat)
     return out.reshape(s.shape)
 
 
@@ -103,23 +113,28 @@ def read_cols(s, bv, warps):
     """Read-only: each program sums its [dk, bv] tile (the verify's state read at small N)."""
     b, hv, dk, dv = s.shape
     return pl.pallas_call(
-        _read_kernel, grid=(dv // bv, hv, b),
+        _read_kernel,
+        grid=(dv // bv, hv, b),
         in_specs=[pl.BlockSpec((None, None, dk, bv), lambda t, h, i: (i, h, 0, t))],
         out_specs=pl.BlockSpec((None, None, None), lambda t, h, i: (i, h, t)),
         out_shape=jax.ShapeDtypeStruct((b, hv, dv // bv), jnp.float32),
-        interpret=INTERPRET, compiler_params=_params(warps), name="stream_read_cols")(s)
+        interpret=INTERPRET,
+        compiler_params=_params(warps),
+        name="stream_read_cols",
+    )(s)
 
 
 def time_in_place(fn, states, extra, timer):
     """fn(state, extra) -> new state, timed in place (state donated) over the sets' states."""
-    return btg.timer_in_place(lambda s, e, _: fn(s, e), states, [extra] * len(states), timer,
-                              None)
+    return btg.timer_in_place(lambda s, e, _: fn(s, e), states, [extra] * len(states), timer, None)
 
 
 def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
     key = jax.random.PRNGKey(seed + b)
-    states = [jax.random.normal(jax.random.fold_in(key, i), (b, HV, DK, DV), jnp.float32)
-              for i in range(sets_count)]
+    states = [
+        jax.random.normal(jax.random.fold_in(key, i), (b, HV, DK, DV), jnp.float32)
+        for i in range(sets_count)
+    ]
     p = jax.random.uniform(jax.random.fold_in(key, 999), (b, HV), jnp.float32, 0.5, 1.0)
     rows = []
     bytes_rw = 2 * b * HV * DK * DV * 4
@@ -128,23 +143,29 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
         res = dict(res, name=name, bytes=nbytes, **kw)
         res["tb_per_s"] = nbytes / (res["us"] * 1e-6) / 1e12
         rows.append(res)
-        print(f"  B={b:3d} N={n:3d} {name:34s} {res['us']:8.2f} us  {res['tb_per_s']:5.2f} TB/s",
-              flush=True)
+        print(
+            f"  B={b:3d} N={n:3d} {name:34s} {res['us']:8.2f} us  {res['tb_per_s']:5.2f} TB/s",
+            flush=True,
+        )
 
     # Correctness of every diagnostic kernel once (not in place), then in-place timing.
     s0 = states[0]  # (the timed calls donate copies of the states)
     want = p[:, :, None, None] * s0
     scale_variants = [("cols", DK, bv, w) for bv in (32, 64, 128) for w in (4, 8)]
-    scale_variants += [("cols", DK // 2, 64, 4), ("cols", DK // 2, 32, 4),
-                       ("cols", DK // 4, 128, 4)]
+    scale_variants += [
+        ("cols", DK // 2, 64, 4),
+        ("cols", DK // 2, 32, 4),
+        ("cols", DK // 4, 128, 4),
+    ]
     scale_variants += [("rows", r, None, w) for r in (16, 32, 64) for w in (4, 8)]
     if "stream" not in parts:
         scale_variants = []
     for kind, a, bv, w in scale_variants:
         if kind == "cols":
             name = f"scale[{a}x{bv}] w{w}"
-            fn = functools.partial(lambda s, pp, a, bv, w: scale_cols(s, pp, a, bv, w),
-                                   a=a, bv=bv, w=w)
+            fn = functools.partial(
+                lambda s, pp, a, bv, w: scale_cols(s, pp, a, bv, w), a=a, bv=bv, w=w
+            )
         else:
             name = f"scale[rows {a}x{DV} contiguous] w{w}"
             fn = functools.partial(lambda s, pp, a, w: scale_rows(s, pp, a, w), a=a, w=w)
@@ -153,9 +174,12 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
             raise SystemExit(f"{name}: max error {err}")
         add(name, time_in_place(fn, states, p, timer), bytes_rw, err=err)
     if "stream" in parts:
-        add("xla_scale", time_in_place(lambda s, pp: pp[:, :, None, None] * s, states, p,
-                                       timer), bytes_rw)
-    for bv in ((32, 64, 128) if "stream" in parts else ()):
+        add(
+            "xla_scale",
+            time_in_place(lambda s, pp: pp[:, :, None, None] * s, states, p, timer),
+            bytes_rw,
+        )
+    for bv in (32, 64, 128) if "stream" in parts else ():
         for w in (4, 8):
             fn = functools.partial(lambda s, bv, w: read_cols(s, bv, w), bv=bv, w=w)
             got = jax.jit(fn)(s0)
@@ -163,16 +187,19 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
             err = float(jnp.max(jnp.abs(got - ref)))
             if err > 1e-2:
                 raise SystemExit(f"read[{bv}] w{w}: max error {err}")
-            add(f"read[{DK}x{bv}] w{w}", timer(jax.jit(fn), [(s,) for s in states]),
-                bytes_rw // 2)
+            add(f"read[{DK}x{bv}] w{w}", timer(jax.jit(fn), [(s,) for s in states]), bytes_rw // 2)
 
     # PERNODE's commit: the accepted node's state out of a per-node scratch (8 nodes, the
     # default transposed "vk" layout).
     scr = jnp.stack([tree_pernode.scratch_layout(s0, "vk")] * 8, axis=1)
     acc = jnp.full((b,), 5, jnp.int32)
-    add("pernode_copy (8-node scratch)",
-        time_in_place(lambda s, c: tree_pernode.commit_pernode_state(s, c, acc), states, scr,
-                      timer), bytes_rw)
+    add(
+        "pernode_copy (8-node scratch)",
+        time_in_place(
+            lambda s, c: tree_pernode.commit_pernode_state(s, c, acc), states, scr, timer
+        ),
+        bytes_rw,
+    )
     del scr
 
     # The real commit kernel on real factors.
@@ -187,22 +214,38 @@ def point(b, n, timer, sets_count, seed, parts=("stream", "commit")):
     v = jax.random.normal(kq[2], (b, n, HV, DV), jnp.float32).astype(jnp.bfloat16)
     g = -jax.random.uniform(kq[3], (b, n, HV), jnp.float32, 0.01, 1.0)
     beta = jax.random.uniform(kq[4], (b, n, HV), jnp.float32, 0.05, 0.95)
-    _, fac = tree_gdn_verify(q, k, v, g, beta, s0, parents, num_nodes, tree=tree,
-                             backend="pallas" if not INTERPRET else "reference",
-                             interpret=INTERPRET)
+    _, fac = tree_gdn_verify(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        s0,
+        parents,
+        num_nodes,
+        tree=tree,
+        backend="pallas" if not INTERPRET else "reference",
+        interpret=INTERPRET,
+    )
     accepted = jnp.asarray(btg.deepest_nodes(np.asarray(parents)))
     path, count = accepted_rows(parents, accepted, min(btg.MAX_DEPTH, n))
     want = commit_state(s0, fac, parents, accepted, backend="reference", precision="highest")
-    commits = [dict(block_v=32, num_warps=4, fold="dot"),
-               dict(block_v=32, num_warps=4, fold="loop"),
-               dict(block_v=32, num_warps=4, fold="unroll"),
-               dict(block_v=32, num_warps=8, fold="unroll"),
-               dict(block_v=64, num_warps=8, fold="unroll"),
-               dict(block_v=64, num_warps=4, fold="unroll"),
-               dict(block_v=16, num_warps=4, fold="unroll")]
+    commits = [
+        dict(block_v=32, num_warps=4, fold="dot"),
+        dict(block_v=32, num_warps=4, fold="loop"),
+        dict(block_v=32, num_warps=4, fold="unroll"),
+        dict(block_v=32, num_warps=8, fold="unroll"),
+        dict(block_v=64, num_warps=8, fold="unroll"),
+        dict(block_v=64, num_warps=4, fold="unroll"),
+        dict(block_v=16, num_warps=4, fold="unroll"),
+    ]
     for kw in commits:
-        fn = functools.partial(lambda s, f, kw: commit_state_pallas(
-            s, f, parents, accepted, interpret=INTERPRET, path=path, count=count, **kw), kw=kw)
+        fn = functools.partial(
+            lambda s, f, kw: commit_state_pallas(
+                s, f, parents, accepted, interpret=INTERPRET, path=path, count=count, **kw
+            ),
+            kw=kw,
+        )
         got = jax.jit(fn)(s0, fac)
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         if err > 1e-5:
@@ -219,30 +262,47 @@ def main(argv=None):
     ap.add_argument("--B", default="16,64")
     ap.add_argument("--N", default="64")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--parts", default="stream,commit",
-                    help="stream (scale/read/XLA/PERNODE copies), commit (the commit kernels)")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="interpret mode, tiny dims: tests this script without a GPU")
+    ap.add_argument(
+        "--parts",
+        default="stream,commit",
+        help="stream (scale/read/XLA/PERNODE copies), commit (the commit kernels)",
+    )
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="interpret mode, tiny dims: tests this script without a GPU",
+    )
     args = ap.parse_args(argv)
     if args.cpu_dry_run:
         HV, DK, DV, INTERPRET = 4, 64, 128, True
         btg.HK, btg.HV, btg.DK, btg.DV, btg.INTERPRET = 2, 4, 64, 128, True
-    timer = btg.Timer("wall" if args.cpu_dry_run else "auto", 2 if args.cpu_dry_run
-                      else args.reps, 1 if args.cpu_dry_run else 3)
+    timer = btg.Timer(
+        "wall" if args.cpu_dry_run else "auto",
+        2 if args.cpu_dry_run else args.reps,
+        1 if args.cpu_dry_run else 3,
+    )
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     results = []
     for b in [int(x) for x in args.B.split(",")]:
         for n in [int(x) for x in args.N.split(",")]:
             # enough input sets that their states exceed the L2 several times over
-            count = 2 if args.cpu_dry_run else int(max(2, min(8, -(-3 * btg.L2_BYTES // (
-                b * HV * DK * DV * 4)))))
-            results.append(dict(B=b, N=n, rows=point(b, n, timer, count, 0,
-                                                             args.parts.split(","))))
-    out = dict(command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-               git_commit=btg.git_commit(), gpu=str(jax.devices()[0].device_kind),
-               jax=jax.__version__, jaxlib=btg._jaxlib_version(), dims=dict(HV=HV, dk=DK, dv=DV),
-               wall_s=time.time() - t0, points=results)
+            count = (
+                2
+                if args.cpu_dry_run
+                else int(max(2, min(8, -(-3 * btg.L2_BYTES // (b * HV * DK * DV * 4)))))
+            )
+            results.append(dict(B=b, N=n, rows=point(b, n, timer, count, 0, args.parts.split(","))))
+    out = dict(
+        command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+        git_commit=btg.git_commit(),
+        gpu=str(jax.devices()[0].device_kind),
+        jax=jax.__version__,
+        jaxlib=btg._jaxlib_version(),
+        dims=dict(HV=HV, dk=DK, dv=DV),
+        wall_s=time.time() - t0,
+        points=results,
+    )
     with open(os.path.join(args.out, "bench_state_stream.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("\n| B | N | variant | us | TB/s |\n|---|---|---|---|---|")

@@ -43,20 +43,22 @@ TOL = dict(o=2e-2, u=5e-3)
 # The Mosaic launches timed (mgpu_trace.py profiles the same ones by these names).
 # name -> launch; "_pK": K bf16 wgmmas per fp32 product (tree_gdn_verify_mgpu's `products`;
 # 3 without the suffix)
-VARIANTS = {"mgpu": dict(block_v=128, inverse="neumann"),
-            "mgpu64": dict(block_v=64, inverse="neumann"),
-            "mgpu_sq": dict(block_v=128, inverse="squaring"),
-            "mgpu64_sq": dict(block_v=64, inverse="squaring"),
-            "mgpu64_sq_p2": dict(block_v=64, inverse="squaring", products=2),
-            "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
-            "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
-            "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
-            # exp / rsqrt by the hardware approximations
-            "mgpu64_sq_p1_ax": dict(block_v=64, inverse="squaring", products=1,
-                                    approx_math=True),
-            # ... and the kernel's own barriers instead of Pallas's automatic ones
-            "mgpu64_sq_p1_ax_nb": dict(block_v=64, inverse="squaring", products=1,
-                                       approx_math=True, auto_barriers=False)}
+VARIANTS = {
+    "mgpu": dict(block_v=128, inverse="neumann"),
+    "mgpu64": dict(block_v=64, inverse="neumann"),
+    "mgpu_sq": dict(block_v=128, inverse="squaring"),
+    "mgpu64_sq": dict(block_v=64, inverse="squaring"),
+    "mgpu64_sq_p2": dict(block_v=64, inverse="squaring", products=2),
+    "mgpu64_sq_p1": dict(block_v=64, inverse="squaring", products=1),
+    "mgpu_sq_p2": dict(block_v=128, inverse="squaring", products=2),
+    "mgpu64_p1": dict(block_v=64, inverse="neumann", products=1),
+    # exp / rsqrt by the hardware approximations
+    "mgpu64_sq_p1_ax": dict(block_v=64, inverse="squaring", products=1, approx_math=True),
+    # ... and the kernel's own barriers instead of Pallas's automatic ones
+    "mgpu64_sq_p1_ax_nb": dict(
+        block_v=64, inverse="squaring", products=1, approx_math=True, auto_barriers=False
+    ),
+}
 # (the engine's launch, `tree_gdn.mosaic_launch`, last; the first comparison's set was mgpu64_sq,
 # mgpu64_sq_p2, mgpu64_sq_p1, mgpu_sq_p2, mgpu64_p1)
 DEFAULT_VARIANTS = "mgpu64_sq_p1,mgpu64_sq_p1_ax,mgpu64_sq_p1_ax_nb"
@@ -80,8 +82,11 @@ def point_inputs(b, n, seed, count):
     for a given (b, n, seed) here and in mgpu_trace.py."""
     rng = np.random.default_rng(seed * 1000 + b * 100 + n)
     parents = jnp.asarray(btg.make_trees(rng, b, n))
-    return parents, tree_structure(parents), btg.make_sets(
-        jax.random.PRNGKey(seed + b * 7 + n), b, n, count)
+    return (
+        parents,
+        tree_structure(parents),
+        btg.make_sets(jax.random.PRNGKey(seed + b * 7 + n), b, n, count),
+    )
 
 
 def repeat_check(f, x, count, first):
@@ -92,11 +97,14 @@ def repeat_check(f, x, count, first):
     worst = 0.0
     for _ in range(count):
         got = jax.tree.leaves(f(*x))
-        worst = max(worst, max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
-                                                      - r.astype(jnp.float32))))
-                               for a, r in zip(got, ref)))
-    same = None if first is None else all(bool(jnp.array_equal(a, r))
-                                           for a, r in zip(ref, first))
+        worst = max(
+            worst,
+            max(
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+                for a, r in zip(got, ref)
+            ),
+        )
+    same = None if first is None else all(bool(jnp.array_equal(a, r)) for a, r in zip(ref, first))
     return worst, same, ref
 
 
@@ -109,12 +117,26 @@ def bench_point(b, n, timer, seed, interpret, variants, repeats=0):
     point = dict(B=b, N=n, depth=int(np.max(tree.path_len)), input_sets=r)
     fns = {
         "triton": lambda *a: tree_gdn.tree_gdn_verify(
-            *a, parents, backend="pallas", interpret=interpret, tree=tree,
-            config=(TreeGDNConfig(depth_bound=depth) if interpret
-                    else TreeGDNConfig.auto(b, n, depth))),
-        **{name: functools.partial(_mgpu, parents=parents, depth_bound=depth, tree=tree,
-                                   interpret=interpret, **VARIANTS[name])
-           for name in variants},
+            *a,
+            parents,
+            backend="pallas",
+            interpret=interpret,
+            tree=tree,
+            config=(
+                TreeGDNConfig(depth_bound=depth) if interpret else TreeGDNConfig.auto(b, n, depth)
+            ),
+        ),
+        **{
+            name: functools.partial(
+                _mgpu,
+                parents=parents,
+                depth_bound=depth,
+                tree=tree,
+                interpret=interpret,
+                **VARIANTS[name],
+            )
+            for name in variants
+        },
     }
     first = None  # the first Mosaic launch's outputs (repeat check)
     for name, fn in fns.items():
@@ -130,8 +152,9 @@ def bench_point(b, n, timer, seed, interpret, variants, repeats=0):
             del o, fac
             if repeats and name != "triton":
                 worst, same, outs = repeat_check(f, sets[0], repeats, first)
-                entry.update(repeat_calls=repeats, repeat_max_abs_diff=worst,
-                             bitwise_equal_first_mosaic=same)
+                entry.update(
+                    repeat_calls=repeats, repeat_max_abs_diff=worst, bitwise_equal_first_mosaic=same
+                )
                 entry["ok"] = entry["ok"] and worst == 0.0  # (equality: launches that
                 # differ only in synchronisation must agree; others need not)
                 first = outs if first is None else first
@@ -140,12 +163,18 @@ def bench_point(b, n, timer, seed, interpret, variants, repeats=0):
             entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
         point[name] = entry
         nan = float("nan")
-        print(f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', nan):9.1f} us  "
-              f"err o {entry.get('err_o', nan):.1e} u {entry.get('err_u', nan):.1e}"
-              + (f"  repeats {entry['repeat_calls']}: max diff {entry['repeat_max_abs_diff']:.1e}"
-                 f", equal to the first launch: {entry['bitwise_equal_first_mosaic']}"
-                 if "repeat_calls" in entry else "")
-              + f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
+        print(
+            f"B={b:3d} N={n:3d} {name:7s} {entry.get('us', nan):9.1f} us  "
+            f"err o {entry.get('err_o', nan):.1e} u {entry.get('err_u', nan):.1e}"
+            + (
+                f"  repeats {entry['repeat_calls']}: max diff {entry['repeat_max_abs_diff']:.1e}"
+                f", equal to the first launch: {entry['bitwise_equal_first_mosaic']}"
+                if "repeat_calls" in entry
+                else ""
+            )
+            + f"{'' if entry.get('ok') else '  (NOT OK) ' + entry.get('error', '')}",
+            flush=True,
+        )
         for kname, kus in entry.get("kernels_us", {}).items():
             print(f"      {kus:8.2f} us  {kname}", flush=True)
     fb = btg.floor_bytes(b, n)
@@ -161,16 +190,26 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help=f"Mosaic launches to time (default {DEFAULT_VARIANTS}); known: "
-                    + ",".join(VARIANTS))
-    ap.add_argument("--repeat-check", type=int, default=0, metavar="K",
-                    help="call each Mosaic launch K more times on one input set: its outputs must "
-                         "be bitwise reproducible (a race shows here); also records whether they "
-                         "equal the first Mosaic launch's bit for bit (launches differing only "
-                         "in barriers must)")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="test this script without a GPU: interpret mode, 2 key / 4 value heads")
+    ap.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"Mosaic launches to time (default {DEFAULT_VARIANTS}); known: " + ",".join(VARIANTS),
+    )
+    ap.add_argument(
+        "--repeat-check",
+        type=int,
+        default=0,
+        metavar="K",
+        help="call each Mosaic launch K more times on one input set: its outputs must "
+        "be bitwise reproducible (a race shows here); also records whether they "
+        "equal the first Mosaic launch's bit for bit (launches differing only "
+        "in barriers must)",
+    )
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="test this script without a GPU: interpret mode, 2 key / 4 value heads",
+    )
     args = ap.parse_args(argv)
     variants = parse_variants(ap, args.variants)
     if not tree_gdn_mgpu.AVAILABLE:
@@ -179,32 +218,45 @@ def main(argv=None):
     if interpret:
         btg.HK, btg.HV, btg.INTERPRET = 2, 4, True
     os.makedirs(args.out, exist_ok=True)
-    timer = btg.Timer("wall" if interpret else "auto", 2 if interpret else args.reps,
-                      1 if interpret else args.warmup)
+    timer = btg.Timer(
+        "wall" if interpret else "auto",
+        2 if interpret else args.reps,
+        1 if interpret else args.warmup,
+    )
     t0 = time.perf_counter()
-    points = [bench_point(b, n, timer, args.seed, interpret, variants, args.repeat_check)
-              for b in (int(x) for x in args.B.split(","))
-              for n in (int(x) for x in args.N.split(","))]
+    points = [
+        bench_point(b, n, timer, args.seed, interpret, variants, args.repeat_check)
+        for b in (int(x) for x in args.B.split(","))
+        for n in (int(x) for x in args.N.split(","))
+    ]
     widths = [max(9, len(k)) for k in variants]
-    print(f"\n{'B':>3} {'N':>3} | {'triton':>8} "
-          + " ".join(f"{k:>{w}}" for k, w in zip(variants, widths))
-          + f" | {'best/triton':>11} {'floor':>6} {'best/floor':>10}   (us)")
+    print(
+        f"\n{'B':>3} {'N':>3} | {'triton':>8} "
+        + " ".join(f"{k:>{w}}" for k, w in zip(variants, widths))
+        + f" | {'best/triton':>11} {'floor':>6} {'best/floor':>10}   (us)"
+    )
     for p in points:
         t = p["triton"].get("us", float("nan"))
         us = [p[k].get("us", float("nan")) if p[k].get("ok") else float("nan") for k in variants]
         best = min((x for x in us if x == x), default=float("nan"))
-        print(f"{p['B']:3d} {p['N']:3d} | {t:8.1f} "
-              + " ".join(f"{x:{w}.1f}" for x, w in zip(us, widths))
-              + f" | {best / t:10.2f}x {p['floor_us']:6.1f} {best / p['floor_us']:9.1f}x")
-    out = dict(**btg.run_info(__file__),
-               dims=dict(Hk=btg.HK, HV=btg.HV, dk=btg.DK, dv=btg.DV, max_depth=btg.MAX_DEPTH),
-               points=points, elapsed_s=time.perf_counter() - t0)
+        print(
+            f"{p['B']:3d} {p['N']:3d} | {t:8.1f} "
+            + " ".join(f"{x:{w}.1f}" for x, w in zip(us, widths))
+            + f" | {best / t:10.2f}x {p['floor_us']:6.1f} {best / p['floor_us']:9.1f}x"
+        )
+    out = dict(
+        **btg.run_info(__file__),
+        dims=dict(Hk=btg.HK, HV=btg.HV, dk=btg.DK, dv=btg.DV, max_depth=btg.MAX_DEPTH),
+        points=points,
+        elapsed_s=time.perf_counter() - t0,
+    )
     path = os.path.join(args.out, "bench_tree_gdn_mgpu.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"wrote {path}")
-    bad = [p for p in points for k in p if isinstance(p[k], dict) and "ok" in p[k]
-           and not p[k]["ok"]]
+    bad = [
+        p for p in points for k in p if isinstance(p[k], dict) and "ok" in p[k] and not p[k]["ok"]
+    ]
     if bad:
         raise SystemExit(1)
 

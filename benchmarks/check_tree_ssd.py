@@ -53,16 +53,18 @@ from bole_jax.pallas.tree_utils import tree_structure  # noqa: E402
 DIMS = dict(hk=8, hv=128, dk=128, dv=64)  # Nemotron-H-8B Mamba2 layer
 DRY_DIMS = dict(hk=2, hv=4, dk=16, dv=32)
 TOL = dict(o=2e-2, gamma=1e-5, state=5e-3)  # TF32 dots and bf16 o on the GPU
-CFG_KEYS = dict(bv="block_v", hg="heads_per_program", w="num_warps", ns="num_stages",
-                prec="precision")
+CFG_KEYS = dict(
+    bv="block_v", hg="heads_per_program", w="num_warps", ns="num_stages", prec="precision"
+)
 
 
 def parse_cfg(spec: str) -> TreeSSDConfig:
     kw = {}
     for item in filter(None, spec.split(",")):
         key, val = (s.strip() for s in item.split("="))
-        kw[CFG_KEYS[key]] = None if val in ("none", "None") else (
-            val if key == "prec" else int(val))
+        kw[CFG_KEYS[key]] = (
+            None if val in ("none", "None") else (val if key == "prec" else int(val))
+        )
     return TreeSSDConfig(**kw)
 
 
@@ -77,20 +79,26 @@ def make_sets(key, b, n, d, count, dtype=jnp.bfloat16):
     for i in range(count):
         kq, kk, kv, ka, ks = jax.random.split(jax.random.fold_in(key, i), 5)
         qk_scale = d["dk"] ** -0.25  # C.B = O(1)
-        out.append((
-            (jax.random.normal(kq, (b, n, d["hk"], d["dk"])) * qk_scale).astype(dtype),
-            (jax.random.normal(kk, (b, n, d["hk"], d["dk"])) * qk_scale).astype(dtype),
-            jax.random.normal(kv, (b, n, d["hv"], d["dv"])).astype(dtype),
-            -jax.random.uniform(ka, (b, n, d["hv"]), jnp.float32, 0.001, 1.0),
-            jax.random.normal(ks, (b, d["hv"], d["dk"], d["dv"])) / math.sqrt(d["dk"]),
-        ))
+        out.append(
+            (
+                (jax.random.normal(kq, (b, n, d["hk"], d["dk"])) * qk_scale).astype(dtype),
+                (jax.random.normal(kk, (b, n, d["hk"], d["dk"])) * qk_scale).astype(dtype),
+                jax.random.normal(kv, (b, n, d["hv"], d["dv"])).astype(dtype),
+                -jax.random.uniform(ka, (b, n, d["hv"]), jnp.float32, 0.001, 1.0),
+                jax.random.normal(ks, (b, d["hv"], d["dk"], d["dv"])) / math.sqrt(d["dk"]),
+            )
+        )
     return out
 
 
 def floor_bytes(b, n, d):
     """Read S_pre, q, k (bf16), v (bf16), a; write o (bf16), gamma."""
-    return (b * d["hv"] * d["dk"] * d["dv"] * 4 + 2 * b * n * d["hk"] * d["dk"] * 2
-            + 2 * b * n * d["hv"] * d["dv"] * 2 + 2 * b * n * d["hv"] * 4)
+    return (
+        b * d["hv"] * d["dk"] * d["dv"] * 4
+        + 2 * b * n * d["hk"] * d["dk"] * 2
+        + 2 * b * n * d["hv"] * d["dv"] * 2
+        + 2 * b * n * d["hv"] * 4
+    )
 
 
 def run_checks(cfgs, d, seed, interpret) -> list[dict]:
@@ -99,8 +107,9 @@ def run_checks(cfgs, d, seed, interpret) -> list[dict]:
     def record(name, err, tol):
         ok = bool(np.isfinite(err) and err <= tol)
         rows.append(dict(check=name, rel_err=err, tol=tol, ok=ok))
-        print(f"  {'ok  ' if ok else 'FAIL'} {name:56s} rel err {err:.2e} (tol {tol:.0e})",
-              flush=True)
+        print(
+            f"  {'ok  ' if ok else 'FAIL'} {name:56s} rel err {err:.2e} (tol {tol:.0e})", flush=True
+        )
 
     b, n = 3, 24
     parents = make_trees(np.random.default_rng(seed), b, n)
@@ -117,8 +126,15 @@ def run_checks(cfgs, d, seed, interpret) -> list[dict]:
     for cfg in cfgs:
         tag = f"kernel [{cfg_str(cfg)}]"
         try:
-            o, f = tree_ssd_verify(*args, parents, num_nodes, tree=tree, backend="pallas",
-                                   interpret=interpret, config=cfg)
+            o, f = tree_ssd_verify(
+                *args,
+                parents,
+                num_nodes,
+                tree=tree,
+                backend="pallas",
+                interpret=interpret,
+                config=cfg,
+            )
             record(f"{tag} o", rel(o, o_seq), TOL["o"])
             record(f"{tag} gamma", rel(f.gamma, f_ref.gamma), TOL["gamma"])
             record(f"{tag} padding rows zero", float(np.abs(np.asarray(o)[~mask]).max()), 0.0)
@@ -138,17 +154,31 @@ def bench_point(b, n, d, cfgs, timer, seed, interpret) -> dict:
     r = int(min(32, max(2, math.ceil(3 * L2_BYTES / per_set))))
     sets = make_sets(jax.random.PRNGKey(seed + b * 1000 + n), b, n, d, r)
     accepted = jnp.asarray(deepest_nodes(parents))
-    point = dict(B=b, N=n, depth=max(tree_depth(p) for p in parents), input_sets=r,
-                 floor_bytes=per_set, configs=[])
+    point = dict(
+        B=b,
+        N=n,
+        depth=max(tree_depth(p) for p in parents),
+        input_sets=r,
+        floor_bytes=per_set,
+        configs=[],
+    )
     ref_fn = jax.jit(lambda *a: tree_ssd_ref.tree_ssd_closed_form(*a, parents_d, num_nodes, tree))
     o_ref, f_ref = ref_fn(*sets[0])
     point["reference"] = timer(ref_fn, sets)
     best = None
     for cfg in cfgs:
         entry = dict(config=cfg_str(cfg))
-        verify = jax.jit(lambda *a, cfg=cfg: tree_ssd_verify(
-            *a, parents_d, num_nodes, tree=tree, backend="pallas", interpret=interpret,
-            config=cfg))
+        verify = jax.jit(
+            lambda *a, cfg=cfg: tree_ssd_verify(
+                *a,
+                parents_d,
+                num_nodes,
+                tree=tree,
+                backend="pallas",
+                interpret=interpret,
+                config=cfg,
+            )
+        )
         kernel = jax.jit(lambda *a, verify=verify: (lambda o, f: (o, f.gamma))(*verify(*a)))
         try:
             o, gamma = kernel(*sets[0])
@@ -160,35 +190,55 @@ def bench_point(b, n, d, cfgs, timer, seed, interpret) -> dict:
         except Exception as e:  # noqa: BLE001
             entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
         point["configs"].append(entry)
-        print(f"    {entry['config']:40s} {entry.get('kernel', {}).get('us', float('nan')):8.1f} us"
-              f"  err o {entry.get('err_o', float('nan')):.1e}"
-              f"{'' if entry['ok'] else '  (NOT OK) ' + entry.get('error', '')}", flush=True)
+        print(
+            f"    {entry['config']:40s} {entry.get('kernel', {}).get('us', float('nan')):8.1f} us"
+            f"  err o {entry.get('err_o', float('nan')):.1e}"
+            f"{'' if entry['ok'] else '  (NOT OK) ' + entry.get('error', '')}",
+            flush=True,
+        )
         if entry["ok"] and (best is None or entry["kernel"]["us"] < best[0]["kernel"]["us"]):
             best = (entry, cfg)
     point["best"] = best[0] if best else None
     if best:
-        facs = [tree_ssd_verify(*s, parents_d, num_nodes, tree=tree, backend="pallas",
-                                interpret=interpret, config=best[1])[1] for s in sets]
+        facs = [
+            tree_ssd_verify(
+                *s,
+                parents_d,
+                num_nodes,
+                tree=tree,
+                backend="pallas",
+                interpret=interpret,
+                config=best[1],
+            )[1]
+            for s in sets
+        ]
         for backend in ("pallas", "reference"):
-            fn = jax.jit(lambda s, f, backend=backend: commit_state(
-                s, f, parents_d, accepted, backend=backend, interpret=interpret, max_path=8))
+            fn = jax.jit(
+                lambda s, f, backend=backend: commit_state(
+                    s, f, parents_d, accepted, backend=backend, interpret=interpret, max_path=8
+                )
+            )
             point[f"commit_{backend}"] = timer(fn, [(s[4], f) for s, f in zip(sets, facs)])
     return point
 
 
 def print_table(points):
-    hdr = ("  B    N  d | kernel us  +factors  reference | commit pallas  einsum | floor MB  "
-           "achieved GB/s | best config")
+    hdr = (
+        "  B    N  d | kernel us  +factors  reference | commit pallas  einsum | floor MB  "
+        "achieved GB/s | best config"
+    )
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for p in points:
         bst = p.get("best")
         if not bst:
             print(f"{p['B']:3d} {p['N']:4d} {p['depth']:2d} | (no config passed: see JSON)")
             continue
-        print(f"{p['B']:3d} {p['N']:4d} {p['depth']:2d} | {bst['kernel']['us']:9.1f} "
-              f"{bst['with_factors']['us']:9.1f} {p['reference']['us']:10.1f} | "
-              f"{p['commit_pallas']['us']:13.1f} {p['commit_reference']['us']:7.1f} | "
-              f"{p['floor_bytes'] / 1e6:8.1f} {bst['achieved_bw'] / 1e9:14.0f} | {bst['config']}")
+        print(
+            f"{p['B']:3d} {p['N']:4d} {p['depth']:2d} | {bst['kernel']['us']:9.1f} "
+            f"{bst['with_factors']['us']:9.1f} {p['reference']['us']:10.1f} | "
+            f"{p['commit_pallas']['us']:13.1f} {p['commit_reference']['us']:7.1f} | "
+            f"{p['floor_bytes'] / 1e6:8.1f} {bst['achieved_bw'] / 1e9:14.0f} | {bst['config']}"
+        )
 
 
 def main(argv=None):
@@ -196,16 +246,23 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="output directory (JSON)")
     ap.add_argument("--B", default="1,16,64")
     ap.add_argument("--N", default="16,64")
-    ap.add_argument("--configs", default="bv=64,w=4;bv=64,hg=4,w=4;bv=32,w=4",
-                    help='";"-separated launch configs (keys: bv hg w ns prec)')
+    ap.add_argument(
+        "--configs",
+        default="bv=64,w=4;bv=64,hg=4,w=4;bv=32,w=4",
+        help='";"-separated launch configs (keys: bv hg w ns prec)',
+    )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timer", choices=("auto", "profile", "wall"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--interpret", action="store_true",
-                    help="Pallas interpret mode (implied off a GPU)")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="test this script without a GPU: interpret mode, tiny dims, B 2 x N 8")
+    ap.add_argument(
+        "--interpret", action="store_true", help="Pallas interpret mode (implied off a GPU)"
+    )
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="test this script without a GPU: interpret mode, tiny dims, B 2 x N 8",
+    )
     ap.add_argument("--no-fail", action="store_true", help="exit 0 even if a check fails")
     args = ap.parse_args(argv)
     d = dict(DRY_DIMS if args.cpu_dry_run else DIMS)
@@ -218,13 +275,22 @@ def main(argv=None):
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     out_json = os.path.join(args.out, "check_tree_ssd.json")
-    result = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                  **environment(), jax_version=jax.__version__, interpret=interpret,
-                  dims=dict(d, qkv_dtype="bfloat16", state_dtype="float32", max_children=4,
-                            max_depth=8),
-                  configs=[cfg_str(c) for c in cfgs], reps=args.reps, tolerances=TOL, points=[])
-    print(f"device {result['device']} ({result['platform']}), jax {jax.__version__}, "
-          f"interpret={interpret}, commit {result['git_commit']}", flush=True)
+    result = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        **environment(),
+        jax_version=jax.__version__,
+        interpret=interpret,
+        dims=dict(d, qkv_dtype="bfloat16", state_dtype="float32", max_children=4, max_depth=8),
+        configs=[cfg_str(c) for c in cfgs],
+        reps=args.reps,
+        tolerances=TOL,
+        points=[],
+    )
+    print(
+        f"device {result['device']} ({result['platform']}), jax {jax.__version__}, "
+        f"interpret={interpret}, commit {result['git_commit']}",
+        flush=True,
+    )
 
     def dump():
         result["elapsed_s"] = time.perf_counter() - t_start

@@ -67,14 +67,24 @@ def ceiling_rows(data: dict) -> list[dict]:
         bole_floor = f["bole_bytes"] / bw * 1e6
         pernode_floor = f["pernode_bytes"] / bw * 1e6
         bole, mode = best_bole_sum(p)
-        rows.append(dict(
-            B=b, N=n, pernode_us=p["pernode_sum_us"], pernode_floor_us=pernode_floor,
-            pernode_over_floor=p["pernode_sum_us"] / pernode_floor,
-            bole_us=bole, bole_mode=mode, bole_floor_us=bole_floor,
-            bole_over_floor=bole / bole_floor, ratio=p["pernode_sum_us"] / bole,
-            ceiling=p["pernode_sum_us"] / bole_floor, floor_ratio=pernode_floor / bole_floor,
-            bole_us_for_5x=p["pernode_sum_us"] / 5,
-            bole_us_for_30x=p["pernode_sum_us"] / 30))
+        rows.append(
+            dict(
+                B=b,
+                N=n,
+                pernode_us=p["pernode_sum_us"],
+                pernode_floor_us=pernode_floor,
+                pernode_over_floor=p["pernode_sum_us"] / pernode_floor,
+                bole_us=bole,
+                bole_mode=mode,
+                bole_floor_us=bole_floor,
+                bole_over_floor=bole / bole_floor,
+                ratio=p["pernode_sum_us"] / bole,
+                ceiling=p["pernode_sum_us"] / bole_floor,
+                floor_ratio=pernode_floor / bole_floor,
+                bole_us_for_5x=p["pernode_sum_us"] / 5,
+                bole_us_for_30x=p["pernode_sum_us"] / 30,
+            )
+        )
     return rows
 
 
@@ -88,23 +98,38 @@ def main(argv=None):
     rows = ceiling_rows(data)
     if not rows:
         raise SystemExit(f"{args.json}: no point with both a Bole and a PERNODE sum")
-    print(f"{args.json} (commit {data.get('git_commit', '?')[:10]}, "
-          f"copy bandwidth {data['copy_bandwidth']['bandwidth'] / 1e12:.2f} TB/s)")
-    print("  B   N | pernode us  floor  x floor | bole us        floor  x floor | ratio "
-          "ceiling floors | bole us for 5x")
+    print(
+        f"{args.json} (commit {data.get('git_commit', '?')[:10]}, "
+        f"copy bandwidth {data['copy_bandwidth']['bandwidth'] / 1e12:.2f} TB/s)"
+    )
+    print(
+        "  B   N | pernode us  floor  x floor | bole us        floor  x floor | ratio "
+        "ceiling floors | bole us for 5x"
+    )
     for r in rows:
-        print(f"{r['B']:3d} {r['N']:3d} | {r['pernode_us']:10.1f} {r['pernode_floor_us']:6.1f} "
-              f"{r['pernode_over_floor']:7.2f}x | {r['bole_us']:7.1f} {r['bole_mode']:5s} "
-              f"{r['bole_floor_us']:6.1f} {r['bole_over_floor']:7.2f}x | {r['ratio']:5.1f}x "
-              f"{r['ceiling']:6.1f}x {r['floor_ratio']:5.1f}x | {r['bole_us_for_5x']:7.1f}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.json)),
-                                   "ratio_ceiling.json")
+        print(
+            f"{r['B']:3d} {r['N']:3d} | {r['pernode_us']:10.1f} {r['pernode_floor_us']:6.1f} "
+            f"{r['pernode_over_floor']:7.2f}x | {r['bole_us']:7.1f} {r['bole_mode']:5s} "
+            f"{r['bole_floor_us']:6.1f} {r['bole_over_floor']:7.2f}x | {r['ratio']:5.1f}x "
+            f"{r['ceiling']:6.1f}x {r['floor_ratio']:5.1f}x | {r['bole_us_for_5x']:7.1f}"
+        )
+    out = args.out or os.path.join(
+        os.path.dirname(os.path.abspath(args.json)), "ratio_ceiling.json"
+    )
     with open(out, "w") as fh:
-        json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-                       source=os.path.relpath(args.json), source_commit=data.get("git_commit"),
-                       device=data.get("device"), jax_version=data.get("jax_version"),
-                       copy_bandwidth=data["copy_bandwidth"]["bandwidth"], rows=rows),
-                  fh, indent=1)
+        json.dump(
+            dict(
+                command=" ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+                source=os.path.relpath(args.json),
+                source_commit=data.get("git_commit"),
+                device=data.get("device"),
+                jax_version=data.get("jax_version"),
+                copy_bandwidth=data["copy_bandwidth"]["bandwidth"],
+                rows=rows,
+            ),
+            fh,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

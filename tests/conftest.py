@@ -14,9 +14,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The tests are compile-bound (tiny shapes), and XLA:CPU compile time is mostly LLVM optimisation:
 # O0 code generation compiles about a third faster. Set before JAX creates its CPU client;
 # subprocesses (CLI, tensor-parallel workers) inherit it; flags the caller set come after, so win.
-os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 "
-                           "--xla_llvm_disable_expensive_passes=true "
-                           + os.environ.get("XLA_FLAGS", "")).strip()
+os.environ["XLA_FLAGS"] = (
+    "--xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true " + os.environ.get("XLA_FLAGS", "")
+).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -28,7 +29,9 @@ torch.set_num_threads(1)
 
 # With flash-linear-attention installed transformers silently switches the GDN reference to
 # Triton kernels with other numerics: parity against it would not mean what it says.
-assert importlib.util.find_spec("fla") is None, "uninstall flash-linear-attention (`fla`) to run the parity tests"
+assert importlib.util.find_spec("fla") is None, (
+    "uninstall flash-linear-attention (`fla`) to run the parity tests"
+)
 
 from hf_tiny import load_torch_model, make_tiny_hf_checkpoint  # noqa: E402
 
@@ -89,29 +92,29 @@ _background_modules = []
 
 
 def start_niced(args, **kwargs) -> subprocess.Popen:
-  """subprocess.Popen, then nice 10 for the child (set right after exec, before the interpreter
-  starts threads: on Linux the value is per thread, and new threads inherit it)."""
-  proc = subprocess.Popen(args, **kwargs)
-  try:
-    os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
-  except (AttributeError, OSError):  # not POSIX, or already gone: normal priority
-    pass
-  return proc
+    """subprocess.Popen, then nice 10 for the child (set right after exec, before the interpreter
+    starts threads: on Linux the value is per thread, and new threads inherit it)."""
+    proc = subprocess.Popen(args, **kwargs)
+    try:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
+    except (AttributeError, OSError):  # not POSIX, or already gone: normal priority
+        pass
+    return proc
 
 
 def pytest_collection_finish(session):
-  if session.config.option.collectonly:
-    return
-  selected = {}
-  for item in session.items:
-    mod = getattr(item, "module", None)
-    if mod is not None and hasattr(mod, "start_background"):
-      selected.setdefault(mod, set()).add(getattr(item, "originalname", item.name))
-  for mod, names in selected.items():
-    _background_modules.append(mod)
-    mod.start_background(names)
+    if session.config.option.collectonly:
+        return
+    selected = {}
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and hasattr(mod, "start_background"):
+            selected.setdefault(mod, set()).add(getattr(item, "originalname", item.name))
+    for mod, names in selected.items():
+        _background_modules.append(mod)
+        mod.start_background(names)
 
 
 def pytest_sessionfinish(session, exitstatus):
-  for mod in _background_modules:
-    mod.stop_background()
+    for mod in _background_modules:
+        mod.stop_background()

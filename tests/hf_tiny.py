@@ -25,12 +25,15 @@ FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 def _classes(family: str):
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
         return Qwen3NextConfig, Qwen3NextForCausalLM
     if family == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
         return Qwen3_5TextConfig, Qwen3_5ForCausalLM
     if family == "qwen3_5_moe":
         from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
         return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
@@ -38,15 +41,31 @@ def _classes(family: str):
 def tiny_hf_config(family: str = "qwen3_next", moe: bool = False, **overrides):
     """The transformers config object of a tiny model."""
     config_cls, _ = _classes(family)
-    kw = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-              linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+    )
     if family == "qwen3_next":
         kw.update(intermediate_size=96, num_experts=0)
     if family == "qwen3_5":
         kw.update(intermediate_size=96, tie_word_embeddings=True)
     if moe or family == "qwen3_5_moe":
-        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        kw.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
     kw.update(overrides)
     cfg = config_cls(**kw)
     cfg._attn_implementation = "eager"
@@ -59,7 +78,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     randn = lambda shape: torch.randn(shape, generator=gen, dtype=torch.float32)
     for name, p in sorted(model.named_parameters()):
-        if name.endswith("A_log"):  # decay rates exp(A_log) in [0.05, 1]: memory over several tokens
+        if name.endswith(
+            "A_log"
+        ):  # decay rates exp(A_log) in [0.05, 1]: memory over several tokens
             val = torch.empty(p.shape).uniform_(np.log(0.05), 0.0, generator=gen)
         elif name.endswith("dt_bias"):
             val = 0.5 * randn(p.shape)
@@ -88,8 +109,14 @@ def make_tiny_hf_model(family: str = "qwen3_next", moe: bool = False, seed: int 
     return model
 
 
-def make_tiny_hf_checkpoint(tmp_path, family: str = "qwen3_next", moe: bool = False, seed: int = 0,
-                            return_model: bool = False, **overrides):
+def make_tiny_hf_checkpoint(
+    tmp_path,
+    family: str = "qwen3_next",
+    moe: bool = False,
+    seed: int = 0,
+    return_model: bool = False,
+    **overrides,
+):
     """save_pretrained a tiny random model under tmp_path; returns the folder (and the model)."""
     name = f"{family}{'_moe' if moe else ''}_s{seed}"
     if overrides:
@@ -103,9 +130,14 @@ def make_tiny_hf_checkpoint(tmp_path, family: str = "qwen3_next", moe: bool = Fa
 def load_torch_model(path):
     """Load a tiny checkpoint back with transformers (fp32, eager attention, eval mode)."""
     import json
+
     with open(os.path.join(path, "config.json")) as f:
         model_type = json.load(f)["model_type"]
-    family = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}[model_type]
+    family = {
+        "qwen3_next": "qwen3_next",
+        "qwen3_5_text": "qwen3_5",
+        "qwen3_5_moe_text": "qwen3_5_moe",
+    }[model_type]
     _, model_cls = _classes(family)
     return model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
@@ -126,8 +158,12 @@ def _cache_kw() -> str:
     import inspect
 
     from transformers import Qwen3NextForCausalLM
-    return "cache" if "cache" in inspect.signature(Qwen3NextForCausalLM.forward).parameters \
+
+    return (
+        "cache"
+        if "cache" in inspect.signature(Qwen3NextForCausalLM.forward).parameters
         else "past_key_values"
+    )
 
 
 _CACHE_KW = _cache_kw()
@@ -142,9 +178,12 @@ def torch_greedy_run(model, prompt, steps: int) -> dict:
     or (keys, values) [1, Hkv, T, D] for attention layers, copied right after the prefill."""
     out = model(torch.as_tensor(np.asarray(prompt))[None], use_cache=True)
     c = _cache_of(out)
-    prefill_cache = [(c.layers[i].conv_states[0].clone(), c.layers[i].recurrent_states[0].clone())
-                     if t == "linear_attention" else (c.layers[i].keys.clone(), c.layers[i].values.clone())
-                     for i, t in enumerate(model.config.layer_types)]
+    prefill_cache = [
+        (c.layers[i].conv_states[0].clone(), c.layers[i].recurrent_states[0].clone())
+        if t == "linear_attention"
+        else (c.layers[i].keys.clone(), c.layers[i].values.clone())
+        for i, t in enumerate(model.config.layer_types)
+    ]
     tokens, step_logits = [], []
     for _ in range(steps):
         step_logits.append(out.logits[0, -1].float().numpy())

@@ -80,7 +80,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state:
                 found = visit(n)
                 if found:
@@ -114,15 +114,32 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("layer,forbidden", [
-    ("bole_jax.pallas", ("bole_jax.model", "bole_jax.spec_decode", "bole_jax.serving",
-                         "bole_jax.measure", "bole_jax.llm")),
-    ("bole_jax.spec_decode", ("bole_jax.measure", "bole_jax.serving", "bole_jax.llm")),
-    ("bole_jax.model", ("bole_jax.measure", "bole_jax.spec_decode", "bole_jax.serving",
-                        "bole_jax.llm")),
-])
+@pytest.mark.parametrize(
+    "layer,forbidden",
+    [
+        (
+            "bole_jax.pallas",
+            (
+                "bole_jax.model",
+                "bole_jax.spec_decode",
+                "bole_jax.serving",
+                "bole_jax.measure",
+                "bole_jax.llm",
+            ),
+        ),
+        ("bole_jax.spec_decode", ("bole_jax.measure", "bole_jax.serving", "bole_jax.llm")),
+        (
+            "bole_jax.model",
+            ("bole_jax.measure", "bole_jax.spec_decode", "bole_jax.serving", "bole_jax.llm"),
+        ),
+    ],
+)
 def test_layer_imports_nothing_above_it(layer, forbidden):
-    bad = sorted(f"{m} -> {t}" for m, targets in _graph().items()
-                 if m == layer or m.startswith(layer + ".")
-                 for t in targets if any(t == f or t.startswith(f + ".") for f in forbidden))
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, targets in _graph().items()
+        if m == layer or m.startswith(layer + ".")
+        for t in targets
+        if any(t == f or t.startswith(f + ".") for f in forbidden)
+    )
     assert not bad, f"{layer} imports upward:\n" + "\n".join(bad)

@@ -18,8 +18,10 @@ import pytest
 NB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 NOTEBOOKS = sorted(glob.glob(os.path.join(NB_DIR, "*.ipynb")))
 
-pytestmark = pytest.mark.skipif(os.environ.get("BOLE_RUN_NOTEBOOKS") != "1",
-                                reason="opt-in: BOLE_RUN_NOTEBOOKS=1 (needs the notebooks extra)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("BOLE_RUN_NOTEBOOKS") != "1",
+    reason="opt-in: BOLE_RUN_NOTEBOOKS=1 (needs the notebooks extra)",
+)
 
 
 def test_notebooks_found():
@@ -32,8 +34,14 @@ def test_notebook_runs(path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the kernel inherits it; saved outputs: CPU
-    nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3",
-                            resources={"metadata": {"path": NB_DIR}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    nbclient.NotebookClient(
+        nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": NB_DIR}}
+    ).execute()
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors, errors[0].get("evalue")

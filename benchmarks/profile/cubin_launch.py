@@ -81,25 +81,36 @@ class Driver:
         ptr = ctypes.c_uint64()
         self.call("cuMemAlloc_v2", ctypes.byref(ptr), ctypes.c_size_t(max(arr.nbytes, 1)))
         arr = np.ascontiguousarray(arr)
-        self.call("cuMemcpyHtoD_v2", ptr, arr.ctypes.data_as(ctypes.c_void_p),
-                  ctypes.c_size_t(arr.nbytes))
+        self.call(
+            "cuMemcpyHtoD_v2", ptr, arr.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(arr.nbytes)
+        )
         return ptr
 
     def download(self, ptr, like: np.ndarray) -> np.ndarray:
         out = np.empty_like(like)
-        self.call("cuMemcpyDtoH_v2", out.ctypes.data_as(ctypes.c_void_p), ptr,
-                  ctypes.c_size_t(out.nbytes))
+        self.call(
+            "cuMemcpyDtoH_v2", out.ctypes.data_as(ctypes.c_void_p), ptr, ctypes.c_size_t(out.nbytes)
+        )
         return out
 
     def launch(self, fn, grid, threads: int, shared: int, params) -> float:
         """One launch; returns its time in us (CUDA events)."""
         start, stop = self.start, self.stop
-        slots = [ctypes.c_uint64(p.value if isinstance(p, ctypes.c_uint64) else p)
-                 for p in params]
+        slots = [ctypes.c_uint64(p.value if isinstance(p, ctypes.c_uint64) else p) for p in params]
         argv = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         self.call("cuEventRecord", start, None)
-        self.call("cuLaunchKernel", fn, *[ctypes.c_uint(g) for g in grid], ctypes.c_uint(threads),
-                  ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(shared), None, argv, None)
+        self.call(
+            "cuLaunchKernel",
+            fn,
+            *[ctypes.c_uint(g) for g in grid],
+            ctypes.c_uint(threads),
+            ctypes.c_uint(1),
+            ctypes.c_uint(1),
+            ctypes.c_uint(shared),
+            None,
+            argv,
+            None,
+        )
         self.call("cuEventRecord", stop, None)
         self.call("cuEventSynchronize", stop)
         ms = ctypes.c_float()
@@ -112,14 +123,21 @@ def main(argv=None):
     ap.add_argument("--dir", required=True, help="offline_compile.py --out DIR (one module)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true", help="compare o, u (the commit: the state) with the jnp reference")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="compare o, u (the commit: the state) with the jnp reference",
+    )
     ap.add_argument("--out", default=None, help="write the result JSON here")
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig, tree_gdn_verify
     from bole_jax.pallas.tree_gdn_commit import commit_state
 
-    names = [n for n in ("bole_tree_gdn", "bole_commit_state")
-             if os.path.exists(os.path.join(args.dir, f"{n}.json"))]
+    names = [
+        n
+        for n in ("bole_tree_gdn", "bole_commit_state")
+        if os.path.exists(os.path.join(args.dir, f"{n}.json"))
+    ]
     if len(names) != 1:
         sys.exit(f"{args.dir}: expected one of bole_tree_gdn.json, bole_commit_state.json")
     with open(os.path.join(args.dir, f"{names[0]}.json")) as f:
@@ -128,8 +146,10 @@ def main(argv=None):
     if man["pending"]:
         sys.exit("cubin_launch.py runs the plain verify only (compiled with --pending)")
     if man.get("scratch_bytes", 0):
-        sys.exit(f"the kernel wants {man['scratch_bytes']} B of Triton scratch per program: "
-                 "not supported here")
+        sys.exit(
+            f"the kernel wants {man['scratch_bytes']} B of Triton scratch per program: "
+            "not supported here"
+        )
     if commit:
         operands, inputs = commit_operands(man["B"], man["N"], man["config"], args.seed)
     else:
@@ -137,39 +157,65 @@ def main(argv=None):
         operands, inputs = kernel_operands(man["B"], man["N"], cfg, args.seed)
     got = [[list(a.shape), str(a.dtype)] for a in operands]
     if got != man["inputs"]:
-        sys.exit(f"operands {got} do not match the compiled kernel's {man['inputs']}: "
-                 "compile and launch at the same commit")
+        sys.exit(
+            f"operands {got} do not match the compiled kernel's {man['inputs']}: "
+            "compile and launch at the same commit"
+        )
     if man.get("lineinfo"):  # where the cubin's line info names the kernel source
         os.makedirs(SRC_DIR, exist_ok=True)
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        shutil.copy(os.path.join(here, "bole_jax", "pallas", "tree_gdn.py"),
-                    os.path.join(SRC_DIR, "tree_gdn.py"))
+        shutil.copy(
+            os.path.join(here, "bole_jax", "pallas", "tree_gdn.py"),
+            os.path.join(SRC_DIR, "tree_gdn.py"),
+        )
 
     drv = Driver()
-    fn = drv.function(os.path.join(args.dir, f"{man['name']}.cubin"), man["kernel"],
-                      man["shared"])
+    fn = drv.function(os.path.join(args.dir, f"{man['name']}.cubin"), man["kernel"], man["shared"])
     ptrs = [drv.upload(a) for a in operands]
-    outs = [np.zeros(shape, np.dtype(dtype) if dtype != "bfloat16" else _bf16())
-            for shape, dtype in man["outputs"]]
+    outs = [
+        np.zeros(shape, np.dtype(dtype) if dtype != "bfloat16" else _bf16())
+        for shape, dtype in man["outputs"]
+    ]
     out_ptrs = [drv.upload(o) for o in outs]
     extra = man["params"] - len(ptrs) - len(out_ptrs)
     if extra < 0:
-        sys.exit(f"the cubin takes {man['params']} parameters, fewer than the "
-                 f"{len(ptrs) + len(out_ptrs)} operands")
+        sys.exit(
+            f"the cubin takes {man['params']} parameters, fewer than the "
+            f"{len(ptrs) + len(out_ptrs)} operands"
+        )
     params = ptrs + out_ptrs + [0] * extra  # Triton's scratch pointers: none needed
     threads = 32 * man["num_warps"]
-    times = [drv.launch(fn, man["grid"], threads, man["shared"], params)
-             for _ in range(max(args.reps, 1))]
-    res = dict(manifest=man, reps=len(times), us=statistics.median(times),
-               spread_us=[min(times), max(times)])
-    print(f"{man['kernel']} B={man['B']} N={man['N']} grid {man['grid']} x {threads} threads, "
-          f"{man['shared']} B shared: median {res['us']:.1f} us over {len(times)} launches "
-          f"(first {times[0]:.1f})")
+    times = [
+        drv.launch(fn, man["grid"], threads, man["shared"], params)
+        for _ in range(max(args.reps, 1))
+    ]
+    res = dict(
+        manifest=man,
+        reps=len(times),
+        us=statistics.median(times),
+        spread_us=[min(times), max(times)],
+    )
+    print(
+        f"{man['kernel']} B={man['B']} N={man['N']} grid {man['grid']} x {threads} threads, "
+        f"{man['shared']} B shared: median {res['us']:.1f} us over {len(times)} launches "
+        f"(first {times[0]:.1f})"
+    )
     if args.check and commit:
         # every launch read the same state and wrote a fresh output buffer: one commit
         state, fac, parents, accepted, path, count = inputs
-        want = np.asarray(commit_state(state, fac, parents, accepted, path=path, count=count,
-                                       backend="reference", precision="highest"), np.float32)
+        want = np.asarray(
+            commit_state(
+                state,
+                fac,
+                parents,
+                accepted,
+                path=path,
+                count=count,
+                backend="reference",
+                precision="highest",
+            ),
+            np.float32,
+        )
         dk, dv = want.shape[-2:]
         new = drv.download(out_ptrs[0], outs[0])[..., :dk, :dv]
         err = float(np.max(np.abs(new - want)) / max(np.max(np.abs(want)), 1e-30))
@@ -180,8 +226,10 @@ def main(argv=None):
         dv = o_ref.shape[-1]
         o = drv.download(out_ptrs[0], outs[0])[..., :dv].astype(np.float32)
         u = drv.download(out_ptrs[1], outs[1])[..., :dv].astype(np.float32)
-        for name, x, ref in (("o", o, np.asarray(o_ref, np.float32)),
-                             ("u", u, np.asarray(f_ref.u, np.float32))):
+        for name, x, ref in (
+            ("o", o, np.asarray(o_ref, np.float32)),
+            ("u", u, np.asarray(f_ref.u, np.float32)),
+        ):
             err = float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
             res[f"err_{name}"] = err
             print(f"  {name}: max rel err {err:.2e} against the jnp reference")
@@ -192,6 +240,7 @@ def main(argv=None):
 
 def _bf16():
     import ml_dtypes
+
     return ml_dtypes.bfloat16
 
 

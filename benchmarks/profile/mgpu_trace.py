@@ -66,14 +66,22 @@ def summarize(trace: dict) -> dict:
         ends.append(evs[-1]["ts"])
         sms[sm] += 1
     mean_prog = statistics.fmean(prog_us)
-    out = dict(programs=len(per_prog), sms=len(sms), max_programs_per_sm=max(sms.values()),
-               program_us=dict(mean=mean_prog, median=statistics.median(prog_us),
-                               max=max(prog_us)),
-               span_us=max(ends) - min(starts), regions={})
+    out = dict(
+        programs=len(per_prog),
+        sms=len(sms),
+        max_programs_per_sm=max(sms.values()),
+        program_us=dict(mean=mean_prog, median=statistics.median(prog_us), max=max(prog_us)),
+        span_us=max(ends) - min(starts),
+        regions={},
+    )
     for name, d in regions.items():
-        out["regions"][name] = dict(mean=statistics.fmean(d), median=statistics.median(d),
-                                    p90=float(np.percentile(d, 90)), count=len(d),
-                                    share=statistics.fmean(d) * len(d) / len(prog_us) / mean_prog)
+        out["regions"][name] = dict(
+            mean=statistics.fmean(d),
+            median=statistics.median(d),
+            p90=float(np.percentile(d, 90)),
+            count=len(d),
+            share=statistics.fmean(d) * len(d) / len(prog_us) / mean_prog,
+        )
     return out
 
 
@@ -105,12 +113,20 @@ def main(argv=None):
     ap.add_argument("--N", default="64")
     ap.add_argument("--variants", default="mgpu64_sq", help=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pending", action="store_true",
-                    help="profile the verify folding a pending lazy commit (the 'fold' phase)")
-    ap.add_argument("--pending-rows", type=int, default=None, metavar="L",
-                    help="with --pending: the commit's rows (default: the bench's, "
-                         "min(8, N)); e.g. 1 against 8 separates the fold's per-row cost "
-                         "from what it waits for once")
+    ap.add_argument(
+        "--pending",
+        action="store_true",
+        help="profile the verify folding a pending lazy commit (the 'fold' phase)",
+    )
+    ap.add_argument(
+        "--pending-rows",
+        type=int,
+        default=None,
+        metavar="L",
+        help="with --pending: the commit's rows (default: the bench's, "
+        "min(8, N)); e.g. 1 against 8 separates the fold's per-row cost "
+        "from what it waits for once",
+    )
     args = ap.parse_args(argv)
     if args.pending_rows is not None and (args.pending_rows < 1 or not args.pending):
         ap.error("--pending-rows takes a count >= 1, with --pending")
@@ -130,10 +146,13 @@ def main(argv=None):
                 jax.block_until_ready(tree_gdn_mgpu.tree_gdn_verify_mgpu(*x, parents, **kw))
                 d = tempfile.mkdtemp(prefix="mgpu_trace_")
                 try:
-                    jax.block_until_ready(tree_gdn_mgpu.tree_gdn_verify_mgpu(
-                        *x, parents, profile_dir=d, **kw))
-                    files = sorted(glob.glob(os.path.join(d, "**", "*.json*"), recursive=True),
-                                   key=os.path.getmtime)
+                    jax.block_until_ready(
+                        tree_gdn_mgpu.tree_gdn_verify_mgpu(*x, parents, profile_dir=d, **kw)
+                    )
+                    files = sorted(
+                        glob.glob(os.path.join(d, "**", "*.json*"), recursive=True),
+                        key=os.path.getmtime,
+                    )
                     if not files:
                         raise RuntimeError(f"no trace written under {d}")
                     with open(files[-1]) as f:
@@ -144,23 +163,35 @@ def main(argv=None):
                 with gzip.open(raw, "wt") as f:
                     json.dump(trace, f)
                 s = summarize(trace)
-                s.update(B=b, N=n, variant=name, trace=os.path.basename(raw),
-                         pending_rows=0 if pend is None else int(pend.k.shape[1]))
+                s.update(
+                    B=b,
+                    N=n,
+                    variant=name,
+                    trace=os.path.basename(raw),
+                    pending_rows=0 if pend is None else int(pend.k.shape[1]),
+                )
                 results.append(s)
                 fold = "" if pend is None else f" + fold ({int(pend.k.shape[1])} rows)"
-                print(f"\nB={b} N={n} {name}{fold}: "
-                      f"{s['programs']} programs on {s['sms']} SMs "
-                      f"(<= {s['max_programs_per_sm']} per SM); program "
-                      f"{s['program_us']['mean']:.2f} us mean, {s['program_us']['max']:.2f} max; "
-                      f"span {s['span_us']:.2f} us (profiled)", flush=True)
+                print(
+                    f"\nB={b} N={n} {name}{fold}: "
+                    f"{s['programs']} programs on {s['sms']} SMs "
+                    f"(<= {s['max_programs_per_sm']} per SM); program "
+                    f"{s['program_us']['mean']:.2f} us mean, {s['program_us']['max']:.2f} max; "
+                    f"span {s['span_us']:.2f} us (profiled)",
+                    flush=True,
+                )
                 print(f"  {'region':12s} {'mean':>8s} {'median':>8s} {'p90':>8s} {'share':>6s}")
                 for r, v in sorted(s["regions"].items(), key=lambda kv: -kv[1]["mean"]):
-                    print(f"  {r:12s} {v['mean']:8.3f} {v['median']:8.3f} {v['p90']:8.3f} "
-                          f"{100 * v['share']:5.1f}%")
-    out = dict(**btg.run_info(__file__),
-               note="durations in us from the in-kernel profiler (globaltimer); the profiled "
-                    "kernel runs slower than the plain one (one store per event)",
-               results=results)
+                    print(
+                        f"  {r:12s} {v['mean']:8.3f} {v['median']:8.3f} {v['p90']:8.3f} "
+                        f"{100 * v['share']:5.1f}%"
+                    )
+    out = dict(
+        **btg.run_info(__file__),
+        note="durations in us from the in-kernel profiler (globaltimer); the profiled "
+        "kernel runs slower than the plain one (one store per event)",
+        results=results,
+    )
     with open(os.path.join(args.out, "mgpu_trace.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'mgpu_trace.json')}")

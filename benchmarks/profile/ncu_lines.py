@@ -26,16 +26,21 @@ import sys
 def _import_ncu_report():
     try:
         import ncu_report  # noqa: F401
+
         return ncu_report
     except ImportError:
         pass
-    roots = ["/opt/nvidia/nsight-compute", "/usr/local/cuda/nsight-compute*",
-             "/usr/local/cuda-*/nsight-compute*"]  # searched recursively
+    roots = [
+        "/opt/nvidia/nsight-compute",
+        "/usr/local/cuda/nsight-compute*",
+        "/usr/local/cuda-*/nsight-compute*",
+    ]  # searched recursively
     for pattern in roots:
         for root in sorted(glob.glob(pattern), reverse=True):
             for path in glob.glob(os.path.join(root, "**", "ncu_report.py"), recursive=True):
                 sys.path.insert(0, os.path.dirname(path))
                 import ncu_report as module
+
                 return module
     raise SystemExit("ncu_report not found: add Nsight Compute's extras/python to PYTHONPATH")
 
@@ -81,8 +86,9 @@ def main(argv=None):
     ap.add_argument("--kernel", default="bole", help="substring of the kernel's name")
     ap.add_argument("--out", default=None, help="CSV of every line's totals")
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--source", default=None,
-                    help="the source file, to print each top line's text beside it")
+    ap.add_argument(
+        "--source", default=None, help="the source file, to print each top line's text beside it"
+    )
     args = ap.parse_args(argv)
     ncu_report = _import_ncu_report()
     ctx = ncu_report.load_report(args.report)
@@ -102,8 +108,9 @@ def main(argv=None):
     print("metrics:", ", ".join(names))
     if not totals:
         return
-    sample = next((n for n in names if n.endswith("pcsamp_sample_count")), None) or \
-        next((n for n in names if "pcsamp" in n), names[0])
+    sample = next((n for n in names if n.endswith("pcsamp_sample_count")), None) or next(
+        (n for n in names if "pcsamp" in n), names[0]
+    )
     stalls = [n for n in names if "issue_stalled" in n and not n.endswith("not_issued")]
     text = {}
     if args.source and os.path.exists(args.source):
@@ -112,12 +119,16 @@ def main(argv=None):
     all_samples = sum(t.get(sample, 0.0) for t in totals.values()) or 1.0
     print(f"\ntop lines by {sample} (share of all samples; top 3 stall reasons):")
     ranked = sorted(totals.items(), key=lambda kv: -kv[1].get(sample, 0.0))
-    for (fname, line), t in ranked[:args.top]:
+    for (fname, line), t in ranked[: args.top]:
         top3 = sorted(((t.get(n, 0.0), n) for n in stalls), reverse=True)[:3]
-        why = ", ".join(f"{n.split('issue_stalled_')[-1]} {v / max(t.get(sample, 1.0), 1.0):.0%}"
-                        for v, n in top3 if v)
-        src = text.get(line, "").strip()[:70] if fname == os.path.basename(args.source or "") \
-            else ""
+        why = ", ".join(
+            f"{n.split('issue_stalled_')[-1]} {v / max(t.get(sample, 1.0), 1.0):.0%}"
+            for v, n in top3
+            if v
+        )
+        src = (
+            text.get(line, "").strip()[:70] if fname == os.path.basename(args.source or "") else ""
+        )
         print(f"  {fname}:{line:<5d} {t.get(sample, 0.0) / all_samples:6.1%}  {why:60s} {src}")
     if args.out:
         with open(args.out, "w", newline="") as f:

@@ -43,8 +43,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--N", type=int, default=64)
-    ap.add_argument("--bole-configs", default="auto",
-                    help="';'-separated bench_tree_gdn config specs (default auto)")
+    ap.add_argument(
+        "--bole-configs",
+        default="auto",
+        help="';'-separated bench_tree_gdn config specs (default auto)",
+    )
     ap.add_argument("--no-pernode", action="store_true", help="skip TREE-PERNODE")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -60,48 +63,127 @@ def main(argv=None):
 
     cfgs = btg.resolve_bole([btg.parse_bole(s) for s in args.bole_configs.split(";")], b, n)
     for cfg in cfgs:
-        verify = btg.bole_verify(cfg, btg.step_args(parents_d, num_nodes, tree, None, None,
-                                                    None))
-        add(f"verify {btg.cfg_str(cfg)}", lambda *a, verify=verify: btg.without_keys(verify(*a)),
-            q, k, v, g, beta, state)
+        verify = btg.bole_verify(cfg, btg.step_args(parents_d, num_nodes, tree, None, None, None))
+        add(
+            f"verify {btg.cfg_str(cfg)}",
+            lambda *a, verify=verify: btg.without_keys(verify(*a)),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+        )
     # the commit's factors and the lazy folds: the first Triton launch (Mosaic has no folds here)
-    cfg = next((c for c in cfgs if isinstance(c, TreeGDNConfig)),
-               TreeGDNConfig.auto(b, n, btg.MAX_DEPTH))
-    fac = tree_gdn_verify(q, k, v, g, beta, state, parents_d, num_nodes, tree=tree,
-                          backend="pallas", config=cfg)[1]
+    cfg = next(
+        (c for c in cfgs if isinstance(c, TreeGDNConfig)), TreeGDNConfig.auto(b, n, btg.MAX_DEPTH)
+    )
+    fac = tree_gdn_verify(
+        q, k, v, g, beta, state, parents_d, num_nodes, tree=tree, backend="pallas", config=cfg
+    )[1]
     for fold in ("loop", "dot", "unroll"):
+
         def commit(s, f, fold=fold):
-            return commit_state(s, f, parents_d, accepted, backend="pallas", block_v=32,
-                                num_warps=4, path=path, count=count, fold=fold)
+            return commit_state(
+                s,
+                f,
+                parents_d,
+                accepted,
+                backend="pallas",
+                block_v=32,
+                num_warps=4,
+                path=path,
+                count=count,
+                fold=fold,
+            )
+
         add(f"commit bv32 w4 fold={fold}", commit, jnp.copy(state), fac, donate=(0,))
     pend = pending_commit(fac, parents_d, accepted, length, path, count)
     for fold in ("loop", "dot", "unroll"):
         lcfg = cfg.with_fold(fold)
 
         def lazy(q, k, v, g, beta, s, p, lcfg=lcfg):
-            return tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes, tree=tree,
-                                   backend="pallas", config=lcfg, pending=p)
-        add(f"lazy verify {btg.cfg_str(lcfg)}", lazy, q, k, v, g, beta, jnp.copy(state), pend,
-            donate=(5,))
+            return tree_gdn_verify(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                s,
+                parents_d,
+                num_nodes,
+                tree=tree,
+                backend="pallas",
+                config=lcfg,
+                pending=p,
+            )
+
+        add(
+            f"lazy verify {btg.cfg_str(lcfg)}",
+            lazy,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            jnp.copy(state),
+            pend,
+            donate=(5,),
+        )
     # the one-launch lazy step (the bench's "direct"): the verify reads the accepted path's
     # rows from the previous factors itself (`PendingPath`); each Triton launch given
     ppath = PendingPath(factors=fac, path=path, sel=accepted, count=count)
     for lcfg in [c for c in cfgs if isinstance(c, TreeGDNConfig)]:
+
         def direct(q, k, v, g, beta, s, p, lcfg=lcfg):
-            return btg.without_keys(tree_gdn_verify(q, k, v, g, beta, s, parents_d, num_nodes,
-                                                    tree=tree, backend="pallas", config=lcfg,
-                                                    pending=p))
-        add(f"direct verify {btg.cfg_str(lcfg)}", direct, q, k, v, g, beta, jnp.copy(state),
-            ppath, donate=(5,))
+            return btg.without_keys(
+                tree_gdn_verify(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    s,
+                    parents_d,
+                    num_nodes,
+                    tree=tree,
+                    backend="pallas",
+                    config=lcfg,
+                    pending=p,
+                )
+            )
+
+        add(
+            f"direct verify {btg.cfg_str(lcfg)}",
+            direct,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            jnp.copy(state),
+            ppath,
+            donate=(5,),
+        )
     if not args.no_pernode:
+
         def pernode(q, k, v, g, beta, s):
-            return tree_pernode.tree_pernode_verify(q, k, v, g, beta, s, parents_d, num_nodes,
-                                                    backend="pallas",
-                                                    config=PernodeConfig(block_v=32, num_warps=4))
+            return tree_pernode.tree_pernode_verify(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                s,
+                parents_d,
+                num_nodes,
+                backend="pallas",
+                config=PernodeConfig(block_v=32, num_warps=4),
+            )
+
         add("pernode bv32 w4", pernode, q, k, v, g, beta, state)
     jax.block_until_ready(fac)
-    print(f"B={b} N={n} depth={max(btg.tree_depth(p) for p in parents)}; launch order:",
-          flush=True)
+    print(f"B={b} N={n} depth={max(btg.tree_depth(p) for p in parents)}; launch order:", flush=True)
     for i, (name, fn, a) in enumerate(runs):
         jax.block_until_ready(fn(*a))
         print(f"  {i}: {name}", flush=True)

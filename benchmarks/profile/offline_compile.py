@@ -63,6 +63,7 @@ def _attribute_helpers_to_callers():
         from jax._src import source_info_util
 
         from bole_jax.pallas import triton_ops
+
         source_info_util.register_exclusion(triton_ops.__file__)
     except (ImportError, AttributeError):  # pragma: no cover - a jax without the hook
         print("note: triton_ops lines stay in the locations (no source_info_util hook)")
@@ -72,6 +73,7 @@ def _attribute_helpers_to_callers():
 def _pallas_call_replaced(wrap):
     """tree_gdn's `pl.pallas_call` replaced by wrap(the original) inside the block."""
     import bole_jax.pallas.tree_gdn as tg
+
     orig = tg.pl.pallas_call
     tg.pl.pallas_call = wrap(orig)
     try:
@@ -94,26 +96,54 @@ def _lower(b: int, n: int, cfg, pending):
 
     sd = jax.ShapeDtypeStruct
     q, v = sd((b, n, HK, DK), jnp.bfloat16), sd((b, n, HV, DV), jnp.bfloat16)
-    g, state, parents = sd((b, n, HV), jnp.float32), sd((b, HV, DK, DV), jnp.float32), sd((b, n),
-                                                                                          jnp.int32)
+    g, state, parents = (
+        sd((b, n, HV), jnp.float32),
+        sd((b, HV, DK, DV), jnp.float32),
+        sd((b, n), jnp.int32),
+    )
     # pending: the accepted path's rows, as many as bench_tree_gdn's trees' depth bound
-    pend = PendingCommit(k=sd((b, MAX_DEPTH, HK, DK), jnp.float32),
-                         u=sd((b, MAX_DEPTH, HV, DV), jnp.float32),
-                         w=sd((b, MAX_DEPTH, HV), jnp.float32), p_sel=sd((b, HV), jnp.float32),
-                         count=sd((b,), jnp.int32)) if pending else None
+    pend = (
+        PendingCommit(
+            k=sd((b, MAX_DEPTH, HK, DK), jnp.float32),
+            u=sd((b, MAX_DEPTH, HV, DV), jnp.float32),
+            w=sd((b, MAX_DEPTH, HV), jnp.float32),
+            p_sel=sd((b, HV), jnp.float32),
+            count=sd((b,), jnp.int32),
+        )
+        if pending
+        else None
+    )
     if pending == "path":  # the previous step's factors of n nodes and its accepted path
-        pend = PendingPath(factors=TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16),
-                                               u=sd((b, n, HV, DV), jnp.float32),
-                                               gamma=sd((b, n, HV), jnp.float32),
-                                               k_scale=sd((b, n, HK), jnp.float32)),
-                           path=sd((b, MAX_DEPTH), jnp.int32), sel=sd((b,), jnp.int32),
-                           count=sd((b,), jnp.int32))
+        pend = PendingPath(
+            factors=TreeFactors(
+                k=sd((b, n, HK, DK), jnp.bfloat16),
+                u=sd((b, n, HV, DV), jnp.float32),
+                gamma=sd((b, n, HV), jnp.float32),
+                k_scale=sd((b, n, HK), jnp.float32),
+            ),
+            path=sd((b, MAX_DEPTH), jnp.int32),
+            sel=sd((b,), jnp.int32),
+            count=sd((b,), jnp.int32),
+        )
 
     def f(q, k, v, g, beta, s, parents, pend):
         tree = tree_structure(parents, None)
         tree = dataclasses.replace(tree, anc=tree.anc.astype(jnp.int8))
-        return tg.tree_gdn_verify(q, k, v, g, beta, s, parents, None, tree=tree,
-                                  backend="pallas", interpret=False, config=cfg, pending=pend)
+        return tg.tree_gdn_verify(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            s,
+            parents,
+            None,
+            tree=tree,
+            backend="pallas",
+            interpret=False,
+            config=cfg,
+            pending=pend,
+        )
 
     return _lower_fn(f, q, q, v, g, g, state, parents, pend)
 
@@ -129,16 +159,28 @@ def _lower_commit(b: int, n: int, commit_cfg: dict):
     from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
 
     sd = jax.ShapeDtypeStruct
-    fac = TreeFactors(k=sd((b, n, HK, DK), jnp.bfloat16), u=sd((b, n, HV, DV), jnp.float32),
-                      gamma=sd((b, n, HV), jnp.float32), k_scale=sd((b, n, HK), jnp.float32))
+    fac = TreeFactors(
+        k=sd((b, n, HK, DK), jnp.bfloat16),
+        u=sd((b, n, HV, DV), jnp.float32),
+        gamma=sd((b, n, HV), jnp.float32),
+        k_scale=sd((b, n, HK), jnp.float32),
+    )
     i32 = jnp.int32
 
     def f(state, fac, parents, accepted, path, count):
-        return commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
-                                   **commit_cfg)
+        return commit_state_pallas(
+            state, fac, parents, accepted, path=path, count=count, **commit_cfg
+        )
 
-    return _lower_fn(f, sd((b, HV, DK, DV), jnp.float32), fac, sd((b, n), i32), sd((b,), i32),
-                     sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32))
+    return _lower_fn(
+        f,
+        sd((b, HV, DK, DV), jnp.float32),
+        fac,
+        sd((b, n), i32),
+        sd((b,), i32),
+        sd((b, min(MAX_DEPTH, n)), i32),
+        sd((b,), i32),
+    )
 
 
 def _lower_pernode(b: int, n: int, cfg):
@@ -155,8 +197,9 @@ def _lower_pernode(b: int, n: int, cfg):
     g, state = sd((b, n, HV), jnp.float32), sd((b, HV, DK, DV), jnp.float32)
 
     def f(q, k, v, g, beta, s, parents):
-        return tree_pernode.tree_pernode_verify(q, k, v, g, beta, s, parents, backend="pallas",
-                                                interpret=False, config=cfg)
+        return tree_pernode.tree_pernode_verify(
+            q, k, v, g, beta, s, parents, backend="pallas", interpret=False, config=cfg
+        )
 
     return _lower_fn(f, q, q, v, g, g, state, sd((b, n), jnp.int32))
 
@@ -174,10 +217,13 @@ def _lower_fn(f, *args):
             call = orig(*a, **dict(kw, debug=True))
 
             def record(*args):
-                launches.append(dict(
-                    grid=[int(x) for x in kw["grid"]],
-                    inputs=[[list(x.shape), str(x.dtype)] for x in args],
-                    outputs=[[list(o.shape), str(o.dtype)] for o in _listed(kw["out_shape"])]))
+                launches.append(
+                    dict(
+                        grid=[int(x) for x in kw["grid"]],
+                        inputs=[[list(x.shape), str(x.dtype)] for x in args],
+                        outputs=[[list(o.shape), str(o.dtype)] for o in _listed(kw["out_shape"])],
+                    )
+                )
                 return call(*args)
 
             return record
@@ -188,7 +234,7 @@ def _lower_fn(f, *args):
     with _pallas_call_replaced(debug_call), contextlib.redirect_stdout(buf):
         jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     parts = buf.getvalue().split("The Triton module for pallas_call")[1:]
-    return [part[part.index("\n") + 1:] for part in parts], launches
+    return [part[part.index("\n") + 1 :] for part in parts], launches
 
 
 def _listed(out_shape) -> list:
@@ -224,7 +270,9 @@ def _recorded_operands(run) -> list:
                 got.append([np.asarray(x) for x in args])
                 outs = [jnp.zeros(o.shape, o.dtype) for o in _listed(kw["out_shape"])]
                 return outs if isinstance(kw["out_shape"], (list, tuple)) else outs[0]
+
             return call
+
         return pallas_call
 
     with _pallas_call_replaced(recorder), jax.disable_jit():
@@ -241,8 +289,11 @@ def kernel_operands(b: int, n: int, cfg, seed: int = 0):
     import bole_jax.pallas.tree_gdn as tg
 
     (q, k, v, g, beta, state), parents = _bench_inputs(b, n, seed)
-    operands = _recorded_operands(lambda: tg.tree_gdn_verify(
-        q, k, v, g, beta, state, parents, None, backend="pallas", interpret=False, config=cfg))
+    operands = _recorded_operands(
+        lambda: tg.tree_gdn_verify(
+            q, k, v, g, beta, state, parents, None, backend="pallas", interpret=False, config=cfg
+        )
+    )
     return operands, (q, k, v, g, beta, state, parents)
 
 
@@ -258,8 +309,11 @@ def commit_operands(b: int, n: int, commit_cfg: dict, seed: int = 0):
     _, fac = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents, None)
     tc = btg.tree_context(parents)
     accepted, path, count = tc.accepted, tc.path, tc.count
-    operands = _recorded_operands(lambda: tree_gdn_commit.commit_state_pallas(
-        state, fac, parents, accepted, path=path, count=count, **commit_cfg))
+    operands = _recorded_operands(
+        lambda: tree_gdn_commit.commit_state_pallas(
+            state, fac, parents, accepted, path=path, count=count, **commit_cfg
+        )
+    )
     return operands, (state, fac, parents, accepted, path, count)
 
 
@@ -301,6 +355,7 @@ def _rewrite_locations(text: str, resolve) -> str:
     """The module without its location aliases: an op's trailing location reference becomes
     resolve(ref) inline (None: dropped); every other reference (e.g. on block arguments) is
     dropped; anything after the module is cut."""
+
     def inline(m):
         loc = resolve(m.group(1))
         return f" {loc}" if loc else ""
@@ -316,31 +371,47 @@ def _rewrite_locations(text: str, resolve) -> str:
         if line.startswith("}"):
             break
     out = "".join(lines)
-    return out[out.index("module @"):]
+    return out[out.index("module @") :]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--triton-python", required=True,
-                    help="a Python with Triton installed (e.g. a venv with triton==3.6)")
+    ap.add_argument(
+        "--triton-python",
+        required=True,
+        help="a Python with Triton installed (e.g. a venv with triton==3.6)",
+    )
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--N", type=int, default=64)
     ap.add_argument("--kernel", choices=("verify", "commit", "pernode"), default="verify")
-    ap.add_argument("--config", default="{}",
-                    help="TreeGDNConfig fields as JSON (--kernel commit: block_v, num_warps, "
-                         "fold; --kernel pernode: PernodeConfig fields)")
-    ap.add_argument("--pending", nargs="?", const="rows", default=None, choices=("rows", "path"),
-                    help="the lazy-commit (folding) variant: gathered rows (the default) or "
-                         "'path', the previous factors + accepted path (`PendingPath`)")
+    ap.add_argument(
+        "--config",
+        default="{}",
+        help="TreeGDNConfig fields as JSON (--kernel commit: block_v, num_warps, "
+        "fold; --kernel pernode: PernodeConfig fields)",
+    )
+    ap.add_argument(
+        "--pending",
+        nargs="?",
+        const="rows",
+        default=None,
+        choices=("rows", "path"),
+        help="the lazy-commit (folding) variant: gathered rows (the default) or "
+        "'path', the previous factors + accepted path (`PendingPath`)",
+    )
     ap.add_argument("--out", default=None, help="keep the .ttir / .ptx / .cubin / .sass here")
-    ap.add_argument("--lineinfo", action="store_true",
-                    help="line info for Nsight Compute's source view (through "
-                         "benchmarks/profile/cubin_launch.py): each op keeps the kernel line it came "
-                         f"from; the cubin names the file as {SRC_DIR}/tree_gdn.py, where "
-                         "cubin_launch.py copies bole_jax/pallas/tree_gdn.py")
+    ap.add_argument(
+        "--lineinfo",
+        action="store_true",
+        help="line info for Nsight Compute's source view (through "
+        "benchmarks/profile/cubin_launch.py): each op keeps the kernel line it came "
+        f"from; the cubin names the file as {SRC_DIR}/tree_gdn.py, where "
+        "cubin_launch.py copies bole_jax/pallas/tree_gdn.py",
+    )
     args = ap.parse_args(argv)
     from bole_jax.pallas.tree_gdn import TreeGDNConfig
     from bole_jax.pallas.tree_pernode import PernodeConfig
+
     try:
         if args.kernel == "pernode":
             cfg = PernodeConfig(**json.loads(args.config))
@@ -357,12 +428,16 @@ def main(argv=None):
     if args.kernel != "verify" and args.pending:
         ap.error("--pending is a verify variant")
     if args.kernel == "pernode" and args.lineinfo:
-        ap.error(f"--lineinfo names {SRC_DIR}/tree_gdn.py as the source; the PERNODE kernel is "
-                 "in tree_pernode.py")
+        ap.error(
+            f"--lineinfo names {SRC_DIR}/tree_gdn.py as the source; the PERNODE kernel is "
+            "in tree_pernode.py"
+        )
     out = args.out or tempfile.mkdtemp(prefix="offline_compile_")
     os.makedirs(out, exist_ok=True)
-    print(f"{args.kernel} B={args.B} N={args.N} {cfg}"
-          f"{f' (pending {args.pending})' if args.pending else ''}")
+    print(
+        f"{args.kernel} B={args.B} N={args.N} {cfg}"
+        f"{f' (pending {args.pending})' if args.pending else ''}"
+    )
     if args.lineinfo:
         _attribute_helpers_to_callers()
     if args.kernel == "commit":
@@ -374,15 +449,25 @@ def main(argv=None):
     for i, (module, launch) in enumerate(zip(modules, launches)):
         name = stem + (f"_{i}" if len(modules) > 1 else "")
         text = with_source_locations(module) if args.lineinfo else strip_locations(module)
-        shared, params, scratch = _compile_one(args.triton_python, text,
-                                               os.path.join(out, name), num_warps,
-                                               num_stages, args.lineinfo)
-        manifest = dict(name=name, kernel=re.search(r"tt\.func public @(\w+)", text).group(1),
-                        kind=args.kernel, num_warps=num_warps, num_stages=num_stages,
-                        shared=shared, params=params, scratch_bytes=scratch, B=args.B, N=args.N,
-                        pending=args.pending,
-                        config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
-                        lineinfo=args.lineinfo, **launch)
+        shared, params, scratch = _compile_one(
+            args.triton_python, text, os.path.join(out, name), num_warps, num_stages, args.lineinfo
+        )
+        manifest = dict(
+            name=name,
+            kernel=re.search(r"tt\.func public @(\w+)", text).group(1),
+            kind=args.kernel,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            shared=shared,
+            params=params,
+            scratch_bytes=scratch,
+            B=args.B,
+            N=args.N,
+            pending=args.pending,
+            config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
+            lineinfo=args.lineinfo,
+            **launch,
+        )
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(manifest, f, indent=1)
     print(f"files: {out}")
@@ -408,44 +493,72 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     ttir, ptx, cubin = (f"{stem}.{e}" for e in ("ttir", "ptx", "cubin"))
     with open(ttir, "w") as f:
         f.write(ttir_text)
-    res = subprocess.run([triton_python, "-c", _COMPILE, ttir, str(num_warps),
-                          str(num_stages), ptx], capture_output=True, text=True)
+    res = subprocess.run(
+        [triton_python, "-c", _COMPILE, ttir, str(num_warps), str(num_stages), ptx],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode:
         sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
     scratch, shared, bin_dir = res.stdout.split()[-3:]
     with open(ptx) as f:
         ptx_text = f.read()
-    entry = ptx_text[ptx_text.index(".entry"):]  # the kernel's parameter list: up to its ")"
+    entry = ptx_text[ptx_text.index(".entry") :]  # the kernel's parameter list: up to its ")"
     params = len(re.findall(r"^\s*\.param\b", entry.split(")", 1)[0], re.M))
     if lineinfo:
         # Triton files every op's line under the module's own file (the .ttir); the lines are
         # the kernel's (with_source_locations): name the source where cubin_launch.py puts it.
         with open(ptx, "w") as f:
-            f.write(re.sub(r'(\.file\s+\d+\s+)"[^"]*"',
-                           lambda m: f'{m.group(1)}"{SRC_DIR}/tree_gdn.py"', ptx_text))
-    ptxas = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v",
-                            *(["-lineinfo"] if lineinfo else []), ptx, "-o", cubin],
-                           capture_output=True, text=True)
+            f.write(
+                re.sub(
+                    r'(\.file\s+\d+\s+)"[^"]*"',
+                    lambda m: f'{m.group(1)}"{SRC_DIR}/tree_gdn.py"',
+                    ptx_text,
+                )
+            )
+    ptxas = subprocess.run(
+        [
+            os.path.join(bin_dir, "ptxas"),
+            "-arch=sm_90a",
+            "-v",
+            *(["-lineinfo"] if lineinfo else []),
+            ptx,
+            "-o",
+            cubin,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if ptxas.returncode:
         sys.exit(f"ptxas failed:\n{ptxas.stderr[-3000:]}")
-    info = " ".join(line.split("ptxas info    :")[-1].strip() for line in ptxas.stderr.splitlines()
-                    if "registers" in line or "spill" in line)
-    sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin],
-                          capture_output=True, text=True).stdout
+    info = " ".join(
+        line.split("ptxas info    :")[-1].strip()
+        for line in ptxas.stderr.splitlines()
+        if "registers" in line or "spill" in line
+    )
+    sass = subprocess.run(
+        [os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True
+    ).stdout
     with open(f"{stem}.sass", "w") as f:
         f.write(sass)
     ops = sass_opcodes(sass)
     print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
-    print(f"SASS {len(ops)} instructions; top: "
-          + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10)))
+    print(
+        f"SASS {len(ops)} instructions; top: "
+        + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10))
+    )
     return int(shared), params, int(scratch)
 
 
 def sass_opcodes(sass: str) -> list[str]:
     """The opcode of each instruction of a `cuobjdump -sass` listing (predicates and modifier
     suffixes dropped), in order."""
-    return [m.group(1).split(".")[0] for m in
-            re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M)]
+    return [
+        m.group(1).split(".")[0]
+        for m in re.finditer(
+            r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass, re.M
+        )
+    ]
 
 
 if __name__ == "__main__":

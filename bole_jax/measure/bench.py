@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax.measure.calibrate import (  # noqa: F401
-  _copy,
-  expected_tokens_per_step,
-  synthetic_accept_prob,
-  timed_segment,
+    _copy,
+    expected_tokens_per_step,
+    synthetic_accept_prob,
+    timed_segment,
 )
 from bole_jax.measure.calibrate import derive_state as _derive_state
 from bole_jax.measure.env import enable_compile_cache, environment, progress_bar
@@ -32,60 +32,66 @@ from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 
 
 def tree_bytes(tree) -> int:
-  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def target_weight_bytes(cfg: ModelConfig, params, batch: int) -> int:
-  """Bytes of the target's weights one forward reads: every weight once, the embedding table
-  only for the B rows looked up, the lm_head fully (the tied embedding fully when tied)."""
-  w = tree_bytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
-  emb = params["embed"]
-  w += batch * emb.shape[1] * emb.dtype.itemsize
-  if cfg.tie_word_embeddings:
-    w += emb.size * emb.dtype.itemsize
-  return w
+    """Bytes of the target's weights one forward reads: every weight once, the embedding table
+    only for the B rows looked up, the lm_head fully (the tied embedding fully when tied)."""
+    w = tree_bytes({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+    emb = params["embed"]
+    w += batch * emb.shape[1] * emb.dtype.itemsize
+    if cfg.tie_word_embeddings:
+        w += emb.size * emb.dtype.itemsize
+    return w
 
 
 def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
-  """Fewest bytes one AR decode step must move: every weight once (the embedding table only
-  for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
-  read + written, each attention layer's committed KV read once and one new row written."""
-  w = target_weight_bytes(cfg, params, batch)
-  state = 0
-  lengths = np.asarray(cache.lengths)
-  for c in cache.layers:
-    if isinstance(c, GDNCache):
-      state += 2 * (tree_bytes(c.state) + tree_bytes(c.conv))
-    else:
-      row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
-      state += int(lengths.sum()) * row + batch * row
-  return w + state
+    """Fewest bytes one AR decode step must move: every weight once (the embedding table only
+    for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
+    read + written, each attention layer's committed KV read once and one new row written."""
+    w = target_weight_bytes(cfg, params, batch)
+    state = 0
+    lengths = np.asarray(cache.lengths)
+    for c in cache.layers:
+        if isinstance(c, GDNCache):
+            state += 2 * (tree_bytes(c.state) + tree_bytes(c.conv))
+        else:
+            row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+            state += int(lengths.sum()) * row + batch * row
+    return w + state
 
 
 def run_mode(llm, ids, mode: str, gen_tokens: int, warm_steps: int, steps: int, oracle=None):
-  """Prefill, warm up, then time `steps` loop iterations. Returns a dict of measurements and the
-  final state."""
-  state = llm.start_batch(ids, gen_tokens, mode=mode, oracle=oracle)
-  r, state = timed_segment(llm.segment_fn(mode), llm.params, state, warm_steps, steps, len(ids))
-  return dict(mode=mode, **r), state
+    """Prefill, warm up, then time `steps` loop iterations. Returns a dict of measurements and the
+    final state."""
+    state = llm.start_batch(ids, gen_tokens, mode=mode, oracle=oracle)
+    r, state = timed_segment(llm.segment_fn(mode), llm.params, state, warm_steps, steps, len(ids))
+    return dict(mode=mode, **r), state
 
 
 def print_table(rows: Sequence[dict], cols: Sequence[str]) -> str:
-  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
-  cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-  width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-  lines = [" | ".join(c.ljust(w) for c, w in zip(cols, width)),
-           "-+-".join("-" * w for w in width)]
-  lines += [" | ".join(x.ljust(w) for x, w in zip(row, width)) for row in cells]
-  out = "\n".join(lines)
-  print(out, flush=True)
-  return out
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    lines = [
+        " | ".join(c.ljust(w) for c, w in zip(cols, width)),
+        "-+-".join("-" * w for w in width),
+    ]
+    lines += [" | ".join(x.ljust(w) for x, w in zip(row, width)) for row in cells]
+    out = "\n".join(lines)
+    print(out, flush=True)
+    return out
 
 
 def write_json(path, payload: dict) -> None:
-  with open(path, "w") as f:
-    json.dump(payload, f, indent=1, default=lambda o: dataclasses.asdict(o)
-              if dataclasses.is_dataclass(o) else str(o))
+    with open(path, "w") as f:
+        json.dump(
+            payload,
+            f,
+            indent=1,
+            default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o),
+        )
 
 
 # ============================================================================ end to end
@@ -96,845 +102,1073 @@ E2E_MODES = ("ar", "bole", "pernode", "chain")
 FULL_BATCHES = (1, 4, 16, 32, 64)
 QUICK_BATCHES = (1,)
 QUICK_TIME_BUDGET = 75.0  # seconds: `bench --quick` ends within about this (plus the last point)
-CPU_NOTE = ("CPU: the kernels run as references (Pallas in interpret mode, jnp references "
-            "elsewhere), so these numbers are not GPU-representative: on a GPU the tree verify "
-            "and commit are Pallas kernels")
+CPU_NOTE = (
+    "CPU: the kernels run as references (Pallas in interpret mode, jnp references "
+    "elsewhere), so these numbers are not GPU-representative: on a GPU the tree verify "
+    "and commit are Pallas kernels"
+)
 STAGES = ("draft", "select", "verify", "accept", "commit", "emit")
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def load_prompts(path) -> list[str]:
-  """Prompts from a file: .jsonl (or .jsonl.gz) records with a "prompt" string (HumanEval) or
-  a "turns" list (Spec-Bench: the first turn is used), else one prompt per non-empty line."""
-  import gzip
-  from pathlib import Path
+    """Prompts from a file: .jsonl (or .jsonl.gz) records with a "prompt" string (HumanEval) or
+    a "turns" list (Spec-Bench: the first turn is used), else one prompt per non-empty line."""
+    import gzip
+    from pathlib import Path
 
-  p = Path(path)
-  if not p.is_file():
-    raise FileNotFoundError(f"prompts file not found: {path}")
-  gz = p.suffix == ".gz"
-  with (gzip.open(p, "rt", encoding="utf-8") if gz else open(p, encoding="utf-8")) as f:
-    text = f.read()
-  prompts = []
-  if (p.name[:-3] if gz else p.name).endswith(".jsonl"):
-    for n, line in enumerate(text.splitlines(), 1):
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-      if isinstance(obj, str):
-        prompts.append(obj)
-      elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-        prompts.append(obj["prompt"])
-      elif isinstance(obj, dict) and obj.get("turns") and isinstance(obj["turns"][0], str):
-        prompts.append(obj["turns"][0])
-      else:
-        raise ValueError(f"{path}:{n}: expected a 'prompt' string or a 'turns' list of strings")
-  else:
-    prompts = [line for line in text.splitlines() if line.strip()]
-  if not prompts:
-    raise ValueError(f"{path}: no prompts in the file")
-  return prompts
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    gz = p.suffix == ".gz"
+    with gzip.open(p, "rt", encoding="utf-8") if gz else open(p, encoding="utf-8") as f:
+        text = f.read()
+    prompts = []
+    if (p.name[:-3] if gz else p.name).endswith(".jsonl"):
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            if isinstance(obj, str):
+                prompts.append(obj)
+            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                prompts.append(obj["prompt"])
+            elif isinstance(obj, dict) and obj.get("turns") and isinstance(obj["turns"][0], str):
+                prompts.append(obj["turns"][0])
+            else:
+                raise ValueError(
+                    f"{path}:{n}: expected a 'prompt' string or a 'turns' list of strings"
+                )
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts in the file")
+    return prompts
 
 
-def memory_per_request(cfg: ModelConfig, mode: str, num_nodes: int, capacity: int,
-                       dtype) -> dict:
-  """MiB one request holds: committed GDN states (fp32) and conv states, the KV cache at
-  `capacity` slots, and one step's verify transients (docs/interfaces.md, GDNVerifyOut): bole's
-  token-level factors (the keys k [Hk, dk] in the model's dtype with their fp32 k_scale [Hk];
-  u [HV, dv] and gamma [HV] fp32) and pre-conv inputs per node, or the baselines' per-node
-  scratch (a full fp32 state and a conv window per node)."""
-  it = jnp.dtype(dtype).itemsize
-  g, a = len(cfg.gdn_layers), len(cfg.attention_layers)
-  hk, hv, dk, dv = (cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_dim,
-                    cfg.gdn_value_dim)
-  c, w = cfg.conv_dim, cfg.conv_kernel - 1
-  if mode == "bole":
-    st = g * num_nodes * (hk * dk * it + (hk + hv * dv + hv) * 4)
-    cv = g * num_nodes * c * it
-  elif mode in ("pernode", "chain"):
-    st, cv = g * num_nodes * hv * dk * dv * 4, g * num_nodes * w * c * it
-  else:
-    st = cv = 0
-  return dict(gdn_state_mib=g * hv * dk * dv * 4 / MiB, conv_state_mib=g * w * c * it / MiB,
-              kv_mib=a * capacity * 2 * cfg.num_kv_heads * cfg.head_dim * it / MiB,
-              verify_state_mib=st / MiB, verify_conv_mib=cv / MiB)
+def memory_per_request(cfg: ModelConfig, mode: str, num_nodes: int, capacity: int, dtype) -> dict:
+    """MiB one request holds: committed GDN states (fp32) and conv states, the KV cache at
+    `capacity` slots, and one step's verify transients (docs/interfaces.md, GDNVerifyOut): bole's
+    token-level factors (the keys k [Hk, dk] in the model's dtype with their fp32 k_scale [Hk];
+    u [HV, dv] and gamma [HV] fp32) and pre-conv inputs per node, or the baselines' per-node
+    scratch (a full fp32 state and a conv window per node)."""
+    it = jnp.dtype(dtype).itemsize
+    g, a = len(cfg.gdn_layers), len(cfg.attention_layers)
+    hk, hv, dk, dv = (
+        cfg.gdn_num_key_heads,
+        cfg.gdn_num_value_heads,
+        cfg.gdn_key_dim,
+        cfg.gdn_value_dim,
+    )
+    c, w = cfg.conv_dim, cfg.conv_kernel - 1
+    if mode == "bole":
+        st = g * num_nodes * (hk * dk * it + (hk + hv * dv + hv) * 4)
+        cv = g * num_nodes * c * it
+    elif mode in ("pernode", "chain"):
+        st, cv = g * num_nodes * hv * dk * dv * 4, g * num_nodes * w * c * it
+    else:
+        st = cv = 0
+    return dict(
+        gdn_state_mib=g * hv * dk * dv * 4 / MiB,
+        conv_state_mib=g * w * c * it / MiB,
+        kv_mib=a * capacity * 2 * cfg.num_kv_heads * cfg.head_dim * it / MiB,
+        verify_state_mib=st / MiB,
+        verify_conv_mib=cv / MiB,
+    )
 
 
 # ---------------------------------------------------------------- step-time breakdown
 
 
 def stage_functions(cfg: ModelConfig, spec) -> dict:
-  """The stages of `step.spec_step`, each its own jitted function, chained by their outputs:
+    """The stages of `step.spec_step`, each its own jitted function, chained by their outputs:
 
-    draft(params, state) -> (pool, ds)          select(state, pool) -> tree
-    verify(params, tree, cache) -> (logits, hidden, cache, auxs)      [cache donated]
-    accept(tree, logits, state) -> acc          commit(cache, auxs, tree, acc, done) -> cache
-    emit(light_state, light_ds, acc, hidden) -> (light_state, light_ds)  [bookkeeping]
+      draft(params, state) -> (pool, ds)          select(state, pool) -> tree
+      verify(params, tree, cache) -> (logits, hidden, cache, auxs)      [cache donated]
+      accept(tree, logits, state) -> acc          commit(cache, auxs, tree, acc, done) -> cache
+      emit(light_state, light_ds, acc, hidden) -> (light_state, light_ds)  [bookkeeping]
 
-  (light_* = the state without caches, so that no stage pays for copying what it passes
-  through). Keys are split as spec_step splits them.
+    (light_* = the state without caches, so that no stage pays for copying what it passes
+    through). Keys are split as spec_step splits them.
 
-  What "verify" and "commit" hold depends on the bole commit (`commit_kind`): eager, the commit
-  rebuilds every GDN state (read + write of the fp32 state) besides the conv-state and KV
-  commits, and the verify only reads the states; lazy (SpecConfig.lazy_commit), the commit only
-  keeps the step's factors and accepted path (`PendingPath`; lazy_rows "gather": gathers the
-  path's factor rows) besides the conv-state and KV commits, and the verify folds the previous
-  step's path rows into the states and writes them back (the state write moves from the commit
-  into the verify)."""
-  from bole_jax.model import logits as lm_logits
-  from bole_jax.spec_decode import drafter, loop, step, verify
-  from bole_jax.spec_decode.acceptance import accept
+    What "verify" and "commit" hold depends on the bole commit (`commit_kind`): eager, the commit
+    rebuilds every GDN state (read + write of the fp32 state) besides the conv-state and KV
+    commits, and the verify only reads the states; lazy (SpecConfig.lazy_commit), the commit only
+    keeps the step's factors and accepted path (`PendingPath`; lazy_rows "gather": gathers the
+    path's factor rows) besides the conv-state and KV commits, and the verify folds the previous
+    step's path rows into the states and writes them back (the state write moves from the commit
+    into the verify)."""
+    from bole_jax.model import logits as lm_logits
+    from bole_jax.spec_decode import drafter, loop, step, verify
+    from bole_jax.spec_decode.acceptance import accept
 
-  def keys(state):
-    return jax.random.split(state.key, 3)
+    def keys(state):
+        return jax.random.split(state.key, 3)
 
-  def draft(params, state):
-    return step.draft(params, cfg, spec, state, keys(state)[1])
+    def draft(params, state):
+        return step.draft(params, cfg, spec, state, keys(state)[1])
 
-  def select(state, pool):
-    return step.select(spec, state, pool)
+    def select(state, pool):
+        return step.select(spec, state, pool)
 
-  def verify_(params, tree, cache):
-    hidden, cache, auxs = verify.verify_forward(params, cfg, tree, cache, mode=spec.mode,
-                                                backend=spec.backend,
-                                                depth_bound=spec.shape.path_nodes)
-    return lm_logits(params, cfg, hidden), hidden, cache, auxs
+    def verify_(params, tree, cache):
+        hidden, cache, auxs = verify.verify_forward(
+            params,
+            cfg,
+            tree,
+            cache,
+            mode=spec.mode,
+            backend=spec.backend,
+            depth_bound=spec.shape.path_nodes,
+        )
+        return lm_logits(params, cfg, hidden), hidden, cache, auxs
 
-  def accept_(tree, logits, state):
-    return accept(tree, logits, state.sampling, keys(state)[2], max_depth=spec.shape.depth,
-                  max_children=spec.shape.topk)
+    def accept_(tree, logits, state):
+        return accept(
+            tree,
+            logits,
+            state.sampling,
+            keys(state)[2],
+            max_depth=spec.shape.depth,
+            max_children=spec.shape.topk,
+        )
 
-  def commit(cache, auxs, tree, acc, done):
-    return verify.commit(cache, auxs, tree, acc, ~done, mode=spec.mode, cfg=cfg)
+    def commit(cache, auxs, tree, acc, done):
+        return verify.commit(cache, auxs, tree, acc, ~done, mode=spec.mode, cfg=cfg)
 
-  def emit(state, ds, acc, hidden):
-    active = ~state.done
-    ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
-    state = dataclasses.replace(state, steps=state.steps + active.astype(jnp.int32))
-    return loop.emit(state, acc.tokens, acc.num_accepted), ds
+    def emit(state, ds, acc, hidden):
+        active = ~state.done
+        ds = drafter.after_accept(ds, acc.tokens, acc.path, acc.num_accepted, hidden, active)
+        state = dataclasses.replace(state, steps=state.steps + active.astype(jnp.int32))
+        return loop.emit(state, acc.tokens, acc.num_accepted), ds
 
-  return dict(draft=jax.jit(draft), select=jax.jit(select),
-              verify=jax.jit(verify_, donate_argnums=2), accept=jax.jit(accept_),
-              commit=jax.jit(commit, donate_argnums=0), emit=jax.jit(emit))
+    return dict(
+        draft=jax.jit(draft),
+        select=jax.jit(select),
+        verify=jax.jit(verify_, donate_argnums=2),
+        accept=jax.jit(accept_),
+        commit=jax.jit(commit, donate_argnums=0),
+        emit=jax.jit(emit),
+    )
 
 
 def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
-  """Fewest bytes each stage of one spec step must move, {stage: bytes}, for the decode state
-  `state` (its cache lengths: the KV read) and `spec`:
+    """Fewest bytes each stage of one spec step must move, {stage: bytes}, for the decode state
+    `state` (its cache lengths: the KV read) and `spec`:
 
-    draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
-            the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
-            depth below the first; the early stop may run fewer)
-    select  the pool read (tokens, parents, scores) + the tree written
-    verify  the target's weights + the committed KV, GDN and conv states read + the step's
-            factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a
-            full state and conv window per node) and KV rows written, the verify logits
-            [B, N, V] fp32 written
-    accept  the logits read + the tree
-    commit  bole eager: every GDN state read + written, conv states written; lazy: the conv
-            states written (the state write is the next verify's, counted there); pernode /
-            chain: the accepted node's state and conv window copied (read + write)
-    emit    the emitted tokens and the drafter's pending hidden rows written (their read)
-  """
-  b = state.next_token.shape[0]
-  n, d = spec.shape.num_nodes, spec.shape.depth
-  m = spec.shape.pool_size
-  mtp = params["mtp"]
-  layer_w = tree_bytes({k: v for k, v in mtp.items() if k not in ("draft_head", "draft_ids")})
-  if "draft_head" in mtp:
-    head = tree_bytes(mtp["draft_head"])
-  else:
-    head = tree_bytes(params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
-  cache = state.cache
-  lengths = np.asarray(cache.lengths)
-  gdn = conv = kv_read = kv_row = 0
-  for c in cache.layers:
-    if isinstance(c, GDNCache):
-      gdn += tree_bytes(c.state)
-      conv += tree_bytes(c.conv)
+      draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
+              the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
+              depth below the first; the early stop may run fewer)
+      select  the pool read (tokens, parents, scores) + the tree written
+      verify  the target's weights + the committed KV, GDN and conv states read + the step's
+              factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a
+              full state and conv window per node) and KV rows written, the verify logits
+              [B, N, V] fp32 written
+      accept  the logits read + the tree
+      commit  bole eager: every GDN state read + written, conv states written; lazy: the conv
+              states written (the state write is the next verify's, counted there); pernode /
+              chain: the accepted node's state and conv window copied (read + write)
+      emit    the emitted tokens and the drafter's pending hidden rows written (their read)
+    """
+    b = state.next_token.shape[0]
+    n, d = spec.shape.num_nodes, spec.shape.depth
+    m = spec.shape.pool_size
+    mtp = params["mtp"]
+    layer_w = tree_bytes({k: v for k, v in mtp.items() if k not in ("draft_head", "draft_ids")})
+    if "draft_head" in mtp:
+        head = tree_bytes(mtp["draft_head"])
     else:
-      row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
-      kv_read += int(lengths.sum()) * row
-      kv_row += row
-  dtype = params["embed"].dtype
-  mem = memory_per_request(cfg, spec.mode, n, cache.capacity, dtype)
-  factors = b * int((mem["verify_state_mib"] + mem["verify_conv_mib"]) * MiB)
-  logits = b * n * cfg.vocab_size * 4
-  tree = b * n * 4 * 4 + b * 4
-  lazy = spec.mode == "bole" and spec.lazy_commit
-  if spec.mode == "bole":
-    commit = conv if lazy else 2 * gdn + conv
-  else:
-    commit = 2 * (gdn + conv)
-  hid = b * (d + 1) * cfg.hidden_size * jnp.dtype(dtype).itemsize
-  return dict(
-      draft=d * (layer_w + head), select=b * m * 12 + tree,
-      verify=(target_weight_bytes(cfg, params, b) + kv_read + gdn + conv + factors
-              + b * n * kv_row + logits + (gdn if lazy else 0)),
-      accept=logits + tree, commit=commit, emit=b * (d + 1) * 4 + 2 * hid)
+        head = tree_bytes(params["embed"] if cfg.tie_word_embeddings else params["lm_head"])
+    cache = state.cache
+    lengths = np.asarray(cache.lengths)
+    gdn = conv = kv_read = kv_row = 0
+    for c in cache.layers:
+        if isinstance(c, GDNCache):
+            gdn += tree_bytes(c.state)
+            conv += tree_bytes(c.conv)
+        else:
+            row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+            kv_read += int(lengths.sum()) * row
+            kv_row += row
+    dtype = params["embed"].dtype
+    mem = memory_per_request(cfg, spec.mode, n, cache.capacity, dtype)
+    factors = b * int((mem["verify_state_mib"] + mem["verify_conv_mib"]) * MiB)
+    logits = b * n * cfg.vocab_size * 4
+    tree = b * n * 4 * 4 + b * 4
+    lazy = spec.mode == "bole" and spec.lazy_commit
+    if spec.mode == "bole":
+        commit = conv if lazy else 2 * gdn + conv
+    else:
+        commit = 2 * (gdn + conv)
+    hid = b * (d + 1) * cfg.hidden_size * jnp.dtype(dtype).itemsize
+    return dict(
+        draft=d * (layer_w + head),
+        select=b * m * 12 + tree,
+        verify=(
+            target_weight_bytes(cfg, params, b)
+            + kv_read
+            + gdn
+            + conv
+            + factors
+            + b * n * kv_row
+            + logits
+            + (gdn if lazy else 0)
+        ),
+        accept=logits + tree,
+        commit=commit,
+        emit=b * (d + 1) * 4 + 2 * hid,
+    )
 
 
 # Peak HBM bandwidth (GB/s) by device kind, for the floors' times: the datasheet figures.
-PEAK_GBPS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H100": 3350.0,
-             "NVIDIA A100-SXM4-80GB": 2039.0}
+PEAK_GBPS = {
+    "NVIDIA H200": 4800.0,
+    "NVIDIA H100 80GB HBM3": 3350.0,
+    "NVIDIA H100": 3350.0,
+    "NVIDIA A100-SXM4-80GB": 2039.0,
+}
 
 
 def peak_gbps(device_kind: str | None = None) -> float | None:
-  kind = device_kind or jax.devices()[0].device_kind
-  return next((v for k, v in PEAK_GBPS.items() if kind.startswith(k)), None)
+    kind = device_kind or jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_GBPS.items() if kind.startswith(k)), None)
 
 
 def _light(state, ds):
-  return dataclasses.replace(state, cache=None, extra=None), dataclasses.replace(ds, kv=())
+    return dataclasses.replace(state, cache=None, extra=None), dataclasses.replace(ds, kv=())
 
 
 def lower_stages(fns: dict, params, state) -> dict:
-  """Lower every stage on `state` (arrays or ShapeDtypeStructs), chaining output shapes."""
-  low = {"draft": fns["draft"].lower(params, state)}
-  pool, ds = low["draft"].out_info
-  low["select"] = fns["select"].lower(state, pool)
-  tree = low["select"].out_info
-  low["verify"] = fns["verify"].lower(params, tree, state.cache)
-  logits, hidden, cache, auxs = low["verify"].out_info
-  low["accept"] = fns["accept"].lower(tree, logits, state)
-  acc = low["accept"].out_info
-  low["commit"] = fns["commit"].lower(cache, auxs, tree, acc, state.done)
-  low["emit"] = fns["emit"].lower(*_light(state, ds), acc, hidden)
-  return low
+    """Lower every stage on `state` (arrays or ShapeDtypeStructs), chaining output shapes."""
+    low = {"draft": fns["draft"].lower(params, state)}
+    pool, ds = low["draft"].out_info
+    low["select"] = fns["select"].lower(state, pool)
+    tree = low["select"].out_info
+    low["verify"] = fns["verify"].lower(params, tree, state.cache)
+    logits, hidden, cache, auxs = low["verify"].out_info
+    low["accept"] = fns["accept"].lower(tree, logits, state)
+    acc = low["accept"].out_info
+    low["commit"] = fns["commit"].lower(cache, auxs, tree, acc, state.done)
+    low["emit"] = fns["emit"].lower(*_light(state, ds), acc, hidden)
+    return low
 
 
 def _median_ms(fn, reps: int, prepare=None) -> float:
-  ts = []
-  for _ in range(reps):
-    arg = prepare() if prepare else None
-    jax.block_until_ready(arg)
-    t = time.perf_counter()
-    jax.block_until_ready(fn(arg))
-    ts.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(ts))
-
+    ts = []
+    for _ in range(reps):
+        arg = prepare() if prepare else None
+        jax.block_until_ready(arg)
+        t = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        ts.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(ts))
 
 
 def stage_inputs(progs: dict, params, state, reshard: bool = False) -> dict:
-  """Every stage's arguments on the same `state`, produced by running the previous stages once:
-  name -> a function returning the argument tuple (a fresh copy of a donated cache per call, so
-  that each call can donate it).
+    """Every stage's arguments on the same `state`, produced by running the previous stages once:
+    name -> a function returning the argument tuple (a fresh copy of a donated cache per call, so
+    that each call can donate it).
 
-  reshard (tensor parallelism): a stage was compiled ahead of time from the previous stage's
-  output shapes, whose shardings its own compilation chose; its inputs are moved to the
-  shardings it was compiled for."""
+    reshard (tensor parallelism): a stage was compiled ahead of time from the previous stage's
+    output shapes, whose shardings its own compilation chose; its inputs are moved to the
+    shardings it was compiled for."""
 
-  def args(name, *a):
-    return jax.device_put(a, progs[name].input_shardings[0]) if reshard else a
+    def args(name, *a):
+        return jax.device_put(a, progs[name].input_shardings[0]) if reshard else a
 
-  a_draft = args("draft", params, state)
-  pool, ds = progs["draft"](*a_draft)
-  a_select = args("select", state, pool)
-  tree = progs["select"](*a_select)
-  logits, hidden, vcache, auxs = progs["verify"](*args("verify", params, tree, _copy(state.cache)))
-  a_accept = args("accept", tree, logits, state)
-  acc = progs["accept"](*a_accept)
-  a_emit = args("emit", *_light(state, ds), acc, hidden)
-  return dict(
-      draft=lambda: a_draft, select=lambda: a_select,
-      verify=lambda: args("verify", params, tree, _copy(state.cache)),
-      accept=lambda: a_accept,
-      commit=lambda: args("commit", _copy(vcache), auxs, tree, acc, state.done),
-      emit=lambda: a_emit)
+    a_draft = args("draft", params, state)
+    pool, ds = progs["draft"](*a_draft)
+    a_select = args("select", state, pool)
+    tree = progs["select"](*a_select)
+    logits, hidden, vcache, auxs = progs["verify"](
+        *args("verify", params, tree, _copy(state.cache))
+    )
+    a_accept = args("accept", tree, logits, state)
+    acc = progs["accept"](*a_accept)
+    a_emit = args("emit", *_light(state, ds), acc, hidden)
+    return dict(
+        draft=lambda: a_draft,
+        select=lambda: a_select,
+        verify=lambda: args("verify", params, tree, _copy(state.cache)),
+        accept=lambda: a_accept,
+        commit=lambda: args("commit", _copy(vcache), auxs, tree, acc, state.done),
+        emit=lambda: a_emit,
+    )
 
 
 def step_breakdown(progs: dict, params, state, reps: int = 5, reshard: bool = False) -> dict:
-  """Median ms of every stage of one step on the same state (each stage timed alone, its
-  inputs (`stage_inputs`) made outside the timed region)."""
-  inputs = stage_inputs(progs, params, state, reshard)
-  return {name: _median_ms(lambda a, f=progs[name]: f(*a), reps, make)
-          for name, make in inputs.items()}
+    """Median ms of every stage of one step on the same state (each stage timed alone, its
+    inputs (`stage_inputs`) made outside the timed region)."""
+    inputs = stage_inputs(progs, params, state, reshard)
+    return {
+        name: _median_ms(lambda a, f=progs[name]: f(*a), reps, make)
+        for name, make in inputs.items()
+    }
 
 
 def synthetic_oracle(ar_out: np.ndarray) -> jax.Array:
-  """The synthetic drafter's oracle from an AR run's tokens [B, L]: [B, L + 1], the layout
-  `LLM.state_after_prefill` gives the oracle (a zero column appended)."""
-  return jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
+    """The synthetic drafter's oracle from an AR run's tokens [B, L]: [B, L + 1], the layout
+    `LLM.state_after_prefill` gives the oracle (a zero column appended)."""
+    return jnp.asarray(np.pad(ar_out, ((0, 0), (0, 1))))
 
 
 # ---------------------------------------------------------------- in-loop stage split
 
 
 def _profile_step_module():
-  """benchmarks/profile_step.py of this source checkout (its trace reading and HLO parsing)."""
-  import importlib.util
-  import sys
-  from pathlib import Path
+    """benchmarks/profile_step.py of this source checkout (its trace reading and HLO parsing)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-  if "profile_step" in sys.modules:
-    return sys.modules["profile_step"]
-  root = Path(__file__).resolve().parents[2]
-  for rel in ("benchmarks/profile_step.py", "benchmarks/profile/profile_step.py"):
-    path = root / rel
-    if path.is_file():
-      spec = importlib.util.spec_from_file_location("profile_step", path)
-      mod = importlib.util.module_from_spec(spec)
-      sys.modules["profile_step"] = mod
-      spec.loader.exec_module(mod)
-      return mod
-  raise FileNotFoundError(f"--profile-loop reads traces with benchmarks/profile_step.py of a "
-                          f"source checkout; none under {root}: run from the repository")
+    if "profile_step" in sys.modules:
+        return sys.modules["profile_step"]
+    root = Path(__file__).resolve().parents[2]
+    for rel in ("benchmarks/profile_step.py", "benchmarks/profile/profile_step.py"):
+        path = root / rel
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("profile_step", path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules["profile_step"] = mod
+            spec.loader.exec_module(mod)
+            return mod
+    raise FileNotFoundError(
+        f"--profile-loop reads traces with benchmarks/profile_step.py of a "
+        f"source checkout; none under {root}: run from the repository"
+    )
 
 
 def loop_profile(run, params, state, steps: int, n: int, cfg: ModelConfig, spec):
-  """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
-  loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
-  Returns (profile dict, the state after the traced steps)."""
-  import tempfile
+    """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
+    loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
+    Returns (profile dict, the state after the traced steps)."""
+    import tempfile
 
-  ps = _profile_step_module()
-  floors = (dict(ar=ar_step_floor_bytes(cfg, params, state.cache, state.next_token.shape[0]))
-            if spec is None else stage_floor_bytes(cfg, params, state, spec))
-  max_steps = jax.device_put(np.int32(steps))  # made here: no transfer inside the trace
-  s0 = np.asarray(state.steps).copy()
-  with tempfile.TemporaryDirectory(prefix="bench_loop_") as d:
-    with jax.profiler.trace(d, profiler_options=ps._trace_options()):
-      t = time.perf_counter()
-      state = run(params, state, max_steps)
-      jax.block_until_ready(state)
-      dt = time.perf_counter() - t
-    how, events = ps.read_trace(d)
-  nsteps = max(int((np.asarray(state.steps) - s0)[:n].max()), 1)
-  r = ps.summarise(events, nsteps, ps._hlo_text(run))
-  r["wall_ms_per_rep"] = 1e3 * dt / nsteps
-  gbps = peak_gbps()
-  split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps)
-  prof = dict(steps=nsteps, wall_ms_per_step=r["wall_ms_per_rep"],
-              busy_ms_per_step=r["busy_ms_per_rep"], active_ms_per_step=r["active_ms_per_rep"],
-              events_from=r["events_from"], attributed_share=r["attributed_share"],
-              peak_gbps=gbps, trace=how, stage_split=split)
-  return prof, state
+    ps = _profile_step_module()
+    floors = (
+        dict(ar=ar_step_floor_bytes(cfg, params, state.cache, state.next_token.shape[0]))
+        if spec is None
+        else stage_floor_bytes(cfg, params, state, spec)
+    )
+    max_steps = jax.device_put(np.int32(steps))  # made here: no transfer inside the trace
+    s0 = np.asarray(state.steps).copy()
+    with tempfile.TemporaryDirectory(prefix="bench_loop_") as d:
+        with jax.profiler.trace(d, profiler_options=ps._trace_options()):
+            t = time.perf_counter()
+            state = run(params, state, max_steps)
+            jax.block_until_ready(state)
+            dt = time.perf_counter() - t
+        how, events = ps.read_trace(d)
+    nsteps = max(int((np.asarray(state.steps) - s0)[:n].max()), 1)
+    r = ps.summarise(events, nsteps, ps._hlo_text(run))
+    r["wall_ms_per_rep"] = 1e3 * dt / nsteps
+    gbps = peak_gbps()
+    split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps)
+    prof = dict(
+        steps=nsteps,
+        wall_ms_per_step=r["wall_ms_per_rep"],
+        busy_ms_per_step=r["busy_ms_per_rep"],
+        active_ms_per_step=r["active_ms_per_rep"],
+        events_from=r["events_from"],
+        attributed_share=r["attributed_share"],
+        peak_gbps=gbps,
+        trace=how,
+        stage_split=split,
+    )
+    return prof, state
 
 
 # ---------------------------------------------------------------- the run
 
 
 def _int_or(value, flag: str, words: tuple[str, ...]):
-  v = str(value).lower()
-  if v in words:
-    return v
-  try:
-    n = int(v)
-  except ValueError:
-    n = 0
-  if n < 1:
-    raise ValueError(f"{flag} must be a positive int or one of {words}, got {value!r}")
-  return n
+    v = str(value).lower()
+    if v in words:
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{flag} must be a positive int or one of {words}, got {value!r}")
+    return n
 
 
 def _check_e2e_args(a) -> None:
-  from bole_jax.spec_decode.budget import MAX_NODES
+    from bole_jax.spec_decode.budget import MAX_NODES
 
-  if a.quick:
-    a.steps, a.warm, a.breakdown_reps = min(a.steps, 8), min(a.warm, 2), min(a.breakdown_reps, 3)
-  # Unset options take the run's defaults: --quick is a smoke run (two batches, no per-stage
-  # breakdown, a short time budget: every program compiles, and on a 2-core CPU each costs
-  # seconds); a full run measures five batches and splits the step at B = 16.
-  if a.batch is None:
-    a.batch = list(QUICK_BATCHES if a.quick else FULL_BATCHES)
-  if a.dtype is None and a.model is None and jax.default_backend() == "cpu":
-    a.dtype = "float32"  # bf16 matmuls are emulated on CPU (LLM's CPU default too)
-  if a.breakdown_batch is None:
-    a.breakdown_batch = 0 if a.quick else 16
-  if a.time_budget is None:
-    a.time_budget = QUICK_TIME_BUDGET if a.quick else 480.0
-  if a.preset is None and a.model is None:
-    a.preset = "qwen3.5-9b"
-  if a.model is not None and a.prompts_file is None:
-    raise ValueError("--model needs --prompts-file (HumanEval .jsonl with 'prompt', Spec-Bench "
-                     ".jsonl with 'turns', or one prompt per line)")
-  if a.preset is not None and a.prompts_file is not None:
-    raise ValueError("--prompts-file goes with --model (presets decode random prompts)")
-  if a.prompts_file is not None and not os.path.isfile(a.prompts_file):
-    raise FileNotFoundError(f"prompts file not found: {a.prompts_file}")
-  if not a.batch or min(a.batch) < 1:
-    raise ValueError(f"--batch sizes must be >= 1, got {a.batch}")
-  for name in ("steps", "prompt_len", "topk", "depth", "breakdown_reps", "compile_workers"):
-    if getattr(a, name) < 1:
-      raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-  if getattr(a, "profile_loop", 0) < 0:
-    raise ValueError("--profile-loop must be >= 0 (traced steps per point; 0 = off)")
-  if a.warm < 0 or a.breakdown_batch < 0 or a.time_budget <= 0:
-    raise ValueError("--warm and --breakdown-batch must be >= 0, --time-budget > 0")
-  a.nodes = _int_or(a.nodes, "--nodes", ("auto",))
-  a.budget = _int_or(a.budget, "--budget", ("auto", "none"))
-  if a.nodes != "auto" and a.nodes > MAX_NODES:
-    raise ValueError(f"--nodes {a.nodes} is above {MAX_NODES} (the Pallas tree kernels' limit)")
-  if a.accept_prob is not None and not 0.0 < a.accept_prob <= 1.0:
-    raise ValueError(f"--accept-prob must lie in (0, 1], got {a.accept_prob}")
-  a.modes = list(dict.fromkeys(a.modes))
-  a.batch = sorted(set(a.batch))
+    if a.quick:
+        a.steps, a.warm, a.breakdown_reps = (
+            min(a.steps, 8),
+            min(a.warm, 2),
+            min(a.breakdown_reps, 3),
+        )
+    # Unset options take the run's defaults: --quick is a smoke run (two batches, no per-stage
+    # breakdown, a short time budget: every program compiles, and on a 2-core CPU each costs
+    # seconds); a full run measures five batches and splits the step at B = 16.
+    if a.batch is None:
+        a.batch = list(QUICK_BATCHES if a.quick else FULL_BATCHES)
+    if a.dtype is None and a.model is None and jax.default_backend() == "cpu":
+        a.dtype = "float32"  # bf16 matmuls are emulated on CPU (LLM's CPU default too)
+    if a.breakdown_batch is None:
+        a.breakdown_batch = 0 if a.quick else 16
+    if a.time_budget is None:
+        a.time_budget = QUICK_TIME_BUDGET if a.quick else 480.0
+    if a.preset is None and a.model is None:
+        a.preset = "qwen3.5-9b"
+    if a.model is not None and a.prompts_file is None:
+        raise ValueError(
+            "--model needs --prompts-file (HumanEval .jsonl with 'prompt', Spec-Bench "
+            ".jsonl with 'turns', or one prompt per line)"
+        )
+    if a.preset is not None and a.prompts_file is not None:
+        raise ValueError("--prompts-file goes with --model (presets decode random prompts)")
+    if a.prompts_file is not None and not os.path.isfile(a.prompts_file):
+        raise FileNotFoundError(f"prompts file not found: {a.prompts_file}")
+    if not a.batch or min(a.batch) < 1:
+        raise ValueError(f"--batch sizes must be >= 1, got {a.batch}")
+    for name in ("steps", "prompt_len", "topk", "depth", "breakdown_reps", "compile_workers"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(a, "profile_loop", 0) < 0:
+        raise ValueError("--profile-loop must be >= 0 (traced steps per point; 0 = off)")
+    if a.warm < 0 or a.breakdown_batch < 0 or a.time_budget <= 0:
+        raise ValueError("--warm and --breakdown-batch must be >= 0, --time-budget > 0")
+    a.nodes = _int_or(a.nodes, "--nodes", ("auto",))
+    a.budget = _int_or(a.budget, "--budget", ("auto", "none"))
+    if a.nodes != "auto" and a.nodes > MAX_NODES:
+        raise ValueError(f"--nodes {a.nodes} is above {MAX_NODES} (the Pallas tree kernels' limit)")
+    if a.accept_prob is not None and not 0.0 < a.accept_prob <= 1.0:
+        raise ValueError(f"--accept-prob must lie in (0, 1], got {a.accept_prob}")
+    a.modes = list(dict.fromkeys(a.modes))
+    a.batch = sorted(set(a.batch))
 
 
 def _e2e_model(a):
-  """(cfg, params, prompt token-id lists, synthetic drafter?)."""
-  from bole_jax.llm import LLM
-  from bole_jax.model.mtp import require_mtp
-  from bole_jax.model.presets import peaked_lm_head, preset
+    """(cfg, params, prompt token-id lists, synthetic drafter?)."""
+    from bole_jax.llm import LLM
+    from bole_jax.model.mtp import require_mtp
+    from bole_jax.model.presets import peaked_lm_head, preset
 
-  tp = getattr(a, "tp", 1)
-  draft_vocab = getattr(a, "draft_vocab", None)
-  if a.model is not None:
-    llm = LLM(a.model, dtype=a.dtype, tp=tp, draft_vocab=draft_vocab)
-    if llm.tokenizer is None:
-      raise ValueError(f"{a.model} has no tokenizer.json: prompts cannot be encoded")
-    if any(m != "ar" for m in a.modes):
-      require_mtp(llm.cfg, llm.params)
-    ids = [llm.tokenizer.encode(p)[-a.prompt_len:] for p in load_prompts(a.prompts_file)]
-    return llm.cfg, llm.params, [t for t in ids if t], False
-  cfg = preset(a.preset, mtp=True, tp=parallel.check_tp(tp))
-  dtype = a.dtype or "bfloat16"
-  parallel.log_layout(cfg)
-  params = parallel.init_params(cfg, jax.random.key(a.seed), dtype)  # on the mesh when tp > 1
-  params = peaked_lm_head(params, cfg)  # keeps the synthetic oracle valid in bf16 (presets.py)
-  if draft_vocab is not None:  # the synthetic drafter forces its chain whatever the subset
-    params, source = draft_vocab_mod.restrict(params, cfg, draft_vocab)
-    print(f"drafter: {draft_vocab} of {cfg.vocab_size} tokens ({source})", flush=True)
-  rng = np.random.default_rng(a.seed)
-  ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
-  return cfg, params, ids, True
+    tp = getattr(a, "tp", 1)
+    draft_vocab = getattr(a, "draft_vocab", None)
+    if a.model is not None:
+        llm = LLM(a.model, dtype=a.dtype, tp=tp, draft_vocab=draft_vocab)
+        if llm.tokenizer is None:
+            raise ValueError(f"{a.model} has no tokenizer.json: prompts cannot be encoded")
+        if any(m != "ar" for m in a.modes):
+            require_mtp(llm.cfg, llm.params)
+        ids = [llm.tokenizer.encode(p)[-a.prompt_len :] for p in load_prompts(a.prompts_file)]
+        return llm.cfg, llm.params, [t for t in ids if t], False
+    cfg = preset(a.preset, mtp=True, tp=parallel.check_tp(tp))
+    dtype = a.dtype or "bfloat16"
+    parallel.log_layout(cfg)
+    params = parallel.init_params(cfg, jax.random.key(a.seed), dtype)  # on the mesh when tp > 1
+    params = peaked_lm_head(params, cfg)  # keeps the synthetic oracle valid in bf16 (presets.py)
+    if draft_vocab is not None:  # the synthetic drafter forces its chain whatever the subset
+        params, source = draft_vocab_mod.restrict(params, cfg, draft_vocab)
+        print(f"drafter: {draft_vocab} of {cfg.vocab_size} tokens ({source})", flush=True)
+    rng = np.random.default_rng(a.seed)
+    ids = rng.integers(0, cfg.vocab_size, (max(a.batch), a.prompt_len)).tolist()
+    return cfg, params, ids, True
 
 
 def _commit_kind(spec) -> str:
-  """What the breakdown's "commit" stage holds for this spec (`stage_functions`)."""
-  if spec.mode != "bole":
-    return "copy"  # pernode / chain: the accepted node's scratch state is copied
-  return "lazy" if spec.lazy_commit else "eager"
+    """What the breakdown's "commit" stage holds for this spec (`stage_functions`)."""
+    if spec.mode != "bole":
+        return "copy"  # pernode / chain: the accepted node's scratch state is copied
+    return "lazy" if spec.lazy_commit else "eager"
 
 
 def _short(e: Exception) -> str:
-  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
 def ar_logits(llm, prompt, cont, pos: int) -> np.ndarray:
-  """AR's logits [V] fp32 for generated position `pos` (teacher forcing: one forward over
-  prompt + cont[:pos])."""
-  from bole_jax.model import forward, init_cache
-  from bole_jax.model import logits as lm_logits
-  cfg, params = llm.cfg, llm.params
-  seq = list(prompt) + list(cont[:pos])
-  cache = init_cache(cfg, 1, len(seq) + 8, params["embed"].dtype)
-  h, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), cache)
-  return np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
+    """AR's logits [V] fp32 for generated position `pos` (teacher forcing: one forward over
+    prompt + cont[:pos])."""
+    from bole_jax.model import forward, init_cache
+    from bole_jax.model import logits as lm_logits
+
+    cfg, params = llm.cfg, llm.params
+    seq = list(prompt) + list(cont[:pos])
+    cache = init_cache(cfg, 1, len(seq) + 8, params["embed"].dtype)
+    h, _ = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), cache)
+    return np.asarray(lm_logits(params, cfg, h[:, -1]), np.float32)[0]
 
 
 def top2_gap(logits: np.ndarray) -> float:
-  """The gap between the two largest logits (0 for a single logit)."""
-  top = np.sort(logits)[-2:]
-  return float(top[-1] - top[0])
+    """The gap between the two largest logits (0 for a single logit)."""
+    top = np.sort(logits)[-2:]
+    return float(top[-1] - top[0])
 
 
 def divergence_info(logits: np.ndarray, ar_token: int, token: int) -> dict:
-  """Where a spec mode's token differs from AR's: the teacher-forced logits' top-2 gap, and
-  each token's rank (0 = the argmax) and distance below the top logit. A mode token at rank 0
-  means the forward agrees with the mode and AR's own decode step left it."""
-  top = float(np.max(logits))
-  rank = lambda t: int(np.sum(logits > logits[t]))  # noqa: E731
-  return dict(top2_gap=top2_gap(logits), token_rank=rank(token),
-              token_deficit=top - float(logits[token]), ar_token_rank=rank(ar_token),
-              ar_token_deficit=top - float(logits[ar_token]))
+    """Where a spec mode's token differs from AR's: the teacher-forced logits' top-2 gap, and
+    each token's rank (0 = the argmax) and distance below the top logit. A mode token at rank 0
+    means the forward agrees with the mode and AR's own decode step left it."""
+    top = float(np.max(logits))
+    rank = lambda t: int(np.sum(logits > logits[t]))  # noqa: E731
+    return dict(
+        top2_gap=top2_gap(logits),
+        token_rank=rank(token),
+        token_deficit=top - float(logits[token]),
+        ar_token_rank=rank(ar_token),
+        ar_token_deficit=top - float(logits[ar_token]),
+    )
 
 
 def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
-  """AR logit gap between the best two tokens at generated position `pos`. A small gap at a
-  spec mode's first divergence from AR says a near-tie flipped (the tree kernels sum in another
-  order than the decode kernels)."""
-  return top2_gap(ar_logits(llm, prompt, cont, pos))
+    """AR logit gap between the best two tokens at generated position `pos`. A small gap at a
+    spec mode's first divergence from AR says a near-tie flipped (the tree kernels sum in another
+    order than the decode kernels)."""
+    return top2_gap(ar_logits(llm, prompt, cont, pos))
 
 
 def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
-  """Tree width / budget for this batch and one LLM per mode (all sharing `params`)."""
-  from bole_jax.llm import LLM
-  from bole_jax.spec_decode import budget as budget_mod
+    """Tree width / budget for this batch and one LLM per mode (all sharing `params`)."""
+    from bole_jax.llm import LLM
+    from bole_jax.spec_decode import budget as budget_mod
 
-  b = len(ids)
-  dtype = params["embed"].dtype
-  if a.nodes == "auto":
-    kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
-    nv = (int(params["mtp"]["draft_ids"].shape[0])
-          if draft_vocab_mod.has_draft_vocab(params) else None)
-    ident = budget_mod.model_identity(cfg, dtype, a.model, draft_vocab=nv,
-                                      drafter="mtp" if p is None else f"synthetic p={p:.4f}")
-    cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
-    choice = budget_mod.choice_for(cfg, dtype, b, calibration=a.calibration, model_dir=a.model,
-                                   kv=kv_guess, identity=ident, command=cmd)
-  else:
-    choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
-  k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
-  llms = {}
-  for m in (["ar"] if run_ar else []) + spec_modes:
-    opts = {} if m == "ar" else dict(topk=a.topk, depth=a.depth, backend=a.backend,
-                                     synthetic_accept=p, num_nodes=choice.num_nodes,
-                                     budget=None if m == "chain" else k,
-                                     lazy_commit=getattr(a, "lazy_commit", False))
-    llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
-  specs = {m: llms[m]._spec_config(m) for m in spec_modes}
-  slack = {m: specs[m].slack if m in specs else 0 for m in llms}
-  # The prefill is done once, laid out for the mode with the most MTP draft scratch.
-  base = max(llms, key=lambda m: (specs[m].shape.draft_slots if m in specs else -1))
-  return dict(ids=ids, choice=choice, llms=llms, specs=specs, base_mode=base,
-              extra_capacity=max(slack.values()) - slack[base])
+    b = len(ids)
+    dtype = params["embed"].dtype
+    if a.nodes == "auto":
+        kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
+        nv = (
+            int(params["mtp"]["draft_ids"].shape[0])
+            if draft_vocab_mod.has_draft_vocab(params)
+            else None
+        )
+        ident = budget_mod.model_identity(
+            cfg,
+            dtype,
+            a.model,
+            draft_vocab=nv,
+            drafter="mtp" if p is None else f"synthetic p={p:.4f}",
+        )
+        cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
+        choice = budget_mod.choice_for(
+            cfg,
+            dtype,
+            b,
+            calibration=a.calibration,
+            model_dir=a.model,
+            kv=kv_guess,
+            identity=ident,
+            command=cmd,
+        )
+    else:
+        choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
+    k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
+    llms = {}
+    for m in (["ar"] if run_ar else []) + spec_modes:
+        opts = (
+            {}
+            if m == "ar"
+            else dict(
+                topk=a.topk,
+                depth=a.depth,
+                backend=a.backend,
+                synthetic_accept=p,
+                num_nodes=choice.num_nodes,
+                budget=None if m == "chain" else k,
+                lazy_commit=getattr(a, "lazy_commit", False),
+            )
+        )
+        llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
+    specs = {m: llms[m]._spec_config(m) for m in spec_modes}
+    slack = {m: specs[m].slack if m in specs else 0 for m in llms}
+    # The prefill is done once, laid out for the mode with the most MTP draft scratch.
+    base = max(llms, key=lambda m: specs[m].shape.draft_slots if m in specs else -1)
+    return dict(
+        ids=ids,
+        choice=choice,
+        llms=llms,
+        specs=specs,
+        base_mode=base,
+        extra_capacity=max(slack.values()) - slack[base],
+    )
 
 
 def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
-  m, b = pl["base_mode"], len(pl["ids"])
-  oracle = [[0]] * b if synthetic and m != "ar" else None  # the AR run fills it in later
-  st = pl["llms"][m].start_batch(pl["ids"], gen, mode=m, extra_capacity=pl["extra_capacity"],
-                                 oracle=oracle)
-  if not stop_at_eos:
-    st = dataclasses.replace(st, eos=jnp.full_like(st.eos, -1))
-  return jax.block_until_ready(st)
+    m, b = pl["base_mode"], len(pl["ids"])
+    oracle = [[0]] * b if synthetic and m != "ar" else None  # the AR run fills it in later
+    st = pl["llms"][m].start_batch(
+        pl["ids"], gen, mode=m, extra_capacity=pl["extra_capacity"], oracle=oracle
+    )
+    if not stop_at_eos:
+        st = dataclasses.replace(st, eos=jnp.full_like(st.eos, -1))
+    return jax.block_until_ready(st)
 
 
 class _Parked:
-  """A pytree of arrays moved to host memory, with the shardings to put it back with."""
+    """A pytree of arrays moved to host memory, with the shardings to put it back with."""
 
-  def __init__(self, tree, shardings):
-    self.tree, self.shardings = tree, shardings
+    def __init__(self, tree, shardings):
+        self.tree, self.shardings = tree, shardings
 
 
 def park_on_host(trees: dict, force: bool = False) -> dict:
-  """{key: pytree on the accelerator} -> {key: _Parked in host memory}: the prefilled states of
-  the batches whose turn has not come (their programs are lowered already). Holding every
-  batch's caches at once left no room for a step's scratch at Qwen3-Next-80B dims (TP = 2:
-  "Failed to allocate Scratch for all-reduce"). {} where there is nothing to park or no CPU
-  backend (JAX_PLATFORMS without cpu); also on a CPU backend, unless `force` (tests)."""
-  if not trees or (jax.default_backend() == "cpu" and not force):
-    return {}
-  try:
-    host = jax.devices("cpu")[0]
-  except RuntimeError:
-    return {}
-  return {k: _Parked(jax.device_put(t, host), jax.tree.map(lambda x: x.sharding, t))
-          for k, t in trees.items()}
+    """{key: pytree on the accelerator} -> {key: _Parked in host memory}: the prefilled states of
+    the batches whose turn has not come (their programs are lowered already). Holding every
+    batch's caches at once left no room for a step's scratch at Qwen3-Next-80B dims (TP = 2:
+    "Failed to allocate Scratch for all-reduce"). {} where there is nothing to park or no CPU
+    backend (JAX_PLATFORMS without cpu); also on a CPU backend, unless `force` (tests)."""
+    if not trees or (jax.default_backend() == "cpu" and not force):
+        return {}
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:
+        return {}
+    return {
+        k: _Parked(jax.device_put(t, host), jax.tree.map(lambda x: x.sharding, t))
+        for k, t in trees.items()
+    }
 
 
 def unpark(p):
-  """The inverse of `park_on_host` for one entry (anything else is returned as it is)."""
-  if not isinstance(p, _Parked):
-    return p
-  return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
+    """The inverse of `park_on_host` for one entry (anything else is returned as it is)."""
+    if not isinstance(p, _Parked):
+        return p
+    return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
 
 
 def run_e2e(a) -> dict:
-  """Offline decode throughput of the selected modes at each batch size, side by side.
+    """Offline decode throughput of the selected modes at each batch size, side by side.
 
-  Method (docs/budget.md): one prefill per batch, shared by all modes (same prompts, same KV
-  capacity); every decode program (one per mode and batch, plus the breakdown stages) is lowered
-  in this thread and compiled in `compile_workers` threads, and all compilation finishes before
-  anything is timed (XLA autotunes on the device while it compiles); per point: `warm` untimed
-  steps, then `steps` timed steps of the engine's own jitted loop. Presets: random weights and
-  the synthetic-acceptance drafter, whose oracle is the AR continuation of the same prompts (the
-  AR point runs first and continues to the end of the generation budget; `ar_agreement` is the
-  fraction of each mode's tokens equal to AR's). Compilation gets 80% of `time_budget`; points
-  not started within `time_budget` are skipped. Failed points are recorded, not fatal.
-  Returns the result dict (also written as JSON under `out`)."""
-  import concurrent.futures as cf
-  import sys
-  import traceback
+    Method (docs/budget.md): one prefill per batch, shared by all modes (same prompts, same KV
+    capacity); every decode program (one per mode and batch, plus the breakdown stages) is lowered
+    in this thread and compiled in `compile_workers` threads, and all compilation finishes before
+    anything is timed (XLA autotunes on the device while it compiles); per point: `warm` untimed
+    steps, then `steps` timed steps of the engine's own jitted loop. Presets: random weights and
+    the synthetic-acceptance drafter, whose oracle is the AR continuation of the same prompts (the
+    AR point runs first and continues to the end of the generation budget; `ar_agreement` is the
+    fraction of each mode's tokens equal to AR's). Compilation gets 80% of `time_budget`; points
+    not started within `time_budget` are skipped. Failed points are recorded, not fatal.
+    Returns the result dict (also written as JSON under `out`)."""
+    import concurrent.futures as cf
+    import sys
+    import traceback
 
-  t_start = time.perf_counter()
-  _check_e2e_args(a)
-  deadline = t_start + a.time_budget
-  if a.compile_cache and a.compile_cache.lower() != "none":
-    enable_compile_cache(a.compile_cache)
-  env = environment()
-  say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-  if env["platform"] == "cpu":
-    say(f"[bench] {CPU_NOTE}")
-  cfg, params, ids_all, synthetic = _e2e_model(a)
-  if not ids_all:
-    raise ValueError("no prompts left after tokenisation")
-  dtype = params["embed"].dtype
-  spec_modes = [m for m in a.modes if m != "ar"]
-  run_ar = "ar" in a.modes or (synthetic and bool(spec_modes))
-  p = None
-  if synthetic and spec_modes:
-    p = a.accept_prob if a.accept_prob is not None else synthetic_accept_prob(a.accept_mean,
-                                                                              a.depth)
-  prof_steps = getattr(a, "profile_loop", 0) or 0
-  # no request finishes inside the timed window (nor the profiled one)
-  gen = 1 + (a.warm + a.steps + prof_steps) * (a.depth + 1)
-  phases = dict(setup_s=time.perf_counter() - t_start)
-  say(f"[bench] {a.preset or a.model}: {cfg.num_layers} layers, {dtype}, {env['device']}; "
-      f"modes {a.modes}, batches {a.batch}, {gen} tokens per request"
-      + (f", synthetic drafter p={p:.4f}" if p is not None else ""))
-  plan = {b: _plan_batch(a, cfg, params, [ids_all[i % len(ids_all)] for i in range(b)],
-                         spec_modes, run_ar, p, gen) for b in a.batch}
+    t_start = time.perf_counter()
+    _check_e2e_args(a)
+    deadline = t_start + a.time_budget
+    if a.compile_cache and a.compile_cache.lower() != "none":
+        enable_compile_cache(a.compile_cache)
+    env = environment()
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if env["platform"] == "cpu":
+        say(f"[bench] {CPU_NOTE}")
+    cfg, params, ids_all, synthetic = _e2e_model(a)
+    if not ids_all:
+        raise ValueError("no prompts left after tokenisation")
+    dtype = params["embed"].dtype
+    spec_modes = [m for m in a.modes if m != "ar"]
+    run_ar = "ar" in a.modes or (synthetic and bool(spec_modes))
+    p = None
+    if synthetic and spec_modes:
+        p = (
+            a.accept_prob
+            if a.accept_prob is not None
+            else synthetic_accept_prob(a.accept_mean, a.depth)
+        )
+    prof_steps = getattr(a, "profile_loop", 0) or 0
+    # no request finishes inside the timed window (nor the profiled one)
+    gen = 1 + (a.warm + a.steps + prof_steps) * (a.depth + 1)
+    phases = dict(setup_s=time.perf_counter() - t_start)
+    say(
+        f"[bench] {a.preset or a.model}: {cfg.num_layers} layers, {dtype}, {env['device']}; "
+        f"modes {a.modes}, batches {a.batch}, {gen} tokens per request"
+        + (f", synthetic drafter p={p:.4f}" if p is not None else "")
+    )
+    plan = {
+        b: _plan_batch(
+            a,
+            cfg,
+            params,
+            [ids_all[i % len(ids_all)] for i in range(b)],
+            spec_modes,
+            run_ar,
+            p,
+            gen,
+        )
+        for b in a.batch
+    }
 
-  t = time.perf_counter()
-  workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
-  bases = dict(zip(a.batch, workers.map(
-      lambda b: _prefill(plan[b], gen, p is not None, a.stop_at_eos), a.batch)))
-  phases["prefill_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
+    bases = dict(
+        zip(
+            a.batch,
+            workers.map(lambda b: _prefill(plan[b], gen, p is not None, a.stop_at_eos), a.batch),
+        )
+    )
+    phases["prefill_s"] = time.perf_counter() - t
 
-  # ---- lower here (tracing holds the GIL), compile in the worker threads
-  t = time.perf_counter()
-  bd_batch = 0
-  if a.breakdown_batch and spec_modes:
-    bd_batch = min(a.batch, key=lambda b: (abs(b - a.breakdown_batch), b))
-  jobs = {}
-  # AR programs first, for every batch: the spec points need the AR run as their oracle and
-  # reference, and at 9B dims the AR segments were the last to finish compiling.
-  order = sorted(((b, m) for b in a.batch for m in plan[b]["llms"]), key=lambda bm: bm[1] != "ar")
-  for b, m in order:
-    pl = plan[b]
-    shapes = parallel.annotate(
-        jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m), cfg), bases[b]), cfg)
-    low = pl["llms"][m].segment_fn(m).lower(params, shapes, jnp.int32(0))
-    jobs[b, m] = workers.submit(low.compile)
-  if bd_batch:
-    for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
-      spec = plan[bd_batch]["specs"][m]
-      shapes = parallel.annotate(jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg),
-                                                bases[bd_batch]), cfg)
-      for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
-        jobs[bd_batch, m, name] = workers.submit(low.compile)
-  phases["lower_s"] = time.perf_counter() - t
-  bases.update(park_on_host({b: bases[b] for b in a.batch[1:]}))
+    # ---- lower here (tracing holds the GIL), compile in the worker threads
+    t = time.perf_counter()
+    bd_batch = 0
+    if a.breakdown_batch and spec_modes:
+        bd_batch = min(a.batch, key=lambda b: (abs(b - a.breakdown_batch), b))
+    jobs = {}
+    # AR programs first, for every batch: the spec points need the AR run as their oracle and
+    # reference, and at 9B dims the AR segments were the last to finish compiling.
+    order = sorted(((b, m) for b in a.batch for m in plan[b]["llms"]), key=lambda bm: bm[1] != "ar")
+    for b, m in order:
+        pl = plan[b]
+        shapes = parallel.annotate(
+            jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m), cfg), bases[b]), cfg
+        )
+        low = pl["llms"][m].segment_fn(m).lower(params, shapes, jnp.int32(0))
+        jobs[b, m] = workers.submit(low.compile)
+    if bd_batch:
+        for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
+            spec = plan[bd_batch]["specs"][m]
+            shapes = parallel.annotate(
+                jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg), bases[bd_batch]), cfg
+            )
+            for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
+                jobs[bd_batch, m, name] = workers.submit(low.compile)
+    phases["lower_s"] = time.perf_counter() - t
+    bases.update(park_on_host({b: bases[b] for b in a.batch[1:]}))
 
-  # ---- wait for every program before timing anything
-  t = time.perf_counter()
-  compile_deadline = t_start + 0.8 * a.time_budget
-  left = set(jobs.values())
-  with progress_bar(len(left), "compile", "prog") as bar:
-    while left:
-      done, left = cf.wait(left, timeout=max(compile_deadline - time.perf_counter(), 0.0),
-                           return_when=cf.FIRST_COMPLETED)
-      if not done:
-        break
-      bar.update(len(done))
-  progs, errors, skipped = {}, [], []
-  for key, fut in jobs.items():
-    if not fut.done():
-      continue
-    try:
-      progs[key] = fut.result()
-    except Exception as e:  # noqa: BLE001 - one program failing is a result, not the end
-      traceback.print_exc()
-      errors.append(dict(batch=key[0], mode=key[1], error=f"compile {key[2:]}: {_short(e)}"))
-  pending = len(left)
-  workers.shutdown(wait=False, cancel_futures=True)
-  if pending:
-    before = phases["setup_s"] + phases["prefill_s"] + phases["lower_s"]
-    say(f"[bench] {pending} programs not compiled {0.8 * a.time_budget:.0f} s into the run "
-        f"(80% of --time-budget, counted from the start; setup, prefill and lowering took "
-        f"{before:.0f} s): their points are skipped (raise --time-budget or "
-        "--compile-workers)")
-  phases["compile_s"] = time.perf_counter() - t
-
-  # ---- run the points, batch by batch; AR first (the oracle and the agreement reference)
-  t = time.perf_counter()
-  rows, breakdown, diverged = [], [], []
-  for b in a.batch:
-    pl, base = plan[b], unpark(bases.pop(b))
-    n = len(pl["ids"])
-    ar_out = oracle = None
-    for m in pl["llms"]:
-      reason = ("time budget" if time.perf_counter() > deadline else
-                "not compiled" if (b, m) not in progs else
-                "no AR oracle" if m != "ar" and p is not None and oracle is None else None)
-      if reason:
-        skipped.append(dict(batch=b, mode=m, reason=reason))
-        continue
-      spec = pl["specs"].get(m)
-      try:
-        run = progs[b, m]
-        state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
-        r, state = timed_segment(run, params, state, a.warm, a.steps, n)
-        if prof_steps:  # after the timed window: the trace's overhead stays out of it
-          try:
-            r["loop_profile"], state = loop_profile(run, params, state, prof_steps, n, cfg,
-                                                    spec)
-          except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
-            errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))
-        if m == "ar":  # continue to the end of the generation budget
-          state = run(params, state, jnp.int32(gen))
-          ar_out = np.asarray(state.out)
-          oracle = synthetic_oracle(ar_out)
-      except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        errors.append(dict(batch=b, mode=m, error=_short(e)))
-        say(f"[bench] B={b} {m}: failed ({_short(e)})")
-        continue
-      num_out, out = np.asarray(state.num_out), np.asarray(state.out)
-      agree, diverge = None, None
-      if ar_out is not None:
-        same = [out[i, :num_out[i]] == ar_out[i, :num_out[i]] for i in range(n)]
-        agree = float(np.mean([np.mean(x) for x in same]))
-        # per request: the first generated position that differs from AR (None: identical)
-        diverge = [None if x.all() else int(np.argmin(x)) for x in same]
-      cap = state.cache.capacity
-      nodes = spec.shape.num_nodes if spec else 1
-      row = dict(mode=m, batch=b, nodes=nodes, budget=(spec.budget if spec else None) or "-",
-                 width_from=pl["choice"].source if spec and m != "chain" else "-",
-                 **{k: v for k, v in r.items() if k != "batch"}, ar_agreement=agree,
-                 ar_first_divergence=diverge, kv_capacity=cap,
-                 **memory_per_request(cfg, m, nodes if spec else 0, cap, dtype))
-      if p is not None and spec is not None:
-        row["expected_tokens_per_step"] = expected_tokens_per_step(
-            p, min(a.depth, nodes - 1))
-      rows.append(row)
-      diverged += [(row, i, pos, pl, ar_out[i], int(out[i, pos]))
-                   for i, pos in enumerate(diverge or []) if pos is not None]
-      say(f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
-          f"  {r['tokens_per_step']:.2f} tok/step"
-          + (f"  agree {agree:.3f}" if agree is not None else ""))
-      stage_progs = {s: progs.get((b, m, s)) for s in STAGES}
-      if b == bd_batch and all(stage_progs.values()) and time.perf_counter() > deadline:
-        skipped.append(dict(batch=b, mode=m, reason="breakdown: time budget"))
-      elif b == bd_batch and all(stage_progs.values()):
+    # ---- wait for every program before timing anything
+    t = time.perf_counter()
+    compile_deadline = t_start + 0.8 * a.time_budget
+    left = set(jobs.values())
+    with progress_bar(len(left), "compile", "prog") as bar:
+        while left:
+            done, left = cf.wait(
+                left,
+                timeout=max(compile_deadline - time.perf_counter(), 0.0),
+                return_when=cf.FIRST_COMPLETED,
+            )
+            if not done:
+                break
+            bar.update(len(done))
+    progs, errors, skipped = {}, [], []
+    for key, fut in jobs.items():
+        if not fut.done():
+            continue
         try:
-          ms = step_breakdown(stage_progs, params, state, a.breakdown_reps, reshard=cfg.tp > 1)
-        except Exception as e:  # noqa: BLE001
-          traceback.print_exc()
-          errors.append(dict(batch=b, mode=m, error=f"breakdown: {_short(e)}"))
-        else:
-          total = sum(ms.values())
-          breakdown.append(dict(mode=m, batch=b, commit_kind=_commit_kind(spec),
-                                **{f"{k}_ms": v for k, v in ms.items()},
-                                sum_ms=total, step_ms=r["step_ms"],
-                                **{f"{k}_share": v / total for k, v in ms.items()},
-                                commit_pct_of_step=100 * ms["commit"] / r["step_ms"]))
-      del state
-    del base
-  phases["run_s"] = time.perf_counter() - t
-  # Where a mode first left AR's tokens (the first 4 such requests, if time remains): AR's
-  # top-2 logit gap there, and how far below AR's top logit the mode's token was (its rank):
-  # a near-tie flipped by another summation order, or a real difference?
-  for row, i, pos, pl, ar_i, tok in diverged[:4]:
-    if time.perf_counter() > deadline:
-      break
-    lg = ar_logits(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
-    info = dict(position=pos, **divergence_info(lg, int(ar_i[pos]), tok))
-    row.setdefault("divergences", {})[str(i)] = info
-    say(f"[bench] B={row['batch']} {row['mode']}: request {i} first differs from AR at token "
-        f"{pos}: teacher-forced top-2 logit gap {info['top2_gap']:.3g}; the {row['mode']} "
-        f"token ranks {info['token_rank']} ({info['token_deficit']:.3g} below the top), AR's "
-        f"decoded token {info['ar_token_rank']} ({info['ar_token_deficit']:.3g} below)")
-  for s in skipped:
-    say(f"[bench] skipped B={s['batch']} {s['mode']}: {s['reason']}")
+            progs[key] = fut.result()
+        except Exception as e:  # noqa: BLE001 - one program failing is a result, not the end
+            traceback.print_exc()
+            errors.append(dict(batch=key[0], mode=key[1], error=f"compile {key[2:]}: {_short(e)}"))
+    pending = len(left)
+    workers.shutdown(wait=False, cancel_futures=True)
+    if pending:
+        before = phases["setup_s"] + phases["prefill_s"] + phases["lower_s"]
+        say(
+            f"[bench] {pending} programs not compiled {0.8 * a.time_budget:.0f} s into the run "
+            f"(80% of --time-budget, counted from the start; setup, prefill and lowering took "
+            f"{before:.0f} s): their points are skipped (raise --time-budget or "
+            "--compile-workers)"
+        )
+    phases["compile_s"] = time.perf_counter() - t
 
-  by = {(r["batch"], r["mode"]): r for r in rows}
-  for r in rows:
-    for ref in ("ar", "pernode"):
-      other = by.get((r["batch"], ref))
-      r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if other else None
-  phases["total_s"] = time.perf_counter() - t_start
-  cols = ["batch", "mode", "nodes", "budget", "tokens_per_s", "speedup_vs_ar",
-          "speedup_vs_pernode", "tokens_per_step", "step_ms", "ar_agreement"]
-  if p is not None:
-    cols.insert(8, "expected_tokens_per_step")
-  if env["platform"] == "cpu":
-    print(f"\n{CPU_NOTE}")
-  print(f"\noffline decode, {a.preset or a.model} ({dtype}), {env['device']}, "
+    # ---- run the points, batch by batch; AR first (the oracle and the agreement reference)
+    t = time.perf_counter()
+    rows, breakdown, diverged = [], [], []
+    for b in a.batch:
+        pl, base = plan[b], unpark(bases.pop(b))
+        n = len(pl["ids"])
+        ar_out = oracle = None
+        for m in pl["llms"]:
+            reason = (
+                "time budget"
+                if time.perf_counter() > deadline
+                else "not compiled"
+                if (b, m) not in progs
+                else "no AR oracle"
+                if m != "ar" and p is not None and oracle is None
+                else None
+            )
+            if reason:
+                skipped.append(dict(batch=b, mode=m, reason=reason))
+                continue
+            spec = pl["specs"].get(m)
+            try:
+                run = progs[b, m]
+                state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
+                r, state = timed_segment(run, params, state, a.warm, a.steps, n)
+                if prof_steps:  # after the timed window: the trace's overhead stays out of it
+                    try:
+                        r["loop_profile"], state = loop_profile(
+                            run, params, state, prof_steps, n, cfg, spec
+                        )
+                    except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
+                        errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))
+                if m == "ar":  # continue to the end of the generation budget
+                    state = run(params, state, jnp.int32(gen))
+                    ar_out = np.asarray(state.out)
+                    oracle = synthetic_oracle(ar_out)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                errors.append(dict(batch=b, mode=m, error=_short(e)))
+                say(f"[bench] B={b} {m}: failed ({_short(e)})")
+                continue
+            num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+            agree, diverge = None, None
+            if ar_out is not None:
+                same = [out[i, : num_out[i]] == ar_out[i, : num_out[i]] for i in range(n)]
+                agree = float(np.mean([np.mean(x) for x in same]))
+                # per request: the first generated position that differs from AR (None: identical)
+                diverge = [None if x.all() else int(np.argmin(x)) for x in same]
+            cap = state.cache.capacity
+            nodes = spec.shape.num_nodes if spec else 1
+            row = dict(
+                mode=m,
+                batch=b,
+                nodes=nodes,
+                budget=(spec.budget if spec else None) or "-",
+                width_from=pl["choice"].source if spec and m != "chain" else "-",
+                **{k: v for k, v in r.items() if k != "batch"},
+                ar_agreement=agree,
+                ar_first_divergence=diverge,
+                kv_capacity=cap,
+                **memory_per_request(cfg, m, nodes if spec else 0, cap, dtype),
+            )
+            if p is not None and spec is not None:
+                row["expected_tokens_per_step"] = expected_tokens_per_step(
+                    p, min(a.depth, nodes - 1)
+                )
+            rows.append(row)
+            diverged += [
+                (row, i, pos, pl, ar_out[i], int(out[i, pos]))
+                for i, pos in enumerate(diverge or [])
+                if pos is not None
+            ]
+            say(
+                f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
+                f"  {r['tokens_per_step']:.2f} tok/step"
+                + (f"  agree {agree:.3f}" if agree is not None else "")
+            )
+            stage_progs = {s: progs.get((b, m, s)) for s in STAGES}
+            if b == bd_batch and all(stage_progs.values()) and time.perf_counter() > deadline:
+                skipped.append(dict(batch=b, mode=m, reason="breakdown: time budget"))
+            elif b == bd_batch and all(stage_progs.values()):
+                try:
+                    ms = step_breakdown(
+                        stage_progs, params, state, a.breakdown_reps, reshard=cfg.tp > 1
+                    )
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    errors.append(dict(batch=b, mode=m, error=f"breakdown: {_short(e)}"))
+                else:
+                    total = sum(ms.values())
+                    breakdown.append(
+                        dict(
+                            mode=m,
+                            batch=b,
+                            commit_kind=_commit_kind(spec),
+                            **{f"{k}_ms": v for k, v in ms.items()},
+                            sum_ms=total,
+                            step_ms=r["step_ms"],
+                            **{f"{k}_share": v / total for k, v in ms.items()},
+                            commit_pct_of_step=100 * ms["commit"] / r["step_ms"],
+                        )
+                    )
+            del state
+        del base
+    phases["run_s"] = time.perf_counter() - t
+    # Where a mode first left AR's tokens (the first 4 such requests, if time remains): AR's
+    # top-2 logit gap there, and how far below AR's top logit the mode's token was (its rank):
+    # a near-tie flipped by another summation order, or a real difference?
+    for row, i, pos, pl, ar_i, tok in diverged[:4]:
+        if time.perf_counter() > deadline:
+            break
+        lg = ar_logits(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
+        info = dict(position=pos, **divergence_info(lg, int(ar_i[pos]), tok))
+        row.setdefault("divergences", {})[str(i)] = info
+        say(
+            f"[bench] B={row['batch']} {row['mode']}: request {i} first differs from AR at token "
+            f"{pos}: teacher-forced top-2 logit gap {info['top2_gap']:.3g}; the {row['mode']} "
+            f"token ranks {info['token_rank']} ({info['token_deficit']:.3g} below the top), AR's "
+            f"decoded token {info['ar_token_rank']} ({info['ar_token_deficit']:.3g} below)"
+        )
+    for s in skipped:
+        say(f"[bench] skipped B={s['batch']} {s['mode']}: {s['reason']}")
+
+    by = {(r["batch"], r["mode"]): r for r in rows}
+    for r in rows:
+        for ref in ("ar", "pernode"):
+            other = by.get((r["batch"], ref))
+            r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if other else None
+    phases["total_s"] = time.perf_counter() - t_start
+    cols = [
+        "batch",
+        "mode",
+        "nodes",
+        "budget",
+        "tokens_per_s",
+        "speedup_vs_ar",
+        "speedup_vs_pernode",
+        "tokens_per_step",
+        "step_ms",
+        "ar_agreement",
+    ]
+    if p is not None:
+        cols.insert(8, "expected_tokens_per_step")
+    if env["platform"] == "cpu":
+        print(f"\n{CPU_NOTE}")
+    print(
+        f"\noffline decode, {a.preset or a.model} ({dtype}), {env['device']}, "
         f"{'synthetic drafter p=%.4f' % p if p is not None else 'MTP drafter'}, "
-        f"{a.steps} timed steps")
-  table = print_table(rows, cols) if rows else ""
-  if rows:
-    big = max(r["batch"] for r in rows)
-    mem_rows = [r for r in rows if r["batch"] == big]
-    print(f"\nmemory per request (MiB; KV at capacity {mem_rows[0]['kv_capacity']})")
-    print_table(mem_rows, ["mode", "nodes", "gdn_state_mib", "conv_state_mib", "kv_mib",
-                           "verify_state_mib", "verify_conv_mib"])
-  prof_rows = [r for r in rows if r.get("loop_profile")]
-  if prof_rows:
-    print_loop_profiles(prof_rows)
-  if breakdown:
-    print(f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
-          "commit lazy: conv + KV (+ the pending-row gathers with lazy_rows 'gather'), the "
-          "GDN state write is in the verify; "
-          "eager: state rebuild + conv + KV)")
-    print_table(breakdown, ["mode", "commit_kind"] + [f"{s}_ms" for s in STAGES] +
-                ["sum_ms", "step_ms", "commit_pct_of_step"])
-  print(f"\ntime: {', '.join(f'{k} {v:.0f}' for k, v in phases.items())} s"
+        f"{a.steps} timed steps"
+    )
+    table = print_table(rows, cols) if rows else ""
+    if rows:
+        big = max(r["batch"] for r in rows)
+        mem_rows = [r for r in rows if r["batch"] == big]
+        print(f"\nmemory per request (MiB; KV at capacity {mem_rows[0]['kv_capacity']})")
+        print_table(
+            mem_rows,
+            [
+                "mode",
+                "nodes",
+                "gdn_state_mib",
+                "conv_state_mib",
+                "kv_mib",
+                "verify_state_mib",
+                "verify_conv_mib",
+            ],
+        )
+    prof_rows = [r for r in rows if r.get("loop_profile")]
+    if prof_rows:
+        print_loop_profiles(prof_rows)
+    if breakdown:
+        print(
+            f"\nstep-time breakdown at B={bd_batch} (ms; each stage jitted and timed alone; "
+            "commit lazy: conv + KV (+ the pending-row gathers with lazy_rows 'gather'), the "
+            "GDN state write is in the verify; "
+            "eager: state rebuild + conv + KV)"
+        )
+        print_table(
+            breakdown,
+            ["mode", "commit_kind"]
+            + [f"{s}_ms" for s in STAGES]
+            + ["sum_ms", "step_ms", "commit_pct_of_step"],
+        )
+    print(
+        f"\ntime: {', '.join(f'{k} {v:.0f}' for k, v in phases.items())} s"
         + (f"; {len(skipped)} points skipped" if skipped else "")
-        + (f"; {len(errors)} errors" if errors else ""), flush=True)
-  result = dict(command=" ".join(sys.argv), env=env, config=cfg, args=vars(a), dtype=str(dtype),
-                synthetic_accept=p, gen_tokens=gen, rows=rows, breakdown=breakdown,
-                skipped=skipped, errors=errors, phases=phases, table=table,
-                compiles_pending=pending,
-                method="docs/budget.md; breakdown: bench.stage_functions / step_breakdown")
-  os.makedirs(a.out, exist_ok=True)
-  tag = a.preset or os.path.basename(os.path.normpath(a.model))
-  write_json(os.path.join(a.out, f"e2e_{tag}.json"), result)
-  if not a.no_plots:
-    result["plots"] = plot_e2e(result, a.out, tag)
-  return result
+        + (f"; {len(errors)} errors" if errors else ""),
+        flush=True,
+    )
+    result = dict(
+        command=" ".join(sys.argv),
+        env=env,
+        config=cfg,
+        args=vars(a),
+        dtype=str(dtype),
+        synthetic_accept=p,
+        gen_tokens=gen,
+        rows=rows,
+        breakdown=breakdown,
+        skipped=skipped,
+        errors=errors,
+        phases=phases,
+        table=table,
+        compiles_pending=pending,
+        method="docs/budget.md; breakdown: bench.stage_functions / step_breakdown",
+    )
+    os.makedirs(a.out, exist_ok=True)
+    tag = a.preset or os.path.basename(os.path.normpath(a.model))
+    write_json(os.path.join(a.out, f"e2e_{tag}.json"), result)
+    if not a.no_plots:
+        result["plots"] = plot_e2e(result, a.out, tag)
+    return result
 
 
 def print_loop_profiles(rows: Sequence[dict]) -> str:
-  """One line per (batch, mode): ms per loop step of each stage inside the jitted loop, then
-  other, idle and the profiled wall; a second table: each stage's time over its bytes floor
-  (where the device's bandwidth is known), else the floor in MiB."""
-  names = [*STAGES, "ar", "other", "idle"]
-  table, ratio = [], []
-  gbps = None
-  for r in rows:
-    lp = r["loop_profile"]
-    gbps = gbps or lp.get("peak_gbps")
-    split = {x["stage"]: x for x in lp["stage_split"]}
-    table.append(dict(batch=r["batch"], mode=r["mode"], wall_ms=lp["wall_ms_per_step"],
-                      **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split}))
-    key = "x_floor" if gbps else "floor_mib"
-    ratio.append(dict(batch=r["batch"], mode=r["mode"],
-                      **{k: split[k].get(key) for k in (*STAGES, "ar") if k in split}))
-  print(f"\nin-loop stage split (ms per loop step, from a profiler trace of "
+    """One line per (batch, mode): ms per loop step of each stage inside the jitted loop, then
+    other, idle and the profiled wall; a second table: each stage's time over its bytes floor
+    (where the device's bandwidth is known), else the floor in MiB."""
+    names = [*STAGES, "ar", "other", "idle"]
+    table, ratio = [], []
+    gbps = None
+    for r in rows:
+        lp = r["loop_profile"]
+        gbps = gbps or lp.get("peak_gbps")
+        split = {x["stage"]: x for x in lp["stage_split"]}
+        table.append(
+            dict(
+                batch=r["batch"],
+                mode=r["mode"],
+                wall_ms=lp["wall_ms_per_step"],
+                **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split},
+            )
+        )
+        key = "x_floor" if gbps else "floor_mib"
+        ratio.append(
+            dict(
+                batch=r["batch"],
+                mode=r["mode"],
+                **{k: split[k].get(key) for k in (*STAGES, "ar") if k in split},
+            )
+        )
+    print(
+        f"\nin-loop stage split (ms per loop step, from a profiler trace of "
         f"{rows[0]['loop_profile']['steps']} steps of the jitted loop; "
         f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = wall "
-        "where kernels do not overlap)")
-  cols = ["batch", "mode", "wall_ms"] + [f"{k}_ms" for k in names
-                                         if any(f"{k}_ms" in t for t in table)]
-  out = print_table(table, cols)
-  how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"
-  print(f"\neach stage over its bytes floor ({how})")
-  print_table(ratio, ["batch", "mode"] + [k for k in (*STAGES, "ar")
-                                          if any(k in t for t in ratio)])
-  return out
+        "where kernels do not overlap)"
+    )
+    cols = ["batch", "mode", "wall_ms"] + [
+        f"{k}_ms" for k in names if any(f"{k}_ms" in t for t in table)
+    ]
+    out = print_table(table, cols)
+    how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"
+    print(f"\neach stage over its bytes floor ({how})")
+    print_table(
+        ratio, ["batch", "mode"] + [k for k in (*STAGES, "ar") if any(k in t for t in ratio)]
+    )
+    return out
 
 
 def plot_e2e(result: dict, out: str, tag: str) -> list[str]:
-  """Throughput vs batch per mode, and the step-time breakdown (needs matplotlib)."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("(matplotlib not importable: no plots)", flush=True)
-    return []
-  files = []
-  rows = result["rows"]
-  if rows:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in E2E_MODES:
-      pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == m)
-      if pts:
-        ax.plot(*zip(*pts), marker="o", label=m)
-    ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="output tokens / s",
-           title=f"offline decode, {tag}")
-    ax.legend()
-    files.append(os.path.join(out, f"e2e_{tag}_throughput.png"))
-    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-  if result["breakdown"]:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bd = result["breakdown"]
-    bottom = np.zeros(len(bd))
-    for s in STAGES:
-      v = np.array([r[f"{s}_ms"] for r in bd])
-      ax.bar([r["mode"] for r in bd], v, bottom=bottom, label=s)
-      bottom += v
-    ax.set(ylabel="ms", title=f"step-time breakdown, B={bd[0]['batch']}, {tag}")
-    ax.legend()
-    files.append(os.path.join(out, f"e2e_{tag}_breakdown.png"))
-    fig.savefig(files[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-  return files
+    """Throughput vs batch per mode, and the step-time breakdown (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not importable: no plots)", flush=True)
+        return []
+    files = []
+    rows = result["rows"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in E2E_MODES:
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["mode"] == m)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="batch",
+            ylabel="output tokens / s",
+            title=f"offline decode, {tag}",
+        )
+        ax.legend()
+        files.append(os.path.join(out, f"e2e_{tag}_throughput.png"))
+        fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    if result["breakdown"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bd = result["breakdown"]
+        bottom = np.zeros(len(bd))
+        for s in STAGES:
+            v = np.array([r[f"{s}_ms"] for r in bd])
+            ax.bar([r["mode"] for r in bd], v, bottom=bottom, label=s)
+            bottom += v
+        ax.set(ylabel="ms", title=f"step-time breakdown, B={bd[0]['batch']}, {tag}")
+        ax.legend()
+        files.append(os.path.join(out, f"e2e_{tag}_breakdown.png"))
+        fig.savefig(files[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    return files

@@ -60,21 +60,22 @@ AUTO_STEPS, AUTO_REPEATS, AUTO_WARM = 4, 2, 2
 
 
 def expected_tokens_per_step(p: float, drafts: int) -> float:
-  """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
-  chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
-  return 1.0 + sum(p ** d for d in range(1, drafts + 1))
+    """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
+    chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
+    return 1.0 + sum(p**d for d in range(1, drafts + 1))
 
 
 def synthetic_accept_prob(mean_tokens: float, depth: int) -> float:
-  """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
-  if not 1.0 < mean_tokens < depth + 1:
-    raise ValueError(f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), "
-                     f"got {mean_tokens}")
-  lo, hi = 0.0, 1.0
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
-  return (lo + hi) / 2
+    """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
+    if not 1.0 < mean_tokens < depth + 1:
+        raise ValueError(
+            f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), got {mean_tokens}"
+        )
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
+    return (lo + hi) / 2
 
 
 # ---------------------------------------------------------------- timing the engine's loop
@@ -84,407 +85,551 @@ _copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
 
 
 def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
-  """Warm up (`warm_steps` loop iterations, compilation included when `run` is not compiled
-  yet), then time `steps` iterations of the jitted loop `run(params, state, max_steps)`.
-  Throughput counts the tokens the first `n` (real) requests emitted in the timed window."""
-  state = run(params, state, jnp.int32(warm_steps))
-  jax.block_until_ready(state.out)
-  n0 = np.asarray(state.num_out).copy()
-  s0 = np.asarray(state.steps).copy()
-  t = time.perf_counter()
-  state = run(params, state, jnp.int32(steps))
-  jax.block_until_ready(state.out)
-  dt = time.perf_counter() - t
-  n1, s1 = np.asarray(state.num_out), np.asarray(state.steps)
-  toks = int((n1 - n0)[:n].sum())
-  req_steps = int((s1 - s0)[:n].sum())
-  nsteps = int((s1 - s0)[:n].max())
-  return dict(batch=n, time_s=dt, tokens=toks, loop_steps=nsteps, request_steps=req_steps,
-              step_ms=1e3 * dt / max(nsteps, 1), tokens_per_s=toks / dt,
-              tokens_per_step=toks / max(req_steps, 1)), state
+    """Warm up (`warm_steps` loop iterations, compilation included when `run` is not compiled
+    yet), then time `steps` iterations of the jitted loop `run(params, state, max_steps)`.
+    Throughput counts the tokens the first `n` (real) requests emitted in the timed window."""
+    state = run(params, state, jnp.int32(warm_steps))
+    jax.block_until_ready(state.out)
+    n0 = np.asarray(state.num_out).copy()
+    s0 = np.asarray(state.steps).copy()
+    t = time.perf_counter()
+    state = run(params, state, jnp.int32(steps))
+    jax.block_until_ready(state.out)
+    dt = time.perf_counter() - t
+    n1, s1 = np.asarray(state.num_out), np.asarray(state.steps)
+    toks = int((n1 - n0)[:n].sum())
+    req_steps = int((s1 - s0)[:n].sum())
+    nsteps = int((s1 - s0)[:n].max())
+    return dict(
+        batch=n,
+        time_s=dt,
+        tokens=toks,
+        loop_steps=nsteps,
+        request_steps=req_steps,
+        step_ms=1e3 * dt / max(nsteps, 1),
+        tokens_per_s=toks / dt,
+        tokens_per_step=toks / max(req_steps, 1),
+    ), state
 
 
 def derive_state(base, mode: str, spec, cfg, oracle=None):
-  """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
-  prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
-  spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
-  the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
-  mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
-  under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
-  the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
-  its first call)."""
-  length = spec.pending_length if spec is not None else None
-  nodes = spec.pending_nodes if spec is not None else None
-  base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
-  if mode == "ar":
-    ds = None
-  else:
-    ds = base.extra
-    rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
-    assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
-    ds = dataclasses.replace(
-        ds, kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
-        oracle=ds.oracle if oracle is None else oracle)
-  return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
+    """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
+    prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
+    spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
+    the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
+    mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
+    under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
+    the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
+    its first call)."""
+    length = spec.pending_length if spec is not None else None
+    nodes = spec.pending_nodes if spec is not None else None
+    base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
+    if mode == "ar":
+        ds = None
+    else:
+        ds = base.extra
+        rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
+        assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
+        ds = dataclasses.replace(
+            ds,
+            kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
+            oracle=ds.oracle if oracle is None else oracle,
+        )
+    return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
 
 
 # ---------------------------------------------------------------- candidates
 
 
-def candidates(nodes: Sequence[int], depths: Sequence[int], topk: int = 4,
-               modes: Sequence[str] = ("ar", "chain", "bole")) -> list[dict]:
-  """The configurations timed per bucket, in the order they are measured: ar, chain per depth,
-  then bole by growing tree (a time budget cuts the most expensive ones)."""
-  out = [dict(mode="ar", nodes=1, depth=0, topk=1)] if "ar" in modes else []
-  if "chain" in modes:
-    out += [dict(mode="chain", nodes=d + 1, depth=d, topk=1) for d in depths]
-  if "bole" in modes:
-    out += [dict(mode="bole", nodes=n, depth=d, topk=topk) for n in sorted(nodes)
-            for d in depths]
-  return out
+def candidates(
+    nodes: Sequence[int],
+    depths: Sequence[int],
+    topk: int = 4,
+    modes: Sequence[str] = ("ar", "chain", "bole"),
+) -> list[dict]:
+    """The configurations timed per bucket, in the order they are measured: ar, chain per depth,
+    then bole by growing tree (a time budget cuts the most expensive ones)."""
+    out = [dict(mode="ar", nodes=1, depth=0, topk=1)] if "ar" in modes else []
+    if "chain" in modes:
+        out += [dict(mode="chain", nodes=d + 1, depth=d, topk=1) for d in depths]
+    if "bole" in modes:
+        out += [
+            dict(mode="bole", nodes=n, depth=d, topk=topk) for n in sorted(nodes) for d in depths
+        ]
+    return out
 
 
 def check_calibration_args(batch_buckets, node_buckets, depths, *, steps=16, warm=2):
-  """Validated, sorted buckets (clear errors for bad ones)."""
+    """Validated, sorted buckets (clear errors for bad ones)."""
 
-  def positive(name, values, hi=None):
-    vals = list(values)
-    if not vals:
-      raise ValueError(f"{name}: give at least one value")
-    bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1]
-    if bad:
-      raise ValueError(f"{name}: must be positive integers, got {bad}")
-    if hi is not None and max(vals) > hi:
-      raise ValueError(f"{name}: {max(vals)} is above {hi} (the Pallas tree kernels verify at "
-                       f"most {hi} nodes per request)")
-    return tuple(sorted(set(int(v) for v in vals)))
+    def positive(name, values, hi=None):
+        vals = list(values)
+        if not vals:
+            raise ValueError(f"{name}: give at least one value")
+        bad = [
+            v for v in vals if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+        ]
+        if bad:
+            raise ValueError(f"{name}: must be positive integers, got {bad}")
+        if hi is not None and max(vals) > hi:
+            raise ValueError(
+                f"{name}: {max(vals)} is above {hi} (the Pallas tree kernels verify at "
+                f"most {hi} nodes per request)"
+            )
+        return tuple(sorted(set(int(v) for v in vals)))
 
-  if steps < 1 or warm < 0:
-    raise ValueError("need --steps >= 1 and --warm >= 0")
-  return (positive("batch buckets", batch_buckets), positive("node buckets", node_buckets,
-                                                              MAX_NODES),
-          positive("depths", depths))
+    if steps < 1 or warm < 0:
+        raise ValueError("need --steps >= 1 and --warm >= 0")
+    return (
+        positive("batch buckets", batch_buckets),
+        positive("node buckets", node_buckets, MAX_NODES),
+        positive("depths", depths),
+    )
 
 
 # ---------------------------------------------------------------- the measurement
 
 
 def _prompt_ids(llm, prompt_len: int, synthetic: bool, seed: int) -> list[list[int]]:
-  if llm.tokenizer is not None and not synthetic:
-    ids = [llm.tokenizer.encode(p)[-prompt_len:] for p in CALIBRATION_PROMPTS]
-    return [t for t in ids if t]
-  rng = np.random.default_rng(seed)
-  return rng.integers(1, llm.cfg.vocab_size, (len(CALIBRATION_PROMPTS), prompt_len)).tolist()
+    if llm.tokenizer is not None and not synthetic:
+        ids = [llm.tokenizer.encode(p)[-prompt_len:] for p in CALIBRATION_PROMPTS]
+        return [t for t in ids if t]
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, llm.cfg.vocab_size, (len(CALIBRATION_PROMPTS), prompt_len)).tolist()
 
 
-def calibrate(llm, batch_buckets: Sequence[int] = DEFAULT_BATCHES,
-              node_buckets: Sequence[int] = DEFAULT_NODES,
-              depths: Sequence[int] = DEFAULT_DEPTHS, *, topk: int = 4,
-              modes: Sequence[str] = ("ar", "chain", "bole"), accept_prob: float | None = None,
-              steps: int = 8, repeats: int = 3, warm: int = 2, prompt_len: int = 64,
-              backend: str = "auto",
-              time_budget: float | None = None, workers: int | None = None,
-              progress: bool = True, seed: int = 0) -> dict:
-  """Time whole decode steps of every candidate and estimate their acceptance (module docstring).
+def calibrate(
+    llm,
+    batch_buckets: Sequence[int] = DEFAULT_BATCHES,
+    node_buckets: Sequence[int] = DEFAULT_NODES,
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    *,
+    topk: int = 4,
+    modes: Sequence[str] = ("ar", "chain", "bole"),
+    accept_prob: float | None = None,
+    steps: int = 8,
+    repeats: int = 3,
+    warm: int = 2,
+    prompt_len: int = 64,
+    backend: str = "auto",
+    time_budget: float | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+    seed: int = 0,
+) -> dict:
+    """Time whole decode steps of every candidate and estimate their acceptance (module docstring).
 
-  llm: the `LLM` to calibrate (its weights, MTP head, draft vocabulary and dtype are what is
-    measured). accept_prob: random weights: the synthetic drafter with per-depth acceptance p
-    (the prompts are then random tokens and the acceptance is the synthetic one, not measured).
-  batch_buckets: batch sizes B; node_buckets: bole tree widths N (root included, <= 128);
-  depths: draft depths d (chain verifies d + 1 nodes). warm: untimed loop steps per candidate,
-    then `repeats` timed windows of `steps` steps: the step time is the fastest window's (a
-    machine shared with other jobs slows some windows), the acceptance counts all of them.
-    time_budget: seconds; candidates not started by then are skipped.
-  Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
-  """
-  batch_buckets, node_buckets, depths = check_calibration_args(
-      batch_buckets, node_buckets, depths, steps=steps, warm=warm)
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
-  t_start = time.perf_counter()
-  deadline = None if time_budget is None else t_start + time_budget
-  cfg, params = llm.cfg, llm.params
-  dtype = params["embed"].dtype
-  has_mtp = bool(cfg.mtp_num_layers) and "mtp" in params
-  cands = candidates(node_buckets, depths, topk, modes if has_mtp else ("ar",))
-  if not cands or cands[0]["mode"] != "ar":
-    raise ValueError("the candidates must include ar (the reference every choice is safe against)")
-  synthetic = accept_prob is not None
-  ids_all = _prompt_ids(llm, prompt_len, synthetic, seed)
-  workers = workers or max(1, min(4, os.cpu_count() or 1))
-  gen = 1 + (warm + repeats * steps) * (max(depths) + 1)  # no request finishes while timed
-  entries, acc = [], {}
-  bar = progress_bar(len(batch_buckets) * len(cands), "calibrate", "prog") if progress else None
-  pool = concurrent.futures.ThreadPoolExecutor(workers)
-  try:
-    for b in batch_buckets:
-      ids = [ids_all[i % len(ids_all)] for i in range(b)]
-      entry, measured = _calibrate_bucket(llm, ids, cands, gen, accept_prob, backend, warm,
-                                          steps, repeats, deadline, pool, bar)
-      entries.append(entry)
-      for cid, (toks, nsteps) in measured.items():
-        t0, s0 = acc.get(cid, (0, 0))
-        acc[cid] = (t0 + toks, s0 + nsteps)
-  finally:
-    pool.shutdown(wait=False, cancel_futures=True)
-    if bar is not None:
-      bar.close()
-  acceptance = {}
-  for c in cands:
-    cid = candidate_id(c)
-    if c["mode"] == "ar":
-      continue
+    llm: the `LLM` to calibrate (its weights, MTP head, draft vocabulary and dtype are what is
+      measured). accept_prob: random weights: the synthetic drafter with per-depth acceptance p
+      (the prompts are then random tokens and the acceptance is the synthetic one, not measured).
+    batch_buckets: batch sizes B; node_buckets: bole tree widths N (root included, <= 128);
+    depths: draft depths d (chain verifies d + 1 nodes). warm: untimed loop steps per candidate,
+      then `repeats` timed windows of `steps` steps: the step time is the fastest window's (a
+      machine shared with other jobs slows some windows), the acceptance counts all of them.
+      time_budget: seconds; candidates not started by then are skipped.
+    Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
+    """
+    batch_buckets, node_buckets, depths = check_calibration_args(
+        batch_buckets, node_buckets, depths, steps=steps, warm=warm
+    )
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    t_start = time.perf_counter()
+    deadline = None if time_budget is None else t_start + time_budget
+    cfg, params = llm.cfg, llm.params
+    dtype = params["embed"].dtype
+    has_mtp = bool(cfg.mtp_num_layers) and "mtp" in params
+    cands = candidates(node_buckets, depths, topk, modes if has_mtp else ("ar",))
+    if not cands or cands[0]["mode"] != "ar":
+        raise ValueError(
+            "the candidates must include ar (the reference every choice is safe against)"
+        )
+    synthetic = accept_prob is not None
+    ids_all = _prompt_ids(llm, prompt_len, synthetic, seed)
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    gen = 1 + (warm + repeats * steps) * (max(depths) + 1)  # no request finishes while timed
+    entries, acc = [], {}
+    bar = progress_bar(len(batch_buckets) * len(cands), "calibrate", "prog") if progress else None
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
+        for b in batch_buckets:
+            ids = [ids_all[i % len(ids_all)] for i in range(b)]
+            entry, measured = _calibrate_bucket(
+                llm,
+                ids,
+                cands,
+                gen,
+                accept_prob,
+                backend,
+                warm,
+                steps,
+                repeats,
+                deadline,
+                pool,
+                bar,
+            )
+            entries.append(entry)
+            for cid, (toks, nsteps) in measured.items():
+                t0, s0 = acc.get(cid, (0, 0))
+                acc[cid] = (t0 + toks, s0 + nsteps)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    acceptance = {}
+    for c in cands:
+        cid = candidate_id(c)
+        if c["mode"] == "ar":
+            continue
+        if synthetic:
+            acceptance[cid] = dict(
+                tokens_per_step=expected_tokens_per_step(
+                    accept_prob, min(c["depth"], c["nodes"] - 1)
+                ),
+                source="synthetic",
+            )
+        elif cid in acc:
+            toks, nsteps = acc[cid]
+            acceptance[cid] = dict(
+                tokens_per_step=toks / max(nsteps, 1),
+                tokens=toks,
+                request_steps=nsteps,
+                source="measured",
+            )
+    env = environment()
+    identity = budget.llm_identity(llm)
     if synthetic:
-      acceptance[cid] = dict(tokens_per_step=expected_tokens_per_step(
-          accept_prob, min(c["depth"], c["nodes"] - 1)), source="synthetic")
-    elif cid in acc:
-      toks, nsteps = acc[cid]
-      acceptance[cid] = dict(tokens_per_step=toks / max(nsteps, 1), tokens=toks,
-                             request_steps=nsteps, source="measured")
-  env = environment()
-  identity = budget.llm_identity(llm)
-  if synthetic:
-    identity = dict(identity, drafter=f"synthetic p={accept_prob:.4f}")
-  table = dict(
-      format=TABLE_FORMAT, device=env["device"], platform=env["platform"], jax=env["jax"],
-      git_commit=env["git_commit"],
-      created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      model=model_signature(cfg, dtype), identity=identity, key=budget.table_key(identity),
-      drafter="mtp" if not synthetic else f"synthetic p={accept_prob:.4f}",
-      prompts="built-in (bole_jax.measure.calibrate.CALIBRATION_PROMPTS)" if not synthetic
-      else "random tokens", backend=backend, steps=steps, repeats=repeats, warm=warm,
-      batch_buckets=list(batch_buckets), node_buckets=list(node_buckets), depths=list(depths),
-      topk=topk, acceptance=acceptance,
-      seconds=round(time.perf_counter() - t_start, 1), entries=entries)
-  for e in entries:
-    best = budget.choose(table, e["batch"], e["kv"])
-    e["choice"] = None if best is None else dict(mode=best.mode, nodes=best.num_nodes,
-                                                 depth=best.depth, topk=best.topk)
-  return table
+        identity = dict(identity, drafter=f"synthetic p={accept_prob:.4f}")
+    table = dict(
+        format=TABLE_FORMAT,
+        device=env["device"],
+        platform=env["platform"],
+        jax=env["jax"],
+        git_commit=env["git_commit"],
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        model=model_signature(cfg, dtype),
+        identity=identity,
+        key=budget.table_key(identity),
+        drafter="mtp" if not synthetic else f"synthetic p={accept_prob:.4f}",
+        prompts="built-in (bole_jax.measure.calibrate.CALIBRATION_PROMPTS)"
+        if not synthetic
+        else "random tokens",
+        backend=backend,
+        steps=steps,
+        repeats=repeats,
+        warm=warm,
+        batch_buckets=list(batch_buckets),
+        node_buckets=list(node_buckets),
+        depths=list(depths),
+        topk=topk,
+        acceptance=acceptance,
+        seconds=round(time.perf_counter() - t_start, 1),
+        entries=entries,
+    )
+    for e in entries:
+        best = budget.choose(table, e["batch"], e["kv"])
+        e["choice"] = (
+            None
+            if best is None
+            else dict(mode=best.mode, nodes=best.num_nodes, depth=best.depth, topk=best.topk)
+        )
+    return table
 
 
-def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, deadline, pool,
-                      bar):
-  """One batch bucket: a shared prefill, then every candidate timed. Returns (entry, {candidate
-  id: (tokens, request steps)} of the speculative candidates measured)."""
-  cfg, params = llm.cfg, llm.params
-  b = len(ids)
-  mk = type(llm)
-  llms, specs = {}, {}
-  for c in cands:
-    cid = candidate_id(c)
-    if c["mode"] == "ar":
-      llms[cid] = mk(cfg, params=params, max_batch_size=b)
-      continue
-    opts = dict(topk=c["topk"], depth=c["depth"], num_nodes=c["nodes"], backend=backend,
-                synthetic_accept=p)
-    llms[cid] = mk(cfg, params=params, max_batch_size=b, spec_options=opts)
-    specs[cid] = llms[cid]._spec_config(c["mode"], b)
-  slack = {cid: specs[cid].slack if cid in specs else 0 for cid in llms}
-  base_id = max(llms, key=lambda k: (specs[k].shape.draft_slots if k in specs else -1))
-  base_mode = next(c["mode"] for c in cands if candidate_id(c) == base_id)
-  oracle = None
-  if p is not None and base_mode != "ar":  # the synthetic drafter forces random chains
-    rng = np.random.default_rng(b)
-    oracle = rng.integers(1, cfg.vocab_size, (b, gen + 1)).tolist()
-  base = llms[base_id].start_batch(ids, gen, mode=base_mode, spec_batch=b, oracle=oracle,
-                                   extra_capacity=max(slack.values()) - slack[base_id])
-  base = dataclasses.replace(base, eos=jnp.full_like(base.eos, -1))  # batches stay full
-  jax.block_until_ready(base)
-  # Lower here (tracing holds the GIL), compile in the pool, time in order.
-  jobs = {}
-  for c in cands:
-    cid = candidate_id(c)
-    shapes = parallel.annotate(jax.eval_shape(
-        lambda s, m=c["mode"], sp=specs.get(cid): derive_state(s, m, sp, cfg), base), cfg)
-    low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
-    jobs[cid] = pool.submit(low.compile)
-  # Every compilation ends before anything is timed: a compile thread beside a timed loop took
-  # the demo model's chain step on a 2-core CPU from ~20 to 110-150 ms. With a deadline, the
-  # programs not compiled by then are skipped.
-  concurrent.futures.wait(list(jobs.values()), timeout=None if deadline is None else
-                          max(deadline - time.perf_counter(), 0.0))
-  rows, measured = [], {}
-  for c in cands:
-    cid = candidate_id(c)
-    row = dict(c)
-    if deadline is not None and (time.perf_counter() > deadline or not jobs[cid].done()):
-      row["note"] = "skipped (time budget)"
-    else:
-      try:
-        run = jobs[cid].result()
-        state = derive_state(base, c["mode"], specs.get(cid), cfg)
-        windows = []
-        for w in range(repeats):
-          r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
-          windows.append(r)
-        del state
-        # The fastest window: the programs are fixed-shape, so slower windows measure other
-        # processes sharing the machine, not the configuration.
-        fast = min(windows, key=lambda r: r["step_ms"])
-        toks = sum(r["tokens"] for r in windows)
-        req_steps = sum(r["request_steps"] for r in windows)
-        row.update(step_ms=fast["step_ms"], tokens_per_step=toks / max(req_steps, 1),
-                   tokens_per_s=1e3 * b * toks / max(req_steps, 1) / fast["step_ms"],
-                   window_step_ms=[r["step_ms"] for r in windows])
-        if c["mode"] != "ar":
-          measured[cid] = (toks, req_steps)
-      except Exception as e:  # noqa: BLE001 - e.g. out of memory at a wide tree: not timed
-        if c["mode"] == "ar" or not _is_oom(e):
-          raise
-        row["note"] = "out of memory"
-    rows.append(row)
-    if bar is not None:
-      bar.update(1)
-  return dict(batch=b, kv=int(base.cache.capacity), candidates=rows), measured
+def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, deadline, pool, bar):
+    """One batch bucket: a shared prefill, then every candidate timed. Returns (entry, {candidate
+    id: (tokens, request steps)} of the speculative candidates measured)."""
+    cfg, params = llm.cfg, llm.params
+    b = len(ids)
+    mk = type(llm)
+    llms, specs = {}, {}
+    for c in cands:
+        cid = candidate_id(c)
+        if c["mode"] == "ar":
+            llms[cid] = mk(cfg, params=params, max_batch_size=b)
+            continue
+        opts = dict(
+            topk=c["topk"],
+            depth=c["depth"],
+            num_nodes=c["nodes"],
+            backend=backend,
+            synthetic_accept=p,
+        )
+        llms[cid] = mk(cfg, params=params, max_batch_size=b, spec_options=opts)
+        specs[cid] = llms[cid]._spec_config(c["mode"], b)
+    slack = {cid: specs[cid].slack if cid in specs else 0 for cid in llms}
+    base_id = max(llms, key=lambda k: specs[k].shape.draft_slots if k in specs else -1)
+    base_mode = next(c["mode"] for c in cands if candidate_id(c) == base_id)
+    oracle = None
+    if p is not None and base_mode != "ar":  # the synthetic drafter forces random chains
+        rng = np.random.default_rng(b)
+        oracle = rng.integers(1, cfg.vocab_size, (b, gen + 1)).tolist()
+    base = llms[base_id].start_batch(
+        ids,
+        gen,
+        mode=base_mode,
+        spec_batch=b,
+        oracle=oracle,
+        extra_capacity=max(slack.values()) - slack[base_id],
+    )
+    base = dataclasses.replace(base, eos=jnp.full_like(base.eos, -1))  # batches stay full
+    jax.block_until_ready(base)
+    # Lower here (tracing holds the GIL), compile in the pool, time in order.
+    jobs = {}
+    for c in cands:
+        cid = candidate_id(c)
+        shapes = parallel.annotate(
+            jax.eval_shape(
+                lambda s, m=c["mode"], sp=specs.get(cid): derive_state(s, m, sp, cfg), base
+            ),
+            cfg,
+        )
+        low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
+        jobs[cid] = pool.submit(low.compile)
+    # Every compilation ends before anything is timed: a compile thread beside a timed loop took
+    # the demo model's chain step on a 2-core CPU from ~20 to 110-150 ms. With a deadline, the
+    # programs not compiled by then are skipped.
+    concurrent.futures.wait(
+        list(jobs.values()),
+        timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0),
+    )
+    rows, measured = [], {}
+    for c in cands:
+        cid = candidate_id(c)
+        row = dict(c)
+        if deadline is not None and (time.perf_counter() > deadline or not jobs[cid].done()):
+            row["note"] = "skipped (time budget)"
+        else:
+            try:
+                run = jobs[cid].result()
+                state = derive_state(base, c["mode"], specs.get(cid), cfg)
+                windows = []
+                for w in range(repeats):
+                    r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
+                    windows.append(r)
+                del state
+                # The fastest window: the programs are fixed-shape, so slower windows measure other
+                # processes sharing the machine, not the configuration.
+                fast = min(windows, key=lambda r: r["step_ms"])
+                toks = sum(r["tokens"] for r in windows)
+                req_steps = sum(r["request_steps"] for r in windows)
+                row.update(
+                    step_ms=fast["step_ms"],
+                    tokens_per_step=toks / max(req_steps, 1),
+                    tokens_per_s=1e3 * b * toks / max(req_steps, 1) / fast["step_ms"],
+                    window_step_ms=[r["step_ms"] for r in windows],
+                )
+                if c["mode"] != "ar":
+                    measured[cid] = (toks, req_steps)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a wide tree: not timed
+                if c["mode"] == "ar" or not _is_oom(e):
+                    raise
+                row["note"] = "out of memory"
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+    return dict(batch=b, kv=int(base.cache.capacity), candidates=rows), measured
 
 
 def _is_oom(e: Exception) -> bool:
-  return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
 # ---------------------------------------------------------------- tables
 
 
 def format_table(table: dict) -> str:
-  """Human-readable view: per bucket, each candidate's step time, acceptance, and expected
-  tokens/s (acceptance * batch / step time), the choice marked."""
-  m = table["model"]
-  lines = [f"decode calibration: {table['device']}, jax {table['jax']}, {m.get('family')} "
-           f"H={m.get('hidden_size')} L={m.get('num_layers')} {m.get('param_dtype')}, drafter "
-           f"{table['drafter']}"]
-  cols = ["batch", "candidate", "step ms", "tok/step", "tok/s", ""]
-  rows = []
-  for e in table["entries"]:
-    ranked = {candidate_id(c): c for c in budget.rank_candidates(table, e)}
-    best = next(iter(ranked), None)
-    for c in e["candidates"]:
-      cid = candidate_id(c)
-      r = ranked.get(cid)
-      if r is None:
-        rows.append([str(e["batch"]), cid, "-", "-", "-", c.get("note", "")])
-        continue
-      rows.append([str(e["batch"]), cid, f"{r['step_ms']:.3g}", f"{r['tokens_per_step']:.2f}",
-                   f"{1e3 * r['tokens_per_ms'] * e['batch']:.4g}",
-                   "<- chosen" if cid == best else ""])
-  width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-  lines.append("  ".join(c.rjust(w) for c, w in zip(cols, width)).rstrip())
-  lines += ["  ".join(x.rjust(w) for x, w in zip(r, width)).rstrip() for r in rows]
-  lines.append("tok/step: acceptance (tokens per request per step, pooled over the buckets); "
-               "tok/s = batch * tok/step / step time; chosen: the most tok/s")
-  return "\n".join(lines)
+    """Human-readable view: per bucket, each candidate's step time, acceptance, and expected
+    tokens/s (acceptance * batch / step time), the choice marked."""
+    m = table["model"]
+    lines = [
+        f"decode calibration: {table['device']}, jax {table['jax']}, {m.get('family')} "
+        f"H={m.get('hidden_size')} L={m.get('num_layers')} {m.get('param_dtype')}, drafter "
+        f"{table['drafter']}"
+    ]
+    cols = ["batch", "candidate", "step ms", "tok/step", "tok/s", ""]
+    rows = []
+    for e in table["entries"]:
+        ranked = {candidate_id(c): c for c in budget.rank_candidates(table, e)}
+        best = next(iter(ranked), None)
+        for c in e["candidates"]:
+            cid = candidate_id(c)
+            r = ranked.get(cid)
+            if r is None:
+                rows.append([str(e["batch"]), cid, "-", "-", "-", c.get("note", "")])
+                continue
+            rows.append(
+                [
+                    str(e["batch"]),
+                    cid,
+                    f"{r['step_ms']:.3g}",
+                    f"{r['tokens_per_step']:.2f}",
+                    f"{1e3 * r['tokens_per_ms'] * e['batch']:.4g}",
+                    "<- chosen" if cid == best else "",
+                ]
+            )
+    width = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, width)).rstrip())
+    lines += ["  ".join(x.rjust(w) for x, w in zip(r, width)).rstrip() for r in rows]
+    lines.append(
+        "tok/step: acceptance (tokens per request per step, pooled over the buckets); "
+        "tok/s = batch * tok/step / step time; chosen: the most tok/s"
+    )
+    return "\n".join(lines)
 
 
 def save_table(table: dict, path: str | os.PathLike) -> Path:
-  """Write `table` (never inside the installed package: `budget.check_writable_location`)."""
-  path = budget.check_writable_location(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(path.suffix + ".tmp")
-  tmp.write_text(json.dumps(table, indent=1))
-  os.replace(tmp, path)  # readers never see half a table
-  return path
+    """Write `table` (never inside the installed package: `budget.check_writable_location`)."""
+    path = budget.check_writable_location(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    os.replace(tmp, path)  # readers never see half a table
+    return path
 
 
 def merge_tables(old: dict, new: dict) -> dict:
-  """`new` with the buckets of `old` it does not re-measure (calibrating in several runs, or
-  automatic calibration adding the bucket in use). Acceptance: `new`'s estimates, `old`'s for
-  configurations `new` did not measure. Both must describe the same device, model and drafter."""
-  same = lambda k: json.dumps(old.get(k), sort_keys=True) == json.dumps(new.get(k),  # noqa: E731
-                                                                       sort_keys=True)
-  diff = [k for k in ("device", "jax", "model", "drafter") if not same(k)]
-  if diff:
-    raise ValueError(f"cannot merge calibration tables that differ in {', '.join(diff)}")
-  seen = {(e["batch"], e["kv"]) for e in new["entries"]}
-  entries = sorted([e for e in old["entries"] if (e["batch"], e["kv"]) not in seen]
-                   + new["entries"], key=lambda e: (e["kv"], e["batch"]))
-  union = lambda k: sorted(set(old.get(k, [])) | set(new.get(k, [])))  # noqa: E731
-  return {**new, "entries": entries, "acceptance": {**old.get("acceptance", {}),
-                                                    **new.get("acceptance", {})},
-          "batch_buckets": union("batch_buckets"), "node_buckets": union("node_buckets"),
-          "depths": union("depths")}
+    """`new` with the buckets of `old` it does not re-measure (calibrating in several runs, or
+    automatic calibration adding the bucket in use). Acceptance: `new`'s estimates, `old`'s for
+    configurations `new` did not measure. Both must describe the same device, model and drafter."""
+    same = lambda k: (
+        json.dumps(old.get(k), sort_keys=True)
+        == json.dumps(
+            new.get(k),  # noqa: E731
+            sort_keys=True,
+        )
+    )
+    diff = [k for k in ("device", "jax", "model", "drafter") if not same(k)]
+    if diff:
+        raise ValueError(f"cannot merge calibration tables that differ in {', '.join(diff)}")
+    seen = {(e["batch"], e["kv"]) for e in new["entries"]}
+    entries = sorted(
+        [e for e in old["entries"] if (e["batch"], e["kv"]) not in seen] + new["entries"],
+        key=lambda e: (e["kv"], e["batch"]),
+    )
+    union = lambda k: sorted(set(old.get(k, [])) | set(new.get(k, [])))  # noqa: E731
+    return {
+        **new,
+        "entries": entries,
+        "acceptance": {**old.get("acceptance", {}), **new.get("acceptance", {})},
+        "batch_buckets": union("batch_buckets"),
+        "node_buckets": union("node_buckets"),
+        "depths": union("depths"),
+    }
 
 
 def store(table: dict, out: str | os.PathLike | None = None, merge: bool = True) -> Path:
-  """Save `table` to `out` (default: the user cache path of its key, `budget.table_path`),
-  merged with the table already there (when `merge` and it is compatible)."""
-  path = Path(out) if out is not None else budget.table_path(table["identity"])
-  if merge and path.is_file():
-    try:
-      table = merge_tables(budget.load_table(path), table)
-    except ValueError:
-      pass  # an old or foreign table at that path: replaced
-  return save_table(table, path)
+    """Save `table` to `out` (default: the user cache path of its key, `budget.table_path`),
+    merged with the table already there (when `merge` and it is compatible)."""
+    path = Path(out) if out is not None else budget.table_path(table["identity"])
+    if merge and path.is_file():
+        try:
+            table = merge_tables(budget.load_table(path), table)
+        except ValueError:
+            pass  # an old or foreign table at that path: replaced
+    return save_table(table, path)
 
 
 # ---------------------------------------------------------------- the engine's first use
 
 
 def auto_enabled(llm) -> bool:
-  """Whether the engine calibrates on first use: `LLM(spec_options={"auto_calibrate": ...})`,
-  else `$BOLE_JAX_AUTO_CALIBRATE` (1 / 0), else on for accelerators and off on CPU (there the
-  tree kernels run as references: calibrating the demo model's candidates takes minutes on two
-  cores; ar is the CPU default, and `bole-jax calibrate` measures the rest)."""
-  opt = (llm.spec_options or {}).get("auto_calibrate")
-  if opt is not None:
-    return bool(opt)
-  env = os.environ.get(budget.AUTO_ENV)
-  if env is not None:
-    return env.strip().lower() not in ("", "0", "false", "no", "off")
-  return jax.default_backend() != "cpu"
+    """Whether the engine calibrates on first use: `LLM(spec_options={"auto_calibrate": ...})`,
+    else `$BOLE_JAX_AUTO_CALIBRATE` (1 / 0), else on for accelerators and off on CPU (there the
+    tree kernels run as references: calibrating the demo model's candidates takes minutes on two
+    cores; ar is the CPU default, and `bole-jax calibrate` measures the rest)."""
+    opt = (llm.spec_options or {}).get("auto_calibrate")
+    if opt is not None:
+        return bool(opt)
+    env = os.environ.get(budget.AUTO_ENV)
+    if env is not None:
+        return env.strip().lower() not in ("", "0", "false", "no", "off")
+    return jax.default_backend() != "cpu"
 
 
 def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
-  """The table for `llm` covering its batch bucket: found in the cache, else (when `auto_enabled`)
-  measured now for that bucket alone (`AUTO_SECONDS` at most; a few steps per candidate) and
-  stored in the user cache. Returns (table or None, where / why not)."""
-  opts = llm.spec_options or {}
-  dtype = llm.params["embed"].dtype
-  table, where = budget.find_table(llm.cfg, dtype, path=opts.get("calibration"),
-                                   model_dir=llm.path, identity=budget.llm_identity(llm))
-  b = budget.batch_bucket(batch)
-  covered = table is not None and any(e["batch"] == b for e in table["entries"])
-  if covered or opts.get("calibration") is not None or not auto_enabled(llm):
-    return table, where
-  if not (llm.cfg.mtp_num_layers and "mtp" in llm.params):
-    return table, where
-  import logging
-  log = logging.getLogger("bole_jax")
-  log.warning("bole_jax: calibrating this model on %s at batch %d (first use, at most ~%.0f s; "
-              "`%s` measures every batch bucket)", budget.device_name(), b, AUTO_SECONDS,
-              budget.llm_command(llm))
-  nodes = CPU_NODES if jax.default_backend() == "cpu" else (8, 16, 32, 64)
-  new = calibrate(llm, [b], nodes, DEFAULT_DEPTHS, steps=AUTO_STEPS, repeats=AUTO_REPEATS,
-                  warm=AUTO_WARM,
-                  time_budget=AUTO_SECONDS, progress=False,
-                  accept_prob=opts.get("synthetic_accept"))
-  path = store(new)
-  skipped = [candidate_id(c) for e in new["entries"] for c in e["candidates"] if "note" in c]
-  log.warning("bole_jax: calibrated in %.0f s, table %s%s", new["seconds"], path,
-              f"; not timed within the time budget: {', '.join(skipped)} (the choice is among "
-              f"the others; `{budget.llm_command(llm)}` times them all)" if skipped else "")
-  return budget.find_table(llm.cfg, dtype, model_dir=llm.path,
-                           identity=budget.llm_identity(llm))
+    """The table for `llm` covering its batch bucket: found in the cache, else (when `auto_enabled`)
+    measured now for that bucket alone (`AUTO_SECONDS` at most; a few steps per candidate) and
+    stored in the user cache. Returns (table or None, where / why not)."""
+    opts = llm.spec_options or {}
+    dtype = llm.params["embed"].dtype
+    table, where = budget.find_table(
+        llm.cfg,
+        dtype,
+        path=opts.get("calibration"),
+        model_dir=llm.path,
+        identity=budget.llm_identity(llm),
+    )
+    b = budget.batch_bucket(batch)
+    covered = table is not None and any(e["batch"] == b for e in table["entries"])
+    if covered or opts.get("calibration") is not None or not auto_enabled(llm):
+        return table, where
+    if not (llm.cfg.mtp_num_layers and "mtp" in llm.params):
+        return table, where
+    import logging
+
+    log = logging.getLogger("bole_jax")
+    log.warning(
+        "bole_jax: calibrating this model on %s at batch %d (first use, at most ~%.0f s; "
+        "`%s` measures every batch bucket)",
+        budget.device_name(),
+        b,
+        AUTO_SECONDS,
+        budget.llm_command(llm),
+    )
+    nodes = CPU_NODES if jax.default_backend() == "cpu" else (8, 16, 32, 64)
+    new = calibrate(
+        llm,
+        [b],
+        nodes,
+        DEFAULT_DEPTHS,
+        steps=AUTO_STEPS,
+        repeats=AUTO_REPEATS,
+        warm=AUTO_WARM,
+        time_budget=AUTO_SECONDS,
+        progress=False,
+        accept_prob=opts.get("synthetic_accept"),
+    )
+    path = store(new)
+    skipped = [candidate_id(c) for e in new["entries"] for c in e["candidates"] if "note" in c]
+    log.warning(
+        "bole_jax: calibrated in %.0f s, table %s%s",
+        new["seconds"],
+        path,
+        f"; not timed within the time budget: {', '.join(skipped)} (the choice is among "
+        f"the others; `{budget.llm_command(llm)}` times them all)"
+        if skipped
+        else "",
+    )
+    return budget.find_table(llm.cfg, dtype, model_dir=llm.path, identity=budget.llm_identity(llm))
 
 
 def decode_mode(llm, spec: str | None, batch: int) -> str:
-  """The mode `LLM.generate(spec=...)` decodes a batch of `batch` requests with.
+    """The mode `LLM.generate(spec=...)` decodes a batch of `batch` requests with.
 
-  spec given: that mode (its tree shape comes from the table, `budget.spec_options_for`). None:
-  the table's choice for the batch bucket (any of ar / chain / bole, whichever is expected
-  fastest; the table made on first use where `auto_enabled`), else ar (`budget.untabled_mode`).
-  A model without an MTP head decodes ar; explicit tree options (num_nodes / budget) or the
-  synthetic drafter without `spec` mean bole, as before tables chose modes."""
-  has_mtp = bool(llm.cfg.mtp_num_layers) and "mtp" in llm.params
-  if spec == "ar" or (spec is None and not has_mtp):
-    return "ar"
-  opts = llm.spec_options or {}
-  if spec is None and ({"num_nodes", "budget", "synthetic_accept"} & set(opts)):
-    return "bole"
-  if has_mtp:
-    ensure_table(llm, batch)
-  if spec is not None:
-    return spec
-  c = budget.choice_for(llm.cfg, llm.params["embed"].dtype, batch,
-                        calibration=opts.get("calibration"), model_dir=llm.path, mode=None,
-                        identity=budget.llm_identity(llm), command=budget.llm_command(llm))
-  return c.mode
+    spec given: that mode (its tree shape comes from the table, `budget.spec_options_for`). None:
+    the table's choice for the batch bucket (any of ar / chain / bole, whichever is expected
+    fastest; the table made on first use where `auto_enabled`), else ar (`budget.untabled_mode`).
+    A model without an MTP head decodes ar; explicit tree options (num_nodes / budget) or the
+    synthetic drafter without `spec` mean bole, as before tables chose modes."""
+    has_mtp = bool(llm.cfg.mtp_num_layers) and "mtp" in llm.params
+    if spec == "ar" or (spec is None and not has_mtp):
+        return "ar"
+    opts = llm.spec_options or {}
+    if spec is None and ({"num_nodes", "budget", "synthetic_accept"} & set(opts)):
+        return "bole"
+    if has_mtp:
+        ensure_table(llm, batch)
+    if spec is not None:
+        return spec
+    c = budget.choice_for(
+        llm.cfg,
+        llm.params["embed"].dtype,
+        batch,
+        calibration=opts.get("calibration"),
+        model_dir=llm.path,
+        mode=None,
+        identity=budget.llm_identity(llm),
+        command=budget.llm_command(llm),
+    )
+    return c.mode

@@ -10,7 +10,18 @@ from bole_jax.model.params import abstract_params, init_params, param_shapes
 from bole_jax.model.weights import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 
 __all__ = [
-    "AttnCache", "Cache", "CheckpointError", "GDNCache", "ModelConfig", "abstract_params", "forward",
-    "forward_pre_norm", "init_cache", "init_params", "load_hf_checkpoint", "logits", "param_shapes",
+    "AttnCache",
+    "Cache",
+    "CheckpointError",
+    "GDNCache",
+    "ModelConfig",
+    "abstract_params",
+    "forward",
+    "forward_pre_norm",
+    "init_cache",
+    "init_params",
+    "load_hf_checkpoint",
+    "logits",
+    "param_shapes",
     "save_hf_checkpoint",
 ]

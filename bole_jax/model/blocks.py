@@ -15,25 +15,32 @@ from bole_jax.model.layers import attend, attn_out, attn_qkv, mlp, rms_norm
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-  """buf [B, S, ...] <- rows [B, T, ...] at slots [B, T] (slots >= S are dropped)."""
-  b = jnp.arange(buf.shape[0])[:, None]
-  return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
+    """buf [B, S, ...] <- rows [B, T, ...] at slots [B, T] (slots >= S are dropped)."""
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
 
 
 def mlp_block(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """x + mlp(post_attn_norm(x))."""
-  return x + mlp(lp["mlp"], rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), cfg)
+    """x + mlp(post_attn_norm(x))."""
+    return x + mlp(lp["mlp"], rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), cfg)
 
 
-def attention_layer(lp: dict, x: jax.Array, positions: jax.Array, cache: AttnCache,
-                    slots: jax.Array, mask: jax.Array, cfg: ModelConfig):
-  """One gated-attention decoder layer.
+def attention_layer(
+    lp: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: AttnCache,
+    slots: jax.Array,
+    mask: jax.Array,
+    cfg: ModelConfig,
+):
+    """One gated-attention decoder layer.
 
-  x [B, T, H]; positions [B, T] (RoPE); the new keys/values are written at slots [B, T] (>= S:
-  dropped) before attending with mask [B, T, S]. Returns (x' [B, T, H], cache').
-  """
-  h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-  q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
-  cache = AttnCache(k=write_rows(cache.k, k, slots), v=write_rows(cache.v, v, slots))
-  x = x + attn_out(lp["attn"], attend(q, cache.k, cache.v, mask, cfg), gate, cfg)
-  return mlp_block(lp, x, cfg), cache
+    x [B, T, H]; positions [B, T] (RoPE); the new keys/values are written at slots [B, T] (>= S:
+    dropped) before attending with mask [B, T, S]. Returns (x' [B, T, H], cache').
+    """
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
+    cache = AttnCache(k=write_rows(cache.k, k, slots), v=write_rows(cache.v, v, slots))
+    x = x + attn_out(lp["attn"], attend(q, cache.k, cache.v, mask, cfg), gate, cfg)
+    return mlp_block(lp, x, cfg), cache

@@ -123,12 +123,14 @@ def settle(c: GDNCache) -> GDNCache:
 
 def settle_cache(cache: Cache) -> Cache:
     """`settle` on every GDN layer."""
-    return dataclasses.replace(cache, layers=tuple(
-        settle(c) if isinstance(c, GDNCache) else c for c in cache.layers))
+    return dataclasses.replace(
+        cache, layers=tuple(settle(c) if isinstance(c, GDNCache) else c for c in cache.layers)
+    )
 
 
-def with_pending(cache: Cache, cfg: ModelConfig, length: int | None,
-                 nodes: int | None = None) -> Cache:
+def with_pending(
+    cache: Cache, cfg: ModelConfig, length: int | None, nodes: int | None = None
+) -> Cache:
     """The cache laid out for a decode mode, committed states unchanged: any pending commit is
     folded in, then every GDN layer gets `pending` None (length None: ar, pernode, chain, eager
     bole) or, for lazy bole (length: spec depth + 1, the most nodes an accepted path has), an
@@ -140,9 +142,13 @@ def with_pending(cache: Cache, cfg: ModelConfig, length: int | None,
             state = committed_state(c)
             b, hv, dk, dv = state.shape
             hk = cfg.gdn_num_key_heads
-            pending = (None if length is None else
-                       PendingCommit.empty(b, length, hk, dk, hv, dv) if nodes is None else
-                       PendingPath.empty(b, nodes, length, hk, dk, hv, dv, k_dtype=c.conv.dtype))
+            pending = (
+                None
+                if length is None
+                else PendingCommit.empty(b, length, hk, dk, hv, dv)
+                if nodes is None
+                else PendingPath.empty(b, nodes, length, hk, dk, hv, dv, k_dtype=c.conv.dtype)
+            )
             c = GDNCache(conv=c.conv, state=state, pending=pending)
         layers.append(c)
     return dataclasses.replace(cache, layers=tuple(layers))
@@ -151,7 +157,9 @@ def with_pending(cache: Cache, cfg: ModelConfig, length: int | None,
 def init_gdn_cache(cfg: ModelConfig, batch: int, dtype) -> GDNCache:
     return GDNCache(
         conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
-        state=jnp.zeros((batch, cfg.gdn_num_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim), jnp.float32),
+        state=jnp.zeros(
+            (batch, cfg.gdn_num_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim), jnp.float32
+        ),
     )
 
 
@@ -164,6 +172,9 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> Cache
     """An empty cache for `batch` requests of up to `capacity` tokens each (prompt + generated)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     layers = tuple(
-        init_gdn_cache(cfg, batch, dtype) if t == LINEAR else init_attn_cache(cfg, batch, capacity, dtype)
-        for t in cfg.layer_types)
+        init_gdn_cache(cfg, batch, dtype)
+        if t == LINEAR
+        else init_attn_cache(cfg, batch, capacity, dtype)
+        for t in cfg.layer_types
+    )
     return Cache(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))

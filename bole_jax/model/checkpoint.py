@@ -24,7 +24,9 @@ _ITEM = "params"
 _CONFIG = "model_config.json"
 
 
-def save_params(path: str | os.PathLike, params: dict, cfg: ModelConfig | None = None, *, force: bool = False):
+def save_params(
+    path: str | os.PathLike, params: dict, cfg: ModelConfig | None = None, *, force: bool = False
+):
     """Write params (and cfg, when given) under the folder `path`. An existing checkpoint there is
     an error unless force=True. Params in a tensor-parallel layout (cfg.tp > 1) are saved in the
     canonical one."""
@@ -59,7 +61,8 @@ def restore_params(path: str | os.PathLike, cfg: ModelConfig | None = None, dtyp
     item = os.path.join(path, _ITEM)
     if not os.path.isdir(item):
         raise FileNotFoundError(
-            f"no params checkpoint at {item} (write one with bole_jax.model.checkpoint.save_params)")
+            f"no params checkpoint at {item} (write one with bole_jax.model.checkpoint.save_params)"
+        )
     cfg = cfg or load_config(path)
     with ocp.StandardCheckpointer() as ckpt:
         if cfg is None:

@@ -34,14 +34,26 @@ _FAMILY = {
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
-_HF_TEXT_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_HF_TEXT_MODEL_TYPE = {
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 _HF_ARCHITECTURE = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
-           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+_DTYPES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float": "float32",
+}
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -100,37 +112,58 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.family not in _HF_TEXT_MODEL_TYPE:
-            raise ValueError(f"unknown family {self.family!r}; expected one of {sorted(_HF_TEXT_MODEL_TYPE)}")
+            raise ValueError(
+                f"unknown family {self.family!r}; expected one of {sorted(_HF_TEXT_MODEL_TYPE)}"
+            )
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}"
+            )
         bad = sorted(set(self.layer_types) - {LINEAR, FULL})
         if bad:
             raise ValueError(f"unsupported layer types {bad}; expected {LINEAR!r} or {FULL!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.gdn_num_value_heads % self.gdn_num_key_heads:
             raise ValueError(
                 f"linear_num_value_heads {self.gdn_num_value_heads} is not a multiple of "
-                f"linear_num_key_heads {self.gdn_num_key_heads}")
+                f"linear_num_key_heads {self.gdn_num_key_heads}"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+            raise ValueError(
+                f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if not isinstance(self.kernels, KernelOptions):
             raise ValueError(f"kernels must be a KernelOptions, got {self.kernels!r}")
         if type(self.tp) is not int or self.tp < 1:
-            raise ValueError(f"tp must be a positive int (tensor-parallel devices), got {self.tp!r}")
+            raise ValueError(
+                f"tp must be a positive int (tensor-parallel devices), got {self.tp!r}"
+            )
         if any(self.is_moe_layer(i) for i in range(self.num_layers)):
-            if not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
-                raise ValueError("MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0")
-        if not all(self.is_moe_layer(i) for i in range(self.num_layers)) and self.intermediate_size <= 0:
+            if not (
+                0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+            ):
+                raise ValueError(
+                    "MoE layers need 0 < num_experts_per_tok <= num_experts and moe_intermediate_size > 0"
+                )
+        if (
+            not all(self.is_moe_layer(i) for i in range(self.num_layers))
+            and self.intermediate_size <= 0
+        ):
             raise ValueError("dense MLP layers need intermediate_size > 0")
 
     # ----- derived quantities -------------------------------------------------------------
     @property
     def conv_dim(self) -> int:
         """C: conv channels [all q | all k | all v] of a GDN layer."""
-        return 2 * self.gdn_num_key_heads * self.gdn_key_dim + self.gdn_num_value_heads * self.gdn_value_dim
+        return (
+            2 * self.gdn_num_key_heads * self.gdn_key_dim
+            + self.gdn_num_value_heads * self.gdn_value_dim
+        )
 
     @property
     def gdn_value_heads_per_key_head(self) -> int:
@@ -156,8 +189,11 @@ class ModelConfig:
             return False
         if self.family == "qwen3_5_moe":
             return True
-        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     def mtp_layer_is_moe(self, j: int) -> bool:
         return self.is_moe_layer(self.num_layers + j)
@@ -171,7 +207,8 @@ class ModelConfig:
         model_type = d.get("model_type")
         if model_type not in _FAMILY:
             raise ValueError(
-                f"unsupported model_type {model_type!r}: bole_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+                f"unsupported model_type {model_type!r}: bole_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         family = _FAMILY[model_type]
         outer = d
         if isinstance(d.get("text_config"), dict):
@@ -184,7 +221,9 @@ class ModelConfig:
                 if key in src and src[key] is not None:
                     return src[key]
             if required:
-                raise ValueError(f"config for model_type {model_type!r} is missing required key {key!r}")
+                raise ValueError(
+                    f"config for model_type {model_type!r} is missing required key {key!r}"
+                )
             return default
 
         hidden = int(get("hidden_size", required=True))
@@ -197,7 +236,9 @@ class ModelConfig:
             layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
         layer_types = tuple(layer_types)[:num_layers]
         if get("attention_bias", False):
-            raise ValueError("attention_bias=True is not supported (no released Qwen3-Next/Qwen3.5 model uses it)")
+            raise ValueError(
+                "attention_bias=True is not supported (no released Qwen3-Next/Qwen3.5 model uses it)"
+            )
         if get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported; only 'silu'")
 
@@ -209,7 +250,9 @@ class ModelConfig:
                 rope.update(get(key))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):
-            raise ValueError(f"rope_type {rope_type!r} is not supported; only default (1-D, or text-only mRoPE)")
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; only default (1-D, or text-only mRoPE)"
+            )
         theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)))
         rotary_dim = int(head_dim * partial)
@@ -224,7 +267,11 @@ class ModelConfig:
             mlp_only = tuple(int(i) for i in (get("mlp_only_layers") or ()))
 
         eos = get("eos_token_id")
-        eos = () if eos is None else (tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        eos = (
+            ()
+            if eos is None
+            else (tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),))
+        )
         dtype_name = str(get("dtype") or get("torch_dtype") or "bfloat16").replace("torch.", "")
         if dtype_name not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype_name!r} in config")
@@ -245,11 +292,15 @@ class ModelConfig:
             gdn_key_dim=int(get("linear_key_head_dim", 128)),
             gdn_value_dim=int(get("linear_value_head_dim", 128)),
             conv_kernel=int(get("linear_conv_kernel_dim", 4)),
-            intermediate_size=int(get("intermediate_size", 0) or 0) if family != "qwen3_5_moe" else 0,
+            intermediate_size=int(get("intermediate_size", 0) or 0)
+            if family != "qwen3_5_moe"
+            else 0,
             num_experts=num_experts,
             num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0) if num_experts else 0,
             moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0) if num_experts else 0,
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0,
+            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0)
+            if num_experts
+            else 0,
             norm_topk_prob=norm_topk,
             decoder_sparse_step=sparse_step,
             mlp_only_layers=mlp_only,
@@ -271,7 +322,8 @@ class ModelConfig:
             raise FileNotFoundError(f"model path {path!r} does not exist")
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(
-                f"no config.json in {path!r}: expected a Hugging Face model folder (config.json + *.safetensors)")
+                f"no config.json in {path!r}: expected a Hugging Face model folder (config.json + *.safetensors)"
+            )
         try:
             with open(cfg_file) as f:
                 d = json.load(f)
@@ -303,8 +355,11 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.rotary_dim / self.head_dim},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.rotary_dim / self.head_dim,
+            },
             "linear_num_key_heads": self.gdn_num_key_heads,
             "linear_num_value_heads": self.gdn_num_value_heads,
             "linear_key_head_dim": self.gdn_key_dim,
@@ -320,14 +375,22 @@ class ModelConfig:
         if self.family != "qwen3_5_moe":
             d["intermediate_size"] = self.intermediate_size
         if self.family == "qwen3_next":
-            d.update(decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                     norm_topk_prob=self.norm_topk_prob)
+            d.update(
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                norm_topk_prob=self.norm_topk_prob,
+            )
         if self.family != "qwen3_5":
-            d.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                     moe_intermediate_size=self.moe_intermediate_size,
-                     shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            )
         if self.eos_token_ids:
-            d["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            d["eos_token_id"] = (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            )
         if self.mtp_num_layers:
             d["mtp_num_hidden_layers"] = self.mtp_num_layers
         return d
@@ -336,14 +399,31 @@ class ModelConfig:
     def tiny(cls, family: str = "qwen3_next", moe: bool = False, **overrides) -> "ModelConfig":
         """A small config for tests: 4 layers (3 GDN + 1 attention), H=64, HV/Hk=2, dk=dv=16, D=32."""
         kw: dict[str, Any] = dict(
-            family=family, vocab_size=256, hidden_size=64, num_layers=4,
-            layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_heads=4, num_kv_heads=2, head_dim=32,
-            rotary_dim=8, rope_theta=10000.0, gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_dim=16,
-            gdn_value_dim=16, conv_kernel=4, intermediate_size=0 if family == "qwen3_5_moe" else 96,
-            dtype="float32")
+            family=family,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=4,
+            layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            rotary_dim=8,
+            rope_theta=10000.0,
+            gdn_num_key_heads=2,
+            gdn_num_value_heads=4,
+            gdn_key_dim=16,
+            gdn_value_dim=16,
+            conv_kernel=4,
+            intermediate_size=0 if family == "qwen3_5_moe" else 96,
+            dtype="float32",
+        )
         if moe or family == "qwen3_5_moe":
-            kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48)
+            kw.update(
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+            )
         if "num_layers" in overrides and "layer_types" not in overrides:
             n = overrides["num_layers"]
             kw["layer_types"] = tuple(LINEAR if (i + 1) % 4 else FULL for i in range(n))

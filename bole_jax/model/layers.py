@@ -67,7 +67,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rd = cos.shape[-1]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x_rot, x_pass = x[..., :rd], x[..., rd:]
-    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
@@ -101,7 +101,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
     Hkv = k_cache.shape[2]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * (D ** -0.5)
+    scores = scores * (D**-0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
@@ -127,7 +127,9 @@ def gdn_in_proj(p: dict, x: jax.Array, cfg: ModelConfig):
     z = (x @ p["w_z"]).reshape(B, T, cfg.gdn_num_value_heads, cfg.gdn_value_dim)
     beta = jax.nn.sigmoid(x @ p["w_b"]).astype(jnp.float32)
     a = (x @ p["w_a"]).astype(jnp.float32)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a + p["dt_bias"].astype(jnp.float32)
+    )
     return qkv, z, g, beta
 
 
@@ -148,7 +150,7 @@ def causal_conv(qkv: jax.Array, conv_state: jax.Array, conv_w: jax.Array, num_ne
     qkv = jax.lax.optimization_barrier(qkv)
     xs = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [B, K-1+T, C]
     x32, w32 = xs.astype(jnp.float32), conv_w.astype(jnp.float32)
-    y = sum(w32[i] * x32[:, i:i + T] for i in range(K))
+    y = sum(w32[i] * x32[:, i : i + T] for i in range(K))
     y = jax.nn.silu(y).astype(qkv.dtype)
     # Token t sits at xs row K-1+t, so the K-1 rows ending at the last valid token start at num_new.
     idx = num_new[:, None] + jnp.arange(K - 1)[None, :]  # [B, K-1]
@@ -160,8 +162,8 @@ def _split_qkv(y: jax.Array, cfg: ModelConfig):
     B, T, _ = y.shape
     kd = cfg.gdn_num_key_heads * cfg.gdn_key_dim
     q = y[..., :kd].reshape(B, T, cfg.gdn_num_key_heads, cfg.gdn_key_dim)
-    k = y[..., kd:2 * kd].reshape(B, T, cfg.gdn_num_key_heads, cfg.gdn_key_dim)
-    v = y[..., 2 * kd:].reshape(B, T, cfg.gdn_num_value_heads, cfg.gdn_value_dim)
+    k = y[..., kd : 2 * kd].reshape(B, T, cfg.gdn_num_key_heads, cfg.gdn_key_dim)
+    v = y[..., 2 * kd :].reshape(B, T, cfg.gdn_num_value_heads, cfg.gdn_value_dim)
     return q, k, v
 
 
@@ -185,9 +187,11 @@ def _gdn_core_per_shard(rule, p, qkv, g, beta, cache: GDNCache, num_new, cfg: Mo
     heads = parallel.split_at(2)
     cache_specs = parallel.gdn_cache_specs(cfg, pending=cache.pending)
     core = parallel.over_gdn_heads(
-        functools.partial(_gdn_core, rule, cfg=parallel.gdn_local_cfg(cfg)), cfg,
+        functools.partial(_gdn_core, rule, cfg=parallel.gdn_local_cfg(cfg)),
+        cfg,
         in_specs=(parallel.split_at(1), heads, heads, heads, cache_specs, parallel.REPLICATED),
-        out_specs=(heads, cache_specs))
+        out_specs=(heads, cache_specs),
+    )
     return core(p["conv_w"], qkv, g, beta, cache, num_new)
 
 
@@ -204,13 +208,24 @@ def _decode_rule(q, k, v, g, beta, state, *, interpret):
     """`recurrent_gated_delta_rule`'s signature, T == 1, through the Pallas decode kernel (state
     updated in place). Padding rows arrive masked by `_gdn_core` (k = v = g = beta = 0), which
     leaves their state exactly unchanged here too."""
-    o, state = gdn_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
-                          backend="pallas", interpret=interpret)
+    o, state = gdn_decode(
+        q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, backend="pallas", interpret=interpret
+    )
     return o[:, None], state
 
 
-def gdn_core_recurrent(p, qkv, g, beta, cache: GDNCache, num_new, cfg: ModelConfig, *,
-                       backend: str | None = None, interpret: bool | None = None):
+def gdn_core_recurrent(
+    p,
+    qkv,
+    g,
+    beta,
+    cache: GDNCache,
+    num_new,
+    cfg: ModelConfig,
+    *,
+    backend: str | None = None,
+    interpret: bool | None = None,
+):
     """Conv + recurrent gated delta rule (decode, T == 1; any T works). Same returns.
 
     T == 1 with the backend resolving to Pallas (backend None: `cfg.kernels.gdn_decode_backend`,
@@ -292,8 +307,17 @@ def moe_experts_dense(p, x, top_w, top_e):
     return jnp.einsum("neh,ne->nh", y, comb)
 
 
-def moe_experts_gmm(p, x, top_w, top_e, *, rows_per_expert: float | None = None, config=None,
-                    backend: str = "auto", interpret: bool | None = None):
+def moe_experts_gmm(
+    p,
+    x,
+    top_w,
+    top_e,
+    *,
+    rows_per_expert: float | None = None,
+    config=None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+):
     """Grouped matmuls (pallas/moe_gmm.py): the pairs sorted by expert into row tiles of one
     expert each; every used expert's weights are read in place, once per tile (no weight copies,
     no dense padding); SwiGLU fused into the gate_up matmul. Expert id E (= the local expert
@@ -309,21 +333,25 @@ def moe_experts_gmm(p, x, top_w, top_e, *, rows_per_expert: float | None = None,
         r = n * k / num_experts if rows_per_expert is None else rows_per_expert
         bm = moe_gmm.GMMConfig.auto(r).block_m
         size = jnp.dtype(p["w_gate_up"].dtype).itemsize
-        config = (moe_gmm.GMMConfig.for_block_m(bm, True, size),
-                  moe_gmm.GMMConfig.for_block_m(bm, False, size))
+        config = (
+            moe_gmm.GMMConfig.for_block_m(bm, True, size),
+            moe_gmm.GMMConfig.for_block_m(bm, False, size),
+        )
     cfg_up, cfg_down = config if isinstance(config, tuple) else (config, config)
     assert cfg_up.block_m == cfg_down.block_m, (cfg_up, cfg_down)
     lay = moe_gmm.group_layout(top_e.reshape(-1), num_experts, cfg_up.block_m)
-    run = functools.partial(moe_gmm.gmm, tile_expert=lay.tile_expert, backend=backend,
-                            interpret=interpret)
+    run = functools.partial(
+        moe_gmm.gmm, tile_expert=lay.tile_expert, backend=backend, interpret=interpret
+    )
     # Padding rows read token n (past the end): zero rows.
     xs = jnp.take(x, lay.row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, H]
     h = run(xs, p["w_gate_up"], swiglu=True, config=cfg_up)  # [M, I] silu(gate) * up
     y = run(h, p["w_down"], config=cfg_down)  # [M, H]
     # Dropped pairs read row M (past the end): 0. Combined in fp32.
     y = jnp.take(y, lay.pair_row, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
-    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32),
-                      top_w.astype(jnp.float32)).astype(x.dtype)
+    return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), top_w.astype(jnp.float32)).astype(
+        x.dtype
+    )
 
 
 def default_experts_impl(tokens: int, cfg: ModelConfig):
@@ -348,12 +376,14 @@ def moe(p: dict, x: jax.Array, cfg: ModelConfig, experts_impl=None) -> jax.Array
         experts_impl = default_experts_impl(x.shape[0], cfg)
     num_experts = p["w_gate_up"].shape[0]
     if parallel.shards(cfg, num_experts) > 1:  # expert parallelism: each device its E / tp experts
-        routed = parallel.over_experts(functools.partial(moe_experts_local, experts_impl), cfg,
-                                       num_experts)(p, x, top_w, top_e)
+        routed = parallel.over_experts(
+            functools.partial(moe_experts_local, experts_impl), cfg, num_experts
+        )(p, x, top_w, top_e)
     else:
         routed = experts_impl(p, x, top_w, top_e)
     shared = jax.nn.sigmoid(x @ p["shared_gate"]) * swiglu(
-        x, p["shared_gate_up"], p["shared_down"], parallel.shards(cfg, p["shared_down"].shape[0]))
+        x, p["shared_gate_up"], p["shared_down"], parallel.shards(cfg, p["shared_down"].shape[0])
+    )
     return (routed + shared).reshape(shape)
 
 

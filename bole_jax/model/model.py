@@ -35,8 +35,9 @@ def causal_prefix_mask(lengths: jax.Array, num_new: jax.Array, T: int, S: int) -
     return (s <= pos) & (s < jnp.maximum(end, 1))
 
 
-def decoder_layer(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, c, *, positions, mask, slots,
-                  num_new):
+def decoder_layer(
+    p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, c, *, positions, mask, slots, num_new
+):
     """One decoder layer: x += mixer(input_norm(x)); x += mlp(post_attn_norm(x)). Returns (x, c').
 
     Attention layers are `blocks.attention_layer` (shared with the tree verify and the MTP head);
@@ -50,8 +51,13 @@ def decoder_layer(p: dict, cfg: ModelConfig, layer_type: str, x: jax.Array, c, *
     return mlp_block(p, x + gdn_out(p["gdn"], o, z, cfg), cfg), c
 
 
-def forward_pre_norm(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: Cache,
-                     num_new: jax.Array | None = None):
+def forward_pre_norm(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: Cache,
+    num_new: jax.Array | None = None,
+):
     """Like `forward`, but returns the last decoder layer's output BEFORE the final norm."""
     B, T = tokens.shape
     num_new = jnp.full((B,), T, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
@@ -66,13 +72,28 @@ def forward_pre_norm(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: C
     new_layers = []
     for i, (p, c) in enumerate(zip(params["layers"], cache.layers)):
         assert isinstance(c, GDNCache if cfg.layer_types[i] == LINEAR else AttnCache), (i, type(c))
-        x, c = decoder_layer(p, cfg, cfg.layer_types[i], x, c, positions=positions, mask=mask, slots=slots,
-                             num_new=num_new)
+        x, c = decoder_layer(
+            p,
+            cfg,
+            cfg.layer_types[i],
+            x,
+            c,
+            positions=positions,
+            mask=mask,
+            slots=slots,
+            num_new=num_new,
+        )
         new_layers.append(c)
     return x, Cache(layers=tuple(new_layers), lengths=lengths + num_new)
 
 
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: Cache, num_new: jax.Array | None = None):
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    cache: Cache,
+    num_new: jax.Array | None = None,
+):
     """Append tokens to each request and return the final-normed hidden states.
 
     Args:
@@ -92,5 +113,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, cache: Cache, num
 def logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """fp32 logits [..., V] from final-normed hidden [..., H] (tied or untied lm_head)."""
     if cfg.tie_word_embeddings:
-        return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(
+        "...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32
+    )

@@ -82,20 +82,36 @@ def layer_shapes(cfg: ModelConfig, layer_type: str, moe: bool) -> dict:
     if layer_type == LINEAR:
         HV, dv, C, K = cfg.gdn_num_value_heads, cfg.gdn_value_dim, cfg.conv_dim, cfg.conv_kernel
         layer["gdn"] = {
-            "w_qkv": (H, C), "w_z": (H, HV * dv), "w_b": (H, HV), "w_a": (H, HV), "conv_w": (K, C),
-            "A_log": (HV,), "dt_bias": (HV,), "norm_w": (dv,), "w_out": (HV * dv, H),
+            "w_qkv": (H, C),
+            "w_z": (H, HV * dv),
+            "w_b": (H, HV),
+            "w_a": (H, HV),
+            "conv_w": (K, C),
+            "A_log": (HV,),
+            "dt_bias": (HV,),
+            "norm_w": (dv,),
+            "w_out": (HV * dv, H),
         }
     else:
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
         layer["attn"] = {
-            "w_q": (H, Hq * D), "w_gate": (H, Hq * D), "w_k": (H, Hkv * D), "w_v": (H, Hkv * D),
-            "q_norm": (D,), "k_norm": (D,), "w_o": (Hq * D, H),
+            "w_q": (H, Hq * D),
+            "w_gate": (H, Hq * D),
+            "w_k": (H, Hkv * D),
+            "w_v": (H, Hkv * D),
+            "q_norm": (D,),
+            "k_norm": (D,),
+            "w_o": (Hq * D, H),
         }
     if moe:
         E, Ie, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         layer["mlp"] = {
-            "router": (H, E), "w_gate_up": (E, H, 2 * Ie), "w_down": (E, Ie, H),
-            "shared_gate_up": (H, 2 * Is), "shared_down": (Is, H), "shared_gate": (H, 1),
+            "router": (H, E),
+            "w_gate_up": (E, H, 2 * Ie),
+            "w_down": (E, Ie, H),
+            "shared_gate_up": (H, 2 * Is),
+            "shared_down": (Is, H),
+            "shared_gate": (H, 1),
         }
     else:
         I = cfg.intermediate_size
@@ -109,14 +125,20 @@ def param_shapes(cfg: ModelConfig) -> dict:
     tree: dict = {
         "embed": (V, H),
         "final_norm": (H,),
-        "layers": [layer_shapes(cfg, t, cfg.is_moe_layer(i)) for i, t in enumerate(cfg.layer_types)],
+        "layers": [
+            layer_shapes(cfg, t, cfg.is_moe_layer(i)) for i, t in enumerate(cfg.layer_types)
+        ],
     }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = (H, V)
     if cfg.mtp_num_layers:
         tree["mtp"] = {
-            "fc": (2 * H, H), "pre_fc_norm_embedding": (H,), "pre_fc_norm_hidden": (H,),
-            "layers": [layer_shapes(cfg, FULL, cfg.mtp_layer_is_moe(j)) for j in range(cfg.mtp_num_layers)],
+            "fc": (2 * H, H),
+            "pre_fc_norm_embedding": (H,),
+            "pre_fc_norm_hidden": (H,),
+            "layers": [
+                layer_shapes(cfg, FULL, cfg.mtp_layer_is_moe(j)) for j in range(cfg.mtp_num_layers)
+            ],
             "norm": (H,),
         }
     return tree
@@ -129,7 +151,9 @@ def _is_shape(x) -> bool:
 def abstract_params(cfg: ModelConfig, dtype=None) -> dict:
     """`jax.ShapeDtypeStruct` tree of the params (for restoring checkpoints, eval_shape, sharding)."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg), is_leaf=_is_shape)
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg), is_leaf=_is_shape
+    )
 
 
 def _init_group(name: str, shape: tuple[int, ...], key, dtype, leaf=None):
@@ -146,7 +170,7 @@ def _init_group(name: str, shape: tuple[int, ...], key, dtype, leaf=None):
         return jnp.zeros(shape, dtype)
     fan_in = leaf[-2] if len(leaf) >= 2 else leaf[-1]
     std = 1.0 if name == "embed" else (leaf[0] if name == "conv_w" else fan_in) ** -0.5
-    half_width = std * 3.0 ** 0.5
+    half_width = std * 3.0**0.5
     # Blocks of big leaves are drawn in their own dtype: no fp32 temporary of their size.
     rng_dtype = dtype if leaf_given and jnp.issubdtype(dtype, jnp.floating) else jnp.float32
     return jax.random.uniform(key, shape, rng_dtype, -half_width, half_width).astype(dtype)
@@ -210,4 +234,6 @@ def build_params(cfg: ModelConfig, dtype, key, draw_big=_default_draw) -> dict:
         values = _init_group(name, (len(members),) + shape, k, dtype)
         for j, i in enumerate(members):
             leaves[i] = values[j]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes, is_leaf=_is_shape), leaves)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(shapes, is_leaf=_is_shape), leaves
+    )

@@ -49,10 +49,18 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- safetensors I/O
 
 _ST_DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -108,8 +116,9 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         if self.dtypes[name] not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name} in {self.filename} has unsupported dtype "
-                                  f"{self.dtypes[name]}")
+            raise CheckpointError(
+                f"tensor {name} in {self.filename} has unsupported dtype {self.dtypes[name]}"
+            )
         if self._lib is not None:
             try:
                 a = self._lib.get_tensor(name)
@@ -127,7 +136,7 @@ class SafetensorsFile:
             self._mm = np.memmap(self.filename, dtype=np.uint8, mode="r")
         info = self._header[name]
         start, end = info["data_offsets"]
-        raw = self._mm[self._data_start + start:self._data_start + end]
+        raw = self._mm[self._data_start + start : self._data_start + end]
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
@@ -141,8 +150,11 @@ def write_safetensors(filename: str, tensors: dict[str, np.ndarray], metadata: d
     lib = _safetensors_lib()
     if lib is not None:
         try:
-            lib[1]({k: np.ascontiguousarray(v) for k, v in tensors.items()}, filename,
-                   metadata=metadata)
+            lib[1](
+                {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                filename,
+                metadata=metadata,
+            )
             return
         except (TypeError, ValueError, AttributeError):  # e.g. fp8, unknown to its numpy binding
             pass
@@ -155,8 +167,11 @@ def _write_raw(filename: str, tensors: dict[str, np.ndarray], metadata: dict):
     arrays = []
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -190,40 +205,68 @@ def _vector(hf_name: str, path: tuple, n: int) -> _Entry:
 
 
 def _gdn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
-    H, Hk, HV, dk, dv, K, C = (cfg.hidden_size, cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_dim,
-                               cfg.gdn_value_dim, cfg.conv_kernel, cfg.conv_dim)
+    H, Hk, HV, dk, dv, K, C = (
+        cfg.hidden_size,
+        cfg.gdn_num_key_heads,
+        cfg.gdn_num_value_heads,
+        cfg.gdn_key_dim,
+        cfg.gdn_value_dim,
+        cfg.conv_kernel,
+        cfg.conv_dim,
+    )
     r = HV // Hk
     pre, root = pre + "linear_attn.", root + ("gdn",)
     out = []
     if cfg.family == "qwen3_next":
+
         def qkvz_to_params(qkvz, ba):
             w = qkvz.reshape(Hk, 2 * dk + 2 * r * dv, H)
-            q, k = w[:, :dk].reshape(-1, H), w[:, dk:2 * dk].reshape(-1, H)
-            v, z = w[:, 2 * dk:2 * dk + r * dv].reshape(-1, H), w[:, 2 * dk + r * dv:].reshape(-1, H)
+            q, k = w[:, :dk].reshape(-1, H), w[:, dk : 2 * dk].reshape(-1, H)
+            v, z = (
+                w[:, 2 * dk : 2 * dk + r * dv].reshape(-1, H),
+                w[:, 2 * dk + r * dv :].reshape(-1, H),
+            )
             ba = ba.reshape(Hk, 2 * r, H)
             b, a = ba[:, :r].reshape(HV, H), ba[:, r:].reshape(HV, H)
             return np.concatenate([q, k, v], axis=0).T, z.T, b.T, a.T
 
         def qkvz_to_hf(w_qkv, w_z, w_b, w_a):
             qkv = w_qkv.T
-            q = qkv[:Hk * dk].reshape(Hk, dk, H)
-            k = qkv[Hk * dk:2 * Hk * dk].reshape(Hk, dk, H)
-            v = qkv[2 * Hk * dk:].reshape(Hk, r * dv, H)
+            q = qkv[: Hk * dk].reshape(Hk, dk, H)
+            k = qkv[Hk * dk : 2 * Hk * dk].reshape(Hk, dk, H)
+            v = qkv[2 * Hk * dk :].reshape(Hk, r * dv, H)
             z = w_z.T.reshape(Hk, r * dv, H)
             qkvz = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
-            ba = np.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(-1, H)
+            ba = np.concatenate([w_b.T.reshape(Hk, r, H), w_a.T.reshape(Hk, r, H)], axis=1).reshape(
+                -1, H
+            )
             return qkvz, ba
 
-        out.append(_Entry({pre + "in_proj_qkvz.weight": (C + HV * dv, H), pre + "in_proj_ba.weight": (2 * HV, H)},
-                          tuple(root + (n,) for n in ("w_qkv", "w_z", "w_b", "w_a")), qkvz_to_params, qkvz_to_hf))
+        out.append(
+            _Entry(
+                {
+                    pre + "in_proj_qkvz.weight": (C + HV * dv, H),
+                    pre + "in_proj_ba.weight": (2 * HV, H),
+                },
+                tuple(root + (n,) for n in ("w_qkv", "w_z", "w_b", "w_a")),
+                qkvz_to_params,
+                qkvz_to_hf,
+            )
+        )
     else:
-        out += [_linear(pre + "in_proj_qkv.weight", root + ("w_qkv",), H, C),
-                _linear(pre + "in_proj_z.weight", root + ("w_z",), H, HV * dv),
-                _linear(pre + "in_proj_b.weight", root + ("w_b",), H, HV),
-                _linear(pre + "in_proj_a.weight", root + ("w_a",), H, HV)]
+        out += [
+            _linear(pre + "in_proj_qkv.weight", root + ("w_qkv",), H, C),
+            _linear(pre + "in_proj_z.weight", root + ("w_z",), H, HV * dv),
+            _linear(pre + "in_proj_b.weight", root + ("w_b",), H, HV),
+            _linear(pre + "in_proj_a.weight", root + ("w_a",), H, HV),
+        ]
     out += [
-        _Entry({pre + "conv1d.weight": (C, 1, K)}, (root + ("conv_w",),),
-               lambda w: (w[:, 0, :].T,), lambda w: (w.T[:, None, :],)),
+        _Entry(
+            {pre + "conv1d.weight": (C, 1, K)},
+            (root + ("conv_w",),),
+            lambda w: (w[:, 0, :].T,),
+            lambda w: (w.T[:, None, :],),
+        ),
         _vector(pre + "A_log", root + ("A_log",), HV),
         _vector(pre + "dt_bias", root + ("dt_bias",), HV),
         _vector(pre + "norm.weight", root + ("norm_w",), dv),
@@ -241,10 +284,19 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
         return w[:, :D].reshape(-1, H).T, w[:, D:].reshape(-1, H).T
 
     def q_to_hf(w_q, w_gate):
-        return (np.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(-1, H),)
+        return (
+            np.concatenate([w_q.T.reshape(Hq, D, H), w_gate.T.reshape(Hq, D, H)], axis=1).reshape(
+                -1, H
+            ),
+        )
 
     return [
-        _Entry({pre + "q_proj.weight": (2 * Hq * D, H)}, (root + ("w_q",), root + ("w_gate",)), q_to_params, q_to_hf),
+        _Entry(
+            {pre + "q_proj.weight": (2 * Hq * D, H)},
+            (root + ("w_q",), root + ("w_gate",)),
+            q_to_params,
+            q_to_hf,
+        ),
         _linear(pre + "k_proj.weight", root + ("w_k",), H, Hkv * D),
         _linear(pre + "v_proj.weight", root + ("w_v",), H, Hkv * D),
         _linear(pre + "o_proj.weight", root + ("w_o",), Hq * D, H),
@@ -254,34 +306,56 @@ def _attn_entries(cfg: ModelConfig, pre: str, root: tuple) -> list[_Entry]:
 
 
 def _gate_up_entry(gate_name, up_name, path, H, I) -> _Entry:
-    return _Entry({gate_name: (I, H), up_name: (I, H)}, (path,),
-                  lambda g, u: (np.concatenate([g.T, u.T], axis=1),),
-                  lambda w: (w[:, :I].T, w[:, I:].T))
+    return _Entry(
+        {gate_name: (I, H), up_name: (I, H)},
+        (path,),
+        lambda g, u: (np.concatenate([g.T, u.T], axis=1),),
+        lambda w: (w[:, :I].T, w[:, I:].T),
+    )
 
 
-def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_experts: bool) -> list[_Entry]:
+def _mlp_entries(
+    cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_experts: bool
+) -> list[_Entry]:
     H = cfg.hidden_size
     pre, root = pre + "mlp.", root + ("mlp",)
     if not moe:
         I = cfg.intermediate_size
-        return [_gate_up_entry(pre + "gate_proj.weight", pre + "up_proj.weight", root + ("w_gate_up",), H, I),
-                _linear(pre + "down_proj.weight", root + ("w_down",), I, H)]
+        return [
+            _gate_up_entry(
+                pre + "gate_proj.weight", pre + "up_proj.weight", root + ("w_gate_up",), H, I
+            ),
+            _linear(pre + "down_proj.weight", root + ("w_down",), I, H),
+        ]
     E, Ie, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out = [_linear(pre + "gate.weight", root + ("router",), H, E)]
     if fused_experts:
         out += [
-            _Entry({pre + "experts.gate_up_proj": (E, 2 * Ie, H)}, (root + ("w_gate_up",),),
-                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
-            _Entry({pre + "experts.down_proj": (E, H, Ie)}, (root + ("w_down",),),
-                   lambda w: (np.swapaxes(w, 1, 2),), lambda w: (np.swapaxes(w, 1, 2),)),
+            _Entry(
+                {pre + "experts.gate_up_proj": (E, 2 * Ie, H)},
+                (root + ("w_gate_up",),),
+                lambda w: (np.swapaxes(w, 1, 2),),
+                lambda w: (np.swapaxes(w, 1, 2),),
+            ),
+            _Entry(
+                {pre + "experts.down_proj": (E, H, Ie)},
+                (root + ("w_down",),),
+                lambda w: (np.swapaxes(w, 1, 2),),
+                lambda w: (np.swapaxes(w, 1, 2),),
+            ),
         ]
     else:
-        names = {f"{pre}experts.{e}.{p}_proj.weight": s for e in range(E)
-                 for p, s in (("gate", (Ie, H)), ("up", (Ie, H)), ("down", (H, Ie)))}
+        names = {
+            f"{pre}experts.{e}.{p}_proj.weight": s
+            for e in range(E)
+            for p, s in (("gate", (Ie, H)), ("up", (Ie, H)), ("down", (H, Ie)))
+        }
 
         def experts_to_params(*ws):
             g, u, d = ws[0::3], ws[1::3], ws[2::3]
-            gu = np.concatenate([np.swapaxes(np.stack(g), 1, 2), np.swapaxes(np.stack(u), 1, 2)], axis=2)
+            gu = np.concatenate(
+                [np.swapaxes(np.stack(g), 1, 2), np.swapaxes(np.stack(u), 1, 2)], axis=2
+            )
             return gu, np.swapaxes(np.stack(d), 1, 2)
 
         def experts_to_hf(gu, d):
@@ -290,10 +364,16 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
                 out += [gu[e, :, :Ie].T, gu[e, :, Ie:].T, d[e].T]
             return tuple(out)
 
-        out.append(_Entry(names, (root + ("w_gate_up",), root + ("w_down",)), experts_to_params, experts_to_hf))
+        out.append(
+            _Entry(
+                names, (root + ("w_gate_up",), root + ("w_down",)), experts_to_params, experts_to_hf
+            )
+        )
     sp = pre + "shared_expert."
     out += [
-        _gate_up_entry(sp + "gate_proj.weight", sp + "up_proj.weight", root + ("shared_gate_up",), H, Is),
+        _gate_up_entry(
+            sp + "gate_proj.weight", sp + "up_proj.weight", root + ("shared_gate_up",), H, Is
+        ),
         _linear(sp + "down_proj.weight", root + ("shared_down",), Is, H),
         _linear(pre + "shared_expert_gate.weight", root + ("shared_gate",), H, 1),
     ]
@@ -302,31 +382,43 @@ def _mlp_entries(cfg: ModelConfig, pre: str, root: tuple, moe: bool, fused_exper
 
 def _layer_entries(cfg, pre, root, layer_type, moe, fused_experts) -> list[_Entry]:
     H = cfg.hidden_size
-    out = [_vector(pre + "input_layernorm.weight", root + ("input_norm",), H),
-           _vector(pre + "post_attention_layernorm.weight", root + ("post_attn_norm",), H)]
+    out = [
+        _vector(pre + "input_layernorm.weight", root + ("input_norm",), H),
+        _vector(pre + "post_attention_layernorm.weight", root + ("post_attn_norm",), H),
+    ]
     out += _gdn_entries(cfg, pre, root) if layer_type == LINEAR else _attn_entries(cfg, pre, root)
     return out + _mlp_entries(cfg, pre, root, moe, fused_experts)
 
 
-def checkpoint_entries(cfg: ModelConfig, fused_experts: Callable[[str], bool] = lambda pre: False) -> list[_Entry]:
+def checkpoint_entries(
+    cfg: ModelConfig, fused_experts: Callable[[str], bool] = lambda pre: False
+) -> list[_Entry]:
     """All HF tensors of `cfg` (canonical `model.` prefix) and how they map to params.
     `fused_experts(layer_prefix)` says whether that layer stores fused expert tensors."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    out = [_Entry({"model.embed_tokens.weight": (V, H)}, (("embed",),), lambda w: (w,), lambda w: (w,)),
-           _vector("model.norm.weight", ("final_norm",), H)]
+    out = [
+        _Entry(
+            {"model.embed_tokens.weight": (V, H)}, (("embed",),), lambda w: (w,), lambda w: (w,)
+        ),
+        _vector("model.norm.weight", ("final_norm",), H),
+    ]
     if not cfg.tie_word_embeddings:
         out.append(_linear("lm_head.weight", ("lm_head",), H, V))
     for i, t in enumerate(cfg.layer_types):
         pre = f"model.layers.{i}."
         out += _layer_entries(cfg, pre, ("layers", i), t, cfg.is_moe_layer(i), fused_experts(pre))
     if cfg.mtp_num_layers:
-        out += [_linear("mtp.fc.weight", ("mtp", "fc"), 2 * H, H),
-                _vector("mtp.pre_fc_norm_embedding.weight", ("mtp", "pre_fc_norm_embedding"), H),
-                _vector("mtp.pre_fc_norm_hidden.weight", ("mtp", "pre_fc_norm_hidden"), H),
-                _vector("mtp.norm.weight", ("mtp", "norm"), H)]
+        out += [
+            _linear("mtp.fc.weight", ("mtp", "fc"), 2 * H, H),
+            _vector("mtp.pre_fc_norm_embedding.weight", ("mtp", "pre_fc_norm_embedding"), H),
+            _vector("mtp.pre_fc_norm_hidden.weight", ("mtp", "pre_fc_norm_hidden"), H),
+            _vector("mtp.norm.weight", ("mtp", "norm"), H),
+        ]
         for j in range(cfg.mtp_num_layers):
             pre = f"mtp.layers.{j}."
-            out += _layer_entries(cfg, pre, ("mtp", "layers", j), FULL, cfg.mtp_layer_is_moe(j), fused_experts(pre))
+            out += _layer_entries(
+                cfg, pre, ("mtp", "layers", j), FULL, cfg.mtp_layer_is_moe(j), fused_experts(pre)
+            )
     return out
 
 
@@ -358,7 +450,7 @@ def _get(tree, path):
 def _canonical(name: str) -> str | None:
     """Checkpoint name -> canonical name (`model.` prefix), or None for tensors we never use."""
     if name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model."):]
+        name = "model." + name[len("model.language_model.") :]
     if name.startswith(("model.visual.", "visual.")) or name.endswith("rotary_emb.inv_freq"):
         return None
     return name
@@ -367,9 +459,12 @@ def _canonical(name: str) -> str | None:
 def _check_shard_path(folder: str, fn, index: str) -> None:
     """A shard named by the index must be a file inside the model folder: a relative path with no
     `..`, not absolute, and not resolving (through symlinks) outside the folder."""
+
     def bad(why):
-        raise CheckpointError(f"{index}: shard path {fn!r} {why}; shard paths must be file names "
-                              "inside the model folder (fix or regenerate the index)")
+        raise CheckpointError(
+            f"{index}: shard path {fn!r} {why}; shard paths must be file names "
+            "inside the model folder (fix or regenerate the index)"
+        )
 
     if not isinstance(fn, str) or not fn:
         bad("is not a file name")
@@ -398,16 +493,22 @@ def _index_files(path: str) -> dict[str, str]:
             raise CheckpointError(f"bad index file {index}: weight_map is not an object")
         for fn in sorted(set(weight_map.values())):
             _check_shard_path(path, fn, index)
-        missing = sorted({fn for fn in weight_map.values() if not os.path.isfile(os.path.join(path, fn))})
+        missing = sorted(
+            {fn for fn in weight_map.values() if not os.path.isfile(os.path.join(path, fn))}
+        )
         if missing:
-            raise CheckpointError(f"checkpoint {path}: shard file(s) listed in model.safetensors.index.json "
-                                  f"are missing: {', '.join(missing)}")
+            raise CheckpointError(
+                f"checkpoint {path}: shard file(s) listed in model.safetensors.index.json "
+                f"are missing: {', '.join(missing)}"
+            )
         return {name: os.path.join(path, fn) for name, fn in weight_map.items()}
     if os.path.isfile(single):
         return {name: single for name in SafetensorsFile(single).shapes}
     found = sorted(os.listdir(path))
-    raise CheckpointError(f"checkpoint {path}: no model.safetensors or model.safetensors.index.json "
-                          f"(found: {', '.join(found) or 'nothing'}); only safetensors checkpoints are supported")
+    raise CheckpointError(
+        f"checkpoint {path}: no model.safetensors or model.safetensors.index.json "
+        f"(found: {', '.join(found) or 'nothing'}); only safetensors checkpoints are supported"
+    )
 
 
 # GDN leaves kept in fp32 whatever the params dtype: real Qwen3-Next / Qwen3.5 checkpoints store
@@ -430,8 +531,12 @@ def _name_list(names, limit=12) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, dtype=None,
-                       place: Callable[[tuple, jax.Array], jax.Array] | None = None):
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig | None = None,
+    dtype=None,
+    place: Callable[[tuple, jax.Array], jax.Array] | None = None,
+):
     """Load a local Hugging Face folder into (cfg, params).
 
     Args:
@@ -468,8 +573,11 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
     mtp_layers = {int(m.group(1)) for n in present if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}
     has_mtp = any(n.startswith("mtp.") for n in present)
     if not has_mtp and cfg.mtp_num_layers:
-        log.warning("config.json declares %d MTP layer(s) but the checkpoint has no mtp.* tensors: "
-                    "loading without the MTP head", cfg.mtp_num_layers)
+        log.warning(
+            "config.json declares %d MTP layer(s) but the checkpoint has no mtp.* tensors: "
+            "loading without the MTP head",
+            cfg.mtp_num_layers,
+        )
         cfg = dataclasses.replace(cfg, mtp_num_layers=0)
     elif has_mtp and not cfg.mtp_num_layers:
         cfg = dataclasses.replace(cfg, mtp_num_layers=max(mtp_layers, default=0) + 1)
@@ -479,18 +587,24 @@ def load_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, 
     expected = {n for e in entries for n in e.hf}
     missing = expected - present.keys()
     if missing:
-        raise CheckpointError(f"checkpoint {path}: {len(missing)} tensor(s) missing: {_name_list(missing)}")
+        raise CheckpointError(
+            f"checkpoint {path}: {len(missing)} tensor(s) missing: {_name_list(missing)}"
+        )
     unexpected = present.keys() - expected
     if unexpected:
-        raise CheckpointError(f"checkpoint {path}: {len(unexpected)} unexpected tensor(s) (not part of a "
-                              f"{cfg.family} model with this config): {_name_list(unexpected)}")
+        raise CheckpointError(
+            f"checkpoint {path}: {len(unexpected)} unexpected tensor(s) (not part of a "
+            f"{cfg.family} model with this config): {_name_list(unexpected)}"
+        )
     for e in entries:
         for n, shape in e.hf.items():
             fn, stored = present[n]
             got = readers[fn].shapes[stored]
             if tuple(got) != tuple(shape):
-                raise CheckpointError(f"checkpoint {path}: tensor {stored} has shape {tuple(got)}, "
-                                      f"expected {tuple(shape)} for this config")
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {stored} has shape {tuple(got)}, "
+                    f"expected {tuple(shape)} for this config"
+                )
 
     params = _empty_tree(cfg)
     # Converted on the host (numpy), then one transfer per leaf: device-side conversions would
@@ -528,8 +642,13 @@ def hf_state_dict(cfg: ModelConfig, params: dict, dtype=None) -> dict[str, np.nd
     return out
 
 
-def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, dtype=None,
-                       max_shard_bytes: int | None = None):
+def save_hf_checkpoint(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    params: dict,
+    dtype=None,
+    max_shard_bytes: int | None = None,
+):
     """Write `cfg` and `params` as a Hugging Face folder (config.json + model.safetensors).
 
     dtype: tensor dtype to write (default: the params' own, e.g. bf16 with the fp32 GDN leaves).
@@ -544,7 +663,9 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, 
     if "mtp" not in params:
         cfg = dataclasses.replace(cfg, mtp_num_layers=0)
     d = cfg.to_hf_dict()
-    d["dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}.get(written, cfg.dtype)
+    d["dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}.get(
+        written, cfg.dtype
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(d, f, indent=2)
     if max_shard_bytes is None:
@@ -564,7 +685,9 @@ def save_hf_checkpoint(path: str | os.PathLike, cfg: ModelConfig, params: dict, 
         fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         write_safetensors(os.path.join(path, fn), shard)
         weight_map.update({name: fn for name in shard})
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+        "weight_map": weight_map,
+    }
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)

@@ -81,11 +81,13 @@ class PendingCommit:
 
     @staticmethod
     def empty(batch: int, length: int, hk: int, dk: int, hv: int, dv: int) -> "PendingCommit":
-        return PendingCommit(k=jnp.zeros((batch, length, hk, dk), jnp.float32),
-                             u=jnp.zeros((batch, length, hv, dv), jnp.float32),
-                             w=jnp.zeros((batch, length, hv), jnp.float32),
-                             p_sel=jnp.ones((batch, hv), jnp.float32),
-                             count=jnp.zeros((batch,), jnp.int32))
+        return PendingCommit(
+            k=jnp.zeros((batch, length, hk, dk), jnp.float32),
+            u=jnp.zeros((batch, length, hv, dv), jnp.float32),
+            w=jnp.zeros((batch, length, hv), jnp.float32),
+            p_sel=jnp.ones((batch, hv), jnp.float32),
+            count=jnp.zeros((batch,), jnp.int32),
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -107,17 +109,30 @@ class PendingPath:
     count: jax.Array  # [B] int32, nodes on its root path (0: nothing)
 
     @staticmethod
-    def empty(batch: int, nodes: int, length: int, hk: int, dk: int, hv: int, dv: int,
-              k_dtype=jnp.bfloat16) -> "PendingPath":
+    def empty(
+        batch: int,
+        nodes: int,
+        length: int,
+        hk: int,
+        dk: int,
+        hv: int,
+        dv: int,
+        k_dtype=jnp.bfloat16,
+    ) -> "PendingPath":
         """Nothing pending, in the layout a decode loop carries (factors of `nodes` nodes, a path
         of `length` rows)."""
-        factors = TreeFactors(k=jnp.zeros((batch, nodes, hk, dk), k_dtype),
-                              u=jnp.zeros((batch, nodes, hv, dv), jnp.float32),
-                              gamma=jnp.zeros((batch, nodes, hv), jnp.float32),
-                              k_scale=jnp.zeros((batch, nodes, hk), jnp.float32))
-        return PendingPath(factors=factors, path=jnp.zeros((batch, length), jnp.int32),
-                           sel=jnp.full((batch,), -1, jnp.int32),
-                           count=jnp.zeros((batch,), jnp.int32))
+        factors = TreeFactors(
+            k=jnp.zeros((batch, nodes, hk, dk), k_dtype),
+            u=jnp.zeros((batch, nodes, hv, dv), jnp.float32),
+            gamma=jnp.zeros((batch, nodes, hv), jnp.float32),
+            k_scale=jnp.zeros((batch, nodes, hk), jnp.float32),
+        )
+        return PendingPath(
+            factors=factors,
+            path=jnp.zeros((batch, length), jnp.int32),
+            sel=jnp.full((batch,), -1, jnp.int32),
+            count=jnp.zeros((batch,), jnp.int32),
+        )
 
     def live_count(self) -> jax.Array:
         """[B] int32: the rows to fold (0 where nothing is pending)."""
@@ -127,15 +142,15 @@ class PendingPath:
 def check_pending(pending: PendingCommit, b: int, hk: int, hv: int, dk: int, dv: int) -> None:
     """ValueError unless a pending commit's rows fit a verify of these shapes (any row count)."""
     length = pending.k.shape[1]
-    want = dict(k=(b, length, hk, dk), u=(b, length, hv, dv), w=(b, length, hv), p_sel=(b, hv),
-                count=(b,))
+    want = dict(
+        k=(b, length, hk, dk), u=(b, length, hv, dv), w=(b, length, hv), p_sel=(b, hv), count=(b,)
+    )
     got = {name: tuple(jnp.shape(getattr(pending, name))) for name in want}
     if got != want:
         raise ValueError(f"pending rows {got} do not match the verify's shapes: need {want}")
 
 
-def check_pending_path(pending: PendingPath, b: int, hk: int, hv: int, dk: int,
-                       dv: int) -> None:
+def check_pending_path(pending: PendingPath, b: int, hk: int, hv: int, dk: int, dv: int) -> None:
     """ValueError unless a pending path's factors fit a verify of these shapes (any node count
     M, any path length L)."""
     f = pending.factors
@@ -145,7 +160,8 @@ def check_pending_path(pending: PendingPath, b: int, hk: int, hv: int, dk: int,
     want = dict(k=(b, m, hk, dk), k_scale=(b, m, hk), u=(b, m, hv, dv), gamma=(b, m, hv))
     got = {name: tuple(jnp.shape(getattr(f, name))) for name in want}
     want.update(path=(b, length), sel=(b,), count=(b,))
-    got.update({name: tuple(jnp.shape(getattr(pending, name))) for name in ("path", "sel",
-                                                                            "count")})
+    got.update(
+        {name: tuple(jnp.shape(getattr(pending, name))) for name in ("path", "sel", "count")}
+    )
     if got != want:
         raise ValueError(f"pending path {got} does not match the verify's shapes: need {want}")

@@ -44,8 +44,7 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x) + L2_EPS)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, sn_ref, *, scale,
-                   qk_l2norm):
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, sn_ref, *, scale, qk_l2norm):
     # Blocks: q, k [dk] (the value head's key head); v [bv]; g, beta []; s, sn [dk, bv] (sn
     # aliases s: the tile is read here before its own store, by no other program); o [bv].
     q = q_ref[...].astype(jnp.float32)
@@ -62,10 +61,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, sn_ref, *
     sn_ref[...] = s
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "qk_l2norm", "block_v", "num_warps",
-                                             "interpret"))
-def _gdn_decode_pallas(q, k, v, g, beta, state, *, scale, qk_l2norm, block_v, num_warps,
-                       interpret):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "qk_l2norm", "block_v", "num_warps", "interpret")
+)
+def _gdn_decode_pallas(q, k, v, g, beta, state, *, scale, qk_l2norm, block_v, num_warps, interpret):
     b, hk, dk = q.shape
     hv, dv = v.shape[1:]
     ratio = hv // hk
@@ -85,8 +84,10 @@ def _gdn_decode_pallas(q, k, v, g, beta, state, *, scale, qk_l2norm, block_v, nu
         grid=(dvp // bv, hv, b),  # value tiles fastest: programs sharing q, k run together
         in_specs=[qk_spec, qk_spec, val_spec, gate_spec, gate_spec, state_spec],
         out_specs=[val_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dvp), v.dtype),
-                   jax.ShapeDtypeStruct(s.shape, jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hv, dvp), v.dtype),
+            jax.ShapeDtypeStruct(s.shape, jnp.float32),
+        ],
         input_output_aliases={5: 1},  # state -> new state, in place
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -99,14 +100,34 @@ def _gdn_decode_pallas(q, k, v, g, beta, state, *, scale, qk_l2norm, block_v, nu
 
 def gdn_decode_reference(q, k, v, g, beta, state, *, scale=None, qk_l2norm: bool = True):
     """`recurrent_gated_delta_rule` on one token, in `gdn_decode`'s layout."""
-    o, s = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
-                                      beta[:, None], state, scale, qk_l2norm=qk_l2norm)
+    o, s = recurrent_gated_delta_rule(
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        g[:, None],
+        beta[:, None],
+        state,
+        scale,
+        qk_l2norm=qk_l2norm,
+    )
     return o[:, 0], s
 
 
-def gdn_decode(q, k, v, g, beta, state, *, scale=None, qk_l2norm: bool = True,
-               backend: str = "auto", interpret: bool | None = None, block_v: int = 32,
-               num_warps: int = 4):
+def gdn_decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    *,
+    scale=None,
+    qk_l2norm: bool = True,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_v: int = 32,
+    num_warps: int = 4,
+):
     """One decode token of the gated delta rule per request.
 
     Args:
@@ -130,5 +151,16 @@ def gdn_decode(q, k, v, g, beta, state, *, scale=None, qk_l2norm: bool = True,
     if backend == "reference":
         return gdn_decode_reference(q, k, v, g, beta, state, scale=scale, qk_l2norm=qk_l2norm)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _gdn_decode_pallas(q, k, v, g, beta, state, scale=scale, qk_l2norm=qk_l2norm,
-                              block_v=block_v, num_warps=num_warps, interpret=interpret)
+    return _gdn_decode_pallas(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        scale=scale,
+        qk_l2norm=qk_l2norm,
+        block_v=block_v,
+        num_warps=num_warps,
+        interpret=interpret,
+    )

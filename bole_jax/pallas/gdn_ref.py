@@ -68,17 +68,25 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     while s < n:
         nb = n // (2 * s)
         diag_blocks = jnp.diagonal(a.reshape(*batch, nb, 2 * s, nb, 2 * s), axis1=-4, axis2=-2)
-        c = jnp.moveaxis(diag_blocks, -1, -3)[..., s:, :s]  # [..., nb, s, s], strictly below the diagonal
+        c = jnp.moveaxis(diag_blocks, -1, -3)[
+            ..., s:, :s
+        ]  # [..., nb, s, s], strictly below the diagonal
         a_inv, d_inv = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
         off = -jnp.einsum("...ij,...jk,...kl->...il", d_inv, c, a_inv, precision=_HI)
-        inv = jnp.concatenate([jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1),
-                               jnp.concatenate([off, d_inv], -1)], -2)  # [..., nb, 2s, 2s]
+        inv = jnp.concatenate(
+            [
+                jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1),
+                jnp.concatenate([off, d_inv], -1),
+            ],
+            -2,
+        )  # [..., nb, 2s, 2s]
         s *= 2
     return inv[..., 0, :, :]
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, chunk: int = 64,
-                           *, qk_l2norm: bool = True):
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, initial_state=None, scale=None, chunk: int = 64, *, qk_l2norm: bool = True
+):
     """Chunked gated delta rule (prefill form).
 
     Args:
@@ -114,7 +122,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, chu
     # UT transform: [u | w] = (I + strictly_lower(ut_system))^-1 [v_beta | k_beta * exp(cum)].
     inv = unit_lower_inverse(ut_system)
     new_values = jnp.einsum("...ij,...jd->...id", inv, v_beta, precision=_HI)
-    k_cumdecay = jnp.einsum("...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None], precision=_HI)
+    k_cumdecay = jnp.einsum(
+        "...ij,...jd->...id", inv, k_beta * jnp.exp(cum)[..., None], precision=_HI
+    )
 
     q_dec = q * jnp.exp(cum)[..., None]  # reads the chunk-start state
     k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # writes into the chunk-end state
@@ -124,14 +134,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, chu
         u, w, qd, kd, a, cd = xs
         v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, S, precision=_HI)
         o = jnp.einsum("bhck,bhkv->bhcv", qd, S, precision=_HI) + jnp.einsum(
-            "bhij,bhjv->bhiv", a, v_new, precision=_HI)
+            "bhij,bhjv->bhiv", a, v_new, precision=_HI
+        )
         S = S * cd + jnp.einsum("bhck,bhcv->bhkv", kd, v_new, precision=_HI)
         return S, o
 
     per_chunk = lambda x: jnp.moveaxis(x, 2, 0)  # scan over the chunk axis
     S0 = _initial_state(initial_state, B, HV, dk, dv)
-    S, o = jax.lax.scan(step, S0, tuple(map(per_chunk, (new_values, k_cumdecay, q_dec, k_dec, intra,
-                                                         chunk_decay))))
+    S, o = jax.lax.scan(
+        step, S0, tuple(map(per_chunk, (new_values, k_cumdecay, q_dec, k_dec, intra, chunk_decay)))
+    )
     o = jnp.moveaxis(o, 0, 2).reshape(B, HV, n * chunk, dv)[:, :, :T]
     return jnp.moveaxis(o, 1, 2).astype(out_dtype), S
 
@@ -146,7 +158,9 @@ def gated_delta_step(S, q_t, k_t, v_t, g_t, beta_t):
     return S, jnp.einsum("bhkv,bhk->bhv", S, q_t, precision=_HI)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, scale=None, *, qk_l2norm: bool = True):
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, initial_state=None, scale=None, *, qk_l2norm: bool = True
+):
     """Token-by-token gated delta rule (decode form; T = 1 is one step). Same arguments and
     returns as `chunk_gated_delta_rule` (without `chunk`)."""
     B, T, _, dk = k.shape

@@ -73,9 +73,13 @@ class GMMConfig:
         128 x 128 (two of them with swiglu); a deeper pipeline for small tiles, which only
         stream weights."""
         accumulators = 2 if swiglu else 1
-        return cls(block_m=block_m, block_n=128, block_k=64 if itemsize <= 2 else 32,
-                   num_warps=8 if block_m * 128 * accumulators >= 128 * 128 else 4,
-                   num_stages=4 if block_m <= 32 else 3)
+        return cls(
+            block_m=block_m,
+            block_n=128,
+            block_k=64 if itemsize <= 2 else 32,
+            num_warps=8 if block_m * 128 * accumulators >= 128 * 128 else 4,
+            num_stages=4 if block_m <= 32 else 3,
+        )
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -121,12 +125,16 @@ def group_layout(experts: jax.Array, num_experts: int, block_m: int) -> GroupLay
     order = jnp.argsort(e, stable=True).astype(jnp.int32)
     sorted_e = e[order]
     ec = jnp.minimum(sorted_e, num_experts - 1)
-    row = jnp.where(sorted_e < num_experts,
-                    first_row[ec] + jnp.arange(p, dtype=jnp.int32) - first_pair[ec], rows)
+    row = jnp.where(
+        sorted_e < num_experts,
+        first_row[ec] + jnp.arange(p, dtype=jnp.int32) - first_pair[ec],
+        rows,
+    )
     pair_row = jnp.zeros((p,), jnp.int32).at[order].set(row)
     row_pair = jnp.full((rows,), p, jnp.int32).at[row].set(order, mode="drop")
-    tile_expert = jnp.searchsorted(tile_end, jnp.arange(tiles, dtype=jnp.int32), side="right",
-                                   method="compare_all").astype(jnp.int32)
+    tile_expert = jnp.searchsorted(
+        tile_end, jnp.arange(tiles, dtype=jnp.int32), side="right", method="compare_all"
+    ).astype(jnp.int32)
     return GroupLayout(pair_row=pair_row, row_pair=row_pair, tile_expert=tile_expert)
 
 
@@ -154,8 +162,9 @@ def _gmm_kernel(te_ref, x_ref, *refs, num_experts, block_k, swiglu):
             return out
 
         zero = jnp.zeros(o_ref.shape, jnp.float32)
-        acc = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step,
-                                (zero, zero) if swiglu else (zero,))
+        acc = jax.lax.fori_loop(
+            0, x_ref.shape[1] // block_k, step, (zero, zero) if swiglu else (zero,)
+        )
         out = jax.nn.silu(acc[0]) * acc[1] if swiglu else acc[0]
         o_ref[...] = out.astype(o_ref.dtype)
 
@@ -173,8 +182,11 @@ def _gmm_pallas(x, w, tile_expert, *, swiglu, cfg, interpret):
     bk = _pow2_divisor(k, cfg.block_k)
     assert m == tiles * bm and bn >= 16 and bk >= 16, (x.shape, w.shape, tiles, cfg)
     w_spec = pl.BlockSpec((e, k, bn), lambda t, j: (0, 0, j))
-    in_specs = [pl.BlockSpec((tiles,), lambda t, j: (0,)),
-                pl.BlockSpec((bm, k), lambda t, j: (t, 0)), w_spec]
+    in_specs = [
+        pl.BlockSpec((tiles,), lambda t, j: (0,)),
+        pl.BlockSpec((bm, k), lambda t, j: (t, 0)),
+        w_spec,
+    ]
     args = [tile_expert, x, w]
     if swiglu:  # the up half of the same array: no copy
         in_specs.append(pl.BlockSpec((e, k, bn), lambda t, j: (0, 0, j + n_out // bn)))
@@ -186,8 +198,7 @@ def _gmm_pallas(x, w, tile_expert, *, swiglu, cfg, interpret):
         out_specs=pl.BlockSpec((bm, bn), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                num_stages=cfg.num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name="bole_moe_gmm",
     )(*args)
 
@@ -196,8 +207,16 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def gmm(x, w, tile_expert, *, swiglu: bool = False, config: GMMConfig | None = None,
-        backend: str = "auto", interpret: bool | None = None):
+def gmm(
+    x,
+    w,
+    tile_expert,
+    *,
+    swiglu: bool = False,
+    config: GMMConfig | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+):
     """Grouped matmul: row tile t of x times its expert's weights, w[tile_expert[t]].
 
     x [M, K] (M = T * bm: rows laid out by `group_layout`), w [E, K, N], tile_expert [T] int32
@@ -213,8 +232,10 @@ def gmm(x, w, tile_expert, *, swiglu: bool = False, config: GMMConfig | None = N
     backend, interpret = resolve_backend(backend, interpret)
     tiles = tile_expert.shape[0]
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or x.shape[0] % max(tiles, 1):
-        raise ValueError(f"gmm needs x [T * bm, K], w [E, K, N], tile_expert [T]; got x "
-                         f"{x.shape}, w {w.shape}, tile_expert {tile_expert.shape}")
+        raise ValueError(
+            f"gmm needs x [T * bm, K], w [E, K, N], tile_expert [T]; got x "
+            f"{x.shape}, w {w.shape}, tile_expert {tile_expert.shape}"
+        )
     if swiglu and w.shape[2] % 2:
         raise ValueError(f"swiglu needs w's columns [gate | up], an even count; got {w.shape}")
     if backend == "reference":
@@ -235,8 +256,9 @@ def gmm(x, w, tile_expert, *, swiglu: bool = False, config: GMMConfig | None = N
         w = pad_axis(w.reshape(e, kp, 2, n // 2), 3, half).reshape(e, kp, 2 * half)
     elif not swiglu:
         w = pad_axis(w, 2, _round_up(n, 16))
-    out = _gmm_pallas(x, w, tile_expert.astype(jnp.int32), swiglu=swiglu, cfg=cfg,
-                      interpret=interpret)
+    out = _gmm_pallas(
+        x, w, tile_expert.astype(jnp.int32), swiglu=swiglu, cfg=cfg, interpret=interpret
+    )
     n_out = n // 2 if swiglu else n
     return out[:, :n_out] if out.shape[1] != n_out else out
 
@@ -251,8 +273,11 @@ def gmm_ref(x, w, tile_expert, *, swiglu: bool = False):
 
     def tile(args):
         xt, e = args
-        y = jnp.dot(xt.astype(jnp.float32), w[jnp.minimum(e, num_experts - 1)].astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
+        y = jnp.dot(
+            xt.astype(jnp.float32),
+            w[jnp.minimum(e, num_experts - 1)].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
         if swiglu:
             gate, up = jnp.split(y, 2, axis=-1)
             y = jax.nn.silu(gate) * up

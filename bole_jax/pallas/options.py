@@ -27,9 +27,13 @@ COMMIT_FOLDS = ("auto", "unroll", "dot", "loop")
 LAZY_ROWS = ("path", "gather")
 BACKENDS = ("auto", "pallas", "reference")
 
-_ENV = dict(tree_gdn_bf16="BOLE_TREE_GDN_BF16", mosaic="BOLE_TREE_GDN_MOSAIC",
-            commit_fold="BOLE_COMMIT_FOLD", lazy_rows="BOLE_LAZY_ROWS",
-            gdn_decode_backend="BOLE_GDN_DECODE_BACKEND")
+_ENV = dict(
+    tree_gdn_bf16="BOLE_TREE_GDN_BF16",
+    mosaic="BOLE_TREE_GDN_MOSAIC",
+    commit_fold="BOLE_COMMIT_FOLD",
+    lazy_rows="BOLE_LAZY_ROWS",
+    gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +65,18 @@ class KernelOptions:
     def __post_init__(self):
         for name in ("tree_gdn_bf16", "mosaic"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelOptions.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
-        for name, allowed in (("commit_fold", COMMIT_FOLDS), ("lazy_rows", LAZY_ROWS),
-                              ("gdn_decode_backend", BACKENDS)):
+                raise ValueError(
+                    f"KernelOptions.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        for name, allowed in (
+            ("commit_fold", COMMIT_FOLDS),
+            ("lazy_rows", LAZY_ROWS),
+            ("gdn_decode_backend", BACKENDS),
+        ):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"KernelOptions.{name} must be one of {allowed}, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"KernelOptions.{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_env(cls, environ=None) -> "KernelOptions":

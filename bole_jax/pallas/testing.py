@@ -8,8 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def random_parents(rng: np.random.Generator, n: int, kind: str = "random", *,
-                   max_children: int = 4, max_depth: int = 8) -> np.ndarray:
+def random_parents(
+    rng: np.random.Generator,
+    n: int,
+    kind: str = "random",
+    *,
+    max_children: int = 4,
+    max_depth: int = 8,
+) -> np.ndarray:
     """One tree of `n` nodes as a parents vector [n] int32 (topological order).
 
     kind: "chain" (0 <- 1 <- 2 ...), "star" (all children of node 0), "deep" (long random
@@ -57,25 +63,38 @@ def tree_depth(parents: np.ndarray) -> int:
     return int(d.max()) if len(d) else 0
 
 
-def random_trees(rng: np.random.Generator, batch: int, n: int, kinds=("random",), *,
-                 ragged: bool = False, **kw) -> tuple[np.ndarray, np.ndarray]:
+def random_trees(
+    rng: np.random.Generator, batch: int, n: int, kinds=("random",), *, ragged: bool = False, **kw
+) -> tuple[np.ndarray, np.ndarray]:
     """(parents [batch, n] int32, num_nodes [batch] int32). Request b gets tree kind
     kinds[b % len(kinds)]; ragged: request b > 0 keeps only a random prefix of its nodes (the
     rest is padding whose parents are garbage, as an engine's fixed-shape buffers would hold)."""
-    parents = np.stack([random_parents(rng, n, kinds[b % len(kinds)], **kw)
-                        for b in range(batch)]).astype(np.int32).reshape(batch, n)
+    parents = (
+        np.stack([random_parents(rng, n, kinds[b % len(kinds)], **kw) for b in range(batch)])
+        .astype(np.int32)
+        .reshape(batch, n)
+    )
     num_nodes = np.full(batch, n, np.int32)
     if ragged and n > 1:
         for b in range(1, batch):
             num_nodes[b] = rng.integers(1, n + 1)
-            parents[b, num_nodes[b]:] = rng.integers(-1, n, n - num_nodes[b])
+            parents[b, num_nodes[b] :] = rng.integers(-1, n, n - num_nodes[b])
     return parents, num_nodes
 
 
-def random_gdn_inputs(rng: np.random.Generator, batch: int, n: int, hk: int, hv: int, dk: int,
-                      dv: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def random_gdn_inputs(
+    rng: np.random.Generator,
+    batch: int,
+    n: int,
+    hk: int,
+    hv: int,
+    dk: int,
+    dv: int,
+    dtype=np.float32,
+) -> dict[str, np.ndarray]:
     """Random GDN verify inputs with realistic ranges: q, k, v in `dtype`; g = log gate in
     [-1, -0.01]; beta in (0, 1); state fp32 of O(1) norm per column."""
+
     def cast(x):
         return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype))
 

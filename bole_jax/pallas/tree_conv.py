@@ -43,8 +43,9 @@ def tree_causal_conv_ref(x, conv_state, weight, parents, num_nodes=None, *, wind
     if windows is None:
         windows = conv_window_indices(parents, width)
     rows = _window_rows(x, conv_state, windows).astype(jnp.float32)
-    acc = jnp.einsum("bnkc,kc->bnc", rows, weight.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    acc = jnp.einsum(
+        "bnkc,kc->bnc", rows, weight.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
     y = jnp.where(node_validity(parents, num_nodes)[:, :, None], jax.nn.silu(acc), 0.0)
     return y.astype(x.dtype)
 
@@ -89,8 +90,7 @@ def _tree_conv_kernel(nn_ref, win_ref, x_ref, cs_ref, w_ref, y_ref, *, n_real, w
 
 
 @functools.partial(jax.jit, static_argnames=("block_c", "interpret", "num_warps"))
-def _tree_conv_pallas(x, conv_state, weight, windows, num_nodes, *, block_c, interpret,
-                      num_warps):
+def _tree_conv_pallas(x, conv_state, weight, windows, num_nodes, *, block_c, interpret, num_warps):
     b, n, ch = x.shape
     width = weight.shape[0]
     np_ = next_pow2(n)
@@ -100,11 +100,13 @@ def _tree_conv_pallas(x, conv_state, weight, windows, num_nodes, *, block_c, int
     y = pl.pallas_call(
         functools.partial(_tree_conv_kernel, n_real=n, width=width),
         grid=(b, cp // bc),
-        in_specs=[pl.BlockSpec((None,), lambda i, t: (i,)),
-                  pl.BlockSpec((None, np_, width), lambda i, t: (i, 0, 0)),
-                  pl.BlockSpec((None, np_, bc), lambda i, t: (i, 0, t)),
-                  pl.BlockSpec((None, width - 1, bc), lambda i, t: (i, 0, t)),
-                  pl.BlockSpec((width, bc), lambda i, t: (0, t))],
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, t: (i,)),
+            pl.BlockSpec((None, np_, width), lambda i, t: (i, 0, 0)),
+            pl.BlockSpec((None, np_, bc), lambda i, t: (i, 0, t)),
+            pl.BlockSpec((None, width - 1, bc), lambda i, t: (i, 0, t)),
+            pl.BlockSpec((width, bc), lambda i, t: (0, t)),
+        ],
         out_specs=pl.BlockSpec((None, np_, bc), lambda i, t: (i, 0, t)),
         out_shape=jax.ShapeDtypeStruct((b, n, cp), x.dtype),
         interpret=interpret,
@@ -114,8 +116,19 @@ def _tree_conv_pallas(x, conv_state, weight, windows, num_nodes, *, block_c, int
     return y[..., :ch] if cp != ch else y
 
 
-def tree_causal_conv(x, conv_state, weight, parents, num_nodes=None, *, windows=None,
-                     backend="auto", interpret=None, block_c: int = 64, num_warps: int = 4):
+def tree_causal_conv(
+    x,
+    conv_state,
+    weight,
+    parents,
+    num_nodes=None,
+    *,
+    windows=None,
+    backend="auto",
+    interpret=None,
+    block_c: int = 64,
+    num_warps: int = 4,
+):
     """Tree causal conv + SiLU. x [B, N, C] pre-conv inputs; conv_state [B, K-1, C] (newest
     last); weight [K, C]; parents [B, N]; num_nodes [B] or None. windows: precomputed
     `conv_window_indices(parents, K)` (shared by all layers of a step). Returns [B, N, C] in
@@ -123,8 +136,10 @@ def tree_causal_conv(x, conv_state, weight, parents, num_nodes=None, *, windows=
     b, n, ch = x.shape
     width = weight.shape[0]
     if conv_state.shape != (b, width - 1, ch) or weight.shape != (width, ch):
-        raise ValueError(f"conv_state {conv_state.shape} must be [B, K-1, C] and weight "
-                         f"{weight.shape} [K, C] for x {x.shape}")
+        raise ValueError(
+            f"conv_state {conv_state.shape} must be [B, K-1, C] and weight "
+            f"{weight.shape} [K, C] for x {x.shape}"
+        )
     backend, interpret = resolve_backend(backend, interpret)
     if windows is None:
         windows = conv_window_indices(parents, width)
@@ -132,6 +147,13 @@ def tree_causal_conv(x, conv_state, weight, parents, num_nodes=None, *, windows=
         return tree_causal_conv_ref(x, conv_state, weight, parents, num_nodes, windows=windows)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
-    return _tree_conv_pallas(x, conv_state.astype(x.dtype), weight, windows,
-                             jnp.asarray(num_nodes, jnp.int32), block_c=block_c,
-                             interpret=interpret, num_warps=num_warps)
+    return _tree_conv_pallas(
+        x,
+        conv_state.astype(x.dtype),
+        weight,
+        windows,
+        jnp.asarray(num_nodes, jnp.int32),
+        block_c=block_c,
+        interpret=interpret,
+        num_warps=num_warps,
+    )

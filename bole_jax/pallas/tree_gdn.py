@@ -132,12 +132,18 @@ class TreeGDNConfig:
     def with_fold(self, fold: str) -> "TreeGDNConfig":
         """This launch with another fold; `prefetch_fold` kept only where the fold allows it
         (not with "loop", which loads its rows trip by trip)."""
-        return dataclasses.replace(self, fold=fold,
-                                   prefetch_fold=self.prefetch_fold and fold != "loop")
+        return dataclasses.replace(
+            self, fold=fold, prefetch_fold=self.prefetch_fold and fold != "loop"
+        )
 
     @classmethod
-    def auto(cls, batch: int, nodes: int, depth_bound: int | None = None,
-             options: KernelOptions = KernelOptions()) -> "TreeGDNConfig":
+    def auto(
+        cls,
+        batch: int,
+        nodes: int,
+        depth_bound: int | None = None,
+        options: KernelOptions = KernelOptions(),
+    ) -> "TreeGDNConfig":
         """The launch measured fastest at Qwen3-Next dims on the H200 (docs/kernels.md, launch
         table). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
         B = 1: 32 columns per program; up to 16 nodes the state tile loaded first and the matrix
@@ -153,29 +159,51 @@ class TreeGDNConfig:
         else:
             fold = "unroll" if short and nodes > 8 else "loop"
         bf16 = options.tree_gdn_bf16
-        kw = dict(bf16_qk=bf16, bf16_state=bf16, depth_bound=depth_bound,
-                  fold=fold, prefetch_fold=batch <= 4 and fold != "loop")
+        kw = dict(
+            bf16_qk=bf16,
+            bf16_state=bf16,
+            depth_bound=depth_bound,
+            fold=fold,
+            prefetch_fold=batch <= 4 and fold != "loop",
+        )
         if nodes > 64:
             return cls(block_v=32, num_warps=8, **dict(kw, prefetch_fold=False))
         if batch == 1:
             # <= 16 nodes the matrix inverse forms T while the prefetched state tile is in
             # flight; at 32 nodes squaring measured faster (docs/kernels.md, launch table).
             small = nodes <= 16
-            return cls(block_v=32, num_warps=4, prefetch_state=small,
-                       inverse="matrix" if small else "squaring", **kw)
+            return cls(
+                block_v=32,
+                num_warps=4,
+                prefetch_state=small,
+                inverse="matrix" if small else "squaring",
+                **kw,
+            )
         if batch <= 4:
             return cls(block_v=64, num_warps=4, inverse="matrix", **kw)
         if nodes <= 16:
             return cls(block_v=64, num_warps=2, inverse="matrix", **kw)
         # Above 16 nodes a whole value head as two 64-column tiles; at 16 nodes one tile was
         # faster lazy (docs/kernels.md, launch table).
-        return cls(block_v=64, tiles_per_program=2, num_warps=4,
-                   num_stages=1 if nodes <= 32 else 2, inverse="matrix", **kw)
+        return cls(
+            block_v=64,
+            tiles_per_program=2,
+            num_warps=4,
+            num_stages=1 if nodes <= 32 else 2,
+            inverse="matrix",
+            **kw,
+        )
 
 
-def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
-                  depth_bound: int | None,
-                  options: KernelOptions = KernelOptions()) -> dict | None:
+def mosaic_launch(
+    batch: int,
+    nodes: int,
+    dk: int,
+    dv: int,
+    v_dtype,
+    depth_bound: int | None,
+    options: KernelOptions = KernelOptions(),
+) -> dict | None:
     """The Mosaic GPU verify's launch (`tree_gdn_mgpu.tree_gdn_verify_mgpu` keywords) where the
     auto launch takes it instead of the Triton kernel, else None: where the H200 measured it
     faster at Qwen3-Next dims, at every batch measured (1 to 64; docs/kernels.md, launch
@@ -184,15 +212,16 @@ def mosaic_launch(batch: int, nodes: int, dk: int, dv: int, v_dtype,
     GPU image), dk = dv = 128, bf16 v (the kernel rounds o through bf16), a static depth bound,
     exactly 64 nodes (fewer stay on Triton: padding the node axis to 64 in XLA cost more than
     the kernel saved), `options.tree_gdn_bf16` and `options.mosaic`."""
-    if not (options.mosaic and options.tree_gdn_bf16 and tree_gdn_mgpu.AVAILABLE) \
-            or depth_bound is None:
+    if (
+        not (options.mosaic and options.tree_gdn_bf16 and tree_gdn_mgpu.AVAILABLE)
+        or depth_bound is None
+    ):
         return None
     if (dk, dv) != (tree_gdn_mgpu.HEAD_DIM,) * 2 or jnp.dtype(v_dtype) != jnp.bfloat16:
         return None
     if nodes != tree_gdn_mgpu.NP:
         return None
-    return dict(block_v=64, inverse="squaring", products=1, approx_math=True,
-                auto_barriers=False)
+    return dict(block_v=64, inverse="squaring", products=1, approx_math=True, auto_barriers=False)
 
 
 def _l2norm_scale(x):
@@ -202,9 +231,27 @@ def _l2norm_scale(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
 
 
-def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-                     *refs, n_real, scale, ratio, cfg, interpret, has_pending, pend_rows=0,
-                     pend_path=False, pend_nodes=0):
+def _tree_gdn_kernel(
+    nn_ref,
+    plen_ref,
+    anc_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    s_ref,
+    *refs,
+    n_real,
+    scale,
+    ratio,
+    cfg,
+    interpret,
+    has_pending,
+    pend_rows=0,
+    pend_path=False,
+    pend_nodes=0,
+):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v [Np, hg, tpp*bv]; g, beta [Np, hg];
     # s [hg, dk, tpp*bv]; o, u [Np, hg, tpp*bv]; gamma [Np, hg]; ks [Np]. Np = N rounded up
     # to a power of two >= 16: rows >= N lie past the arrays' end, touched only through masks.
@@ -220,10 +267,27 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # The caller's count, sel and path are used as given (no XLA ops before the launch),
     # sanitised here as the commit kernel sanitises them (`_path_inputs`).
     if pend_path:
-        (cnt_ref, sel_ref, path_ref, pg_ref, pk_ref, pks_ref, pu_ref,
-         o_ref, u_ref, gamma_ref, ks_ref, sn_ref) = refs
-        pend = (*_path_inputs(cnt_ref, sel_ref, path_ref, pend_rows, pend_nodes), pg_ref,
-                pk_ref, pks_ref, pu_ref)
+        (
+            cnt_ref,
+            sel_ref,
+            path_ref,
+            pg_ref,
+            pk_ref,
+            pks_ref,
+            pu_ref,
+            o_ref,
+            u_ref,
+            gamma_ref,
+            ks_ref,
+            sn_ref,
+        ) = refs
+        pend = (
+            *_path_inputs(cnt_ref, sel_ref, path_ref, pend_rows, pend_nodes),
+            pg_ref,
+            pk_ref,
+            pks_ref,
+            pu_ref,
+        )
     elif has_pending:
         cnt_ref, pk_ref, pu_ref, pw_ref, ps_ref, o_ref, u_ref, gamma_ref, ks_ref, sn_ref = refs
         # The loop bound is clamped to the rows present, so a bad count cannot read past them.
@@ -245,8 +309,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
     # committed state tile (fp32), issued ahead of everything else when asked (one value head
     # and tile per program).
     # (j as a traced int, as value_head gets it: interpret mode's masked loads need one)
-    early_rows = (_pending_rows(pend, pend_path, jnp.int32(0), slice(None), cfg.fold, pend_rows)
-                  if pend is not None and cfg.prefetch_fold else None)
+    early_rows = (
+        _pending_rows(pend, pend_path, jnp.int32(0), slice(None), cfg.fold, pend_rows)
+        if pend is not None and cfg.prefetch_fold
+        else None
+    )
     early_s = s_ref[0, :, :] if cfg.prefetch_state else None
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < jnp.minimum(nn_ref[...], n_real)  # [Np] real nodes
@@ -304,8 +371,11 @@ def _tree_gdn_kernel(nn_ref, plen_ref, anc_ref, q_ref, k_ref, v_ref, g_ref, beta
             cols = pl.ds(pl.multiple_of(t * bv, bv), bv) if tpp > 1 else slice(None)
             s = s_ref[j, :, cols] if early_s is None else early_s  # [dk, bv] fp32
             if pend is not None:
-                loaded = (early_rows if early_rows is not None else
-                          _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows))
+                loaded = (
+                    early_rows
+                    if early_rows is not None
+                    else _pending_rows(pend, pend_path, j, cols, cfg.fold, pend_rows)
+                )
                 s = _fold_rows(s, pend[0], loaded, cfg.fold, prec_fold)
                 sn_ref[j, :, cols] = s
             s = s.astype(s_dtype)
@@ -359,8 +429,12 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
         if fold == "dot":
             path = path_ids()  # ids past the L present masked to 0 (not live)
             keys = pk_ref[path, :].astype(jnp.float32) * pks_ref[path][:, None]
-            return scale, (_path_weight(g_sel, pg_ref[path, j]), keys, pu_ref[path, j, cols],
-                           jnp.arange(path.shape[0]) < count)
+            return scale, (
+                _path_weight(g_sel, pg_ref[path, j]),
+                keys,
+                pu_ref[path, j, cols],
+                jnp.arange(path.shape[0]) < count,
+            )
         return scale, lambda m: row(node_at(m))
     count, pk_ref, pu_ref, pw_ref, ps_ref = pend
     scale = ps_ref[j]
@@ -371,8 +445,12 @@ def _pending_rows(pend, pend_path: bool, j, cols, fold: str, rows: int):
         idx = jnp.arange(lp, dtype=jnp.int32)
         inb = None if lp == rows else idx < rows
         col = None if inb is None else inb[:, None]
-        return scale, (_load(pw_ref.at[:, j], inb), _load(pk_ref, col),
-                       _load(pu_ref.at[:, j, cols], col), idx < count)
+        return scale, (
+            _load(pw_ref.at[:, j], inb),
+            _load(pk_ref, col),
+            _load(pu_ref.at[:, j, cols], col),
+            idx < count,
+        )
     return scale, lambda m: (pw_ref[m, j], pk_ref[m], pu_ref[m, j, cols])
 
 
@@ -413,6 +491,7 @@ def _inverse_matrix(gmat, path_len, prec):
 def _apply_inverse(gmat, rhs, path_len, method, prec):
     """(I + G)^-1 rhs for G nilpotent of index <= path_len (static int or traced scalar)."""
     if method == "neumann":
+
         def body(_, zu):
             z, u = zu
             z = -_dot(gmat, z, prec)
@@ -434,15 +513,27 @@ def _apply_inverse(gmat, rhs, path_len, method, prec):
             width, x, u = c
             return width * 2, _dot(x, x, prec), u + _dot(x, u, prec)
 
-        return jax.lax.while_loop(lambda c: c[0] < path_len, body,
-                                  (jnp.int32(1), -gmat, rhs))[2]
+        return jax.lax.while_loop(lambda c: c[0] < path_len, body, (jnp.int32(1), -gmat, rhs))[2]
     raise ValueError(f"inverse must be one of {_INVERSES}, got {method!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret"))
-def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
-                     pending: PendingCommit | PendingPath | None = None, *, scale, cfg,
-                     interpret):
+def _tree_gdn_pallas(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    anc,
+    num_nodes,
+    path_len,
+    pending: PendingCommit | PendingPath | None = None,
+    *,
+    scale,
+    cfg,
+    interpret,
+):
     """The kernel launch: q, k [B, N, Hk, dk]; v [B, N, HV, dv]; g, beta [B, N, HV]; state
     [B, HV, dk, dv]; anc [B, N, N]; num_nodes, path_len [B]. Returns (o, u, gamma, k_scale):
     `with_keys` makes the factors (outside this jit, which would copy k were it to return it).
@@ -467,11 +558,13 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     if hg < 1 or ratio % hg:
         raise ValueError(f"heads_per_program={hg} must divide HV/Hk={ratio}")
     if (cfg.prefetch_state or cfg.prefetch_fold) and (cfg.tiles_per_program != 1 or hg != 1):
-        raise ValueError("prefetch_state / prefetch_fold need tiles_per_program=1 and "
-                         "heads_per_program=1")
+        raise ValueError(
+            "prefetch_state / prefetch_fold need tiles_per_program=1 and heads_per_program=1"
+        )
     if cfg.prefetch_fold and cfg.fold == "loop":
-        raise ValueError("prefetch_fold needs fold 'unroll' or 'dot' (the loop loads its rows "
-                         "trip by trip)")
+        raise ValueError(
+            "prefetch_fold needs fold 'unroll' or 'dot' (the loop loads its rows trip by trip)"
+        )
     tpp = cfg.tiles_per_program
     if tpp < 1 or dvp % (bv * tpp):
         raise ValueError(f"tiles_per_program={tpp} x block_v={bv} must divide dv={dvp}")
@@ -490,20 +583,39 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     gate_spec = pl.BlockSpec((None, np_, hg), lambda t, h, i: (i, 0, h))
     state_spec = pl.BlockSpec((None, hg, dkp, bw), lambda t, h, i: (i, h, 0, t))
     in_specs = [
-        per_req, per_req,
+        per_req,
+        per_req,
         pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
-        qk_spec, qk_spec, val_spec, gate_spec, gate_spec, state_spec,
+        qk_spec,
+        qk_spec,
+        val_spec,
+        gate_spec,
+        gate_spec,
+        state_spec,
     ]
-    out_specs = [val_spec, val_spec, gate_spec,
-                 pl.BlockSpec((None, np_, None), lambda t, h, i: (i, 0, key_head(h)))]
+    out_specs = [
+        val_spec,
+        val_spec,
+        gate_spec,
+        pl.BlockSpec((None, np_, None), lambda t, h, i: (i, 0, key_head(h))),
+    ]
     out_shape = [
         jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
         jax.ShapeDtypeStruct((b, n, hv, dvp), jnp.float32),
         jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
         jax.ShapeDtypeStruct((b, n, hk), jnp.float32),
     ]
-    args = [num_nodes, path_len, anc.astype(jnp.int8), q, k, v, g.astype(jnp.float32),  # int8:
-            beta.astype(jnp.float32), state]  # bytes, not i1
+    args = [
+        num_nodes,
+        path_len,
+        anc.astype(jnp.int8),
+        q,
+        k,
+        v,
+        g.astype(jnp.float32),  # int8:
+        beta.astype(jnp.float32),
+        state,
+    ]  # bytes, not i1
     aliases = {}
     pend_path = isinstance(pending, PendingPath)
     pend_rows = pend_nodes = 0  # (the kernel's pending path rows / factor nodes, or gathered rows)
@@ -519,17 +631,23 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
         mp = next_pow2(pend_nodes, minimum=1)
         lb = pend_rows if cfg.fold != "dot" else next_pow2(pend_rows)
         in_specs += [
-            per_req, per_req,
+            per_req,
+            per_req,
             pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
             pl.BlockSpec((None, mp, hg), lambda t, h, i: (i, 0, h)),
             pl.BlockSpec((None, mp, None, dkp), lambda t, h, i: (i, 0, key_head(h), 0)),
             pl.BlockSpec((None, mp, None), lambda t, h, i: (i, 0, key_head(h))),
             pl.BlockSpec((None, mp, hg, bw), lambda t, h, i: (i, 0, h, t)),
         ]
-        args += [jnp.asarray(pending.count, jnp.int32), jnp.asarray(pending.sel, jnp.int32),
-                 jnp.asarray(pending.path, jnp.int32), f.gamma.astype(jnp.float32),
-                 pad_axis(f.k, 3, dkp),
-                 f.k_scale.astype(jnp.float32), pad_axis(f.u.astype(jnp.float32), 3, dvp)]
+        args += [
+            jnp.asarray(pending.count, jnp.int32),
+            jnp.asarray(pending.sel, jnp.int32),
+            jnp.asarray(pending.path, jnp.int32),
+            f.gamma.astype(jnp.float32),
+            pad_axis(f.k, 3, dkp),
+            f.k_scale.astype(jnp.float32),
+            pad_axis(f.u.astype(jnp.float32), 3, dvp),
+        ]
     elif pending is not None:
         # folds "loop" / "unroll" load the rows one at a time ([dk] / [bw] vectors), so L need
         # not be a power of two; fold "dot" reads blocks of lb (a power of two >= 16) rows,
@@ -544,18 +662,30 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
             pl.BlockSpec((None, lb, hg), lambda t, h, i: (i, 0, h)),
             pl.BlockSpec((None, hg), lambda t, h, i: (i, h)),
         ]
-        args += [jnp.asarray(pending.count, jnp.int32),
-                 pad_axis(pending.k.astype(jnp.float32), 3, dkp),
-                 pad_axis(pending.u.astype(jnp.float32), 3, dvp),
-                 pending.w.astype(jnp.float32), pending.p_sel.astype(jnp.float32)]
+        args += [
+            jnp.asarray(pending.count, jnp.int32),
+            pad_axis(pending.k.astype(jnp.float32), 3, dkp),
+            pad_axis(pending.u.astype(jnp.float32), 3, dvp),
+            pending.w.astype(jnp.float32),
+            pending.p_sel.astype(jnp.float32),
+        ]
     if pending is not None:  # the folded state, written over the state input
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
         aliases = {8: 4}
     outs = pl.pallas_call(
-        functools.partial(_tree_gdn_kernel, n_real=n, scale=scale, ratio=ratio, cfg=cfg,
-                          interpret=interpret, has_pending=pending is not None,
-                          pend_rows=pend_rows, pend_path=pend_path, pend_nodes=pend_nodes),
+        functools.partial(
+            _tree_gdn_kernel,
+            n_real=n,
+            scale=scale,
+            ratio=ratio,
+            cfg=cfg,
+            interpret=interpret,
+            has_pending=pending is not None,
+            pend_rows=pend_rows,
+            pend_path=pend_path,
+            pend_nodes=pend_nodes,
+        ),
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -574,11 +704,25 @@ def _tree_gdn_pallas(q, k, v, g, beta, state, anc, num_nodes, path_len,
     return o, u, gamma, k_scale, (new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new)
 
 
-def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
-                    tree: TreeStructure | None = None, backend: str = "auto",
-                    interpret: bool | None = None, config: TreeGDNConfig | None = None,
-                    pending: PendingCommit | PendingPath | None = None,
-                    depth_bound: int | None = None, options: KernelOptions | None = None):
+def tree_gdn_verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes=None,
+    *,
+    scale=None,
+    tree: TreeStructure | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    config: TreeGDNConfig | None = None,
+    pending: PendingCommit | PendingPath | None = None,
+    depth_bound: int | None = None,
+    options: KernelOptions | None = None,
+):
     """Verify all nodes of a draft tree through one GDN layer from the committed state.
 
     q, k [B, N, Hk, dk] raw (L2 norm and `scale`, default dk^-1/2, are fused); v [B, N, HV, dv]
@@ -611,12 +755,16 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
     b, n, hk, dk = q.shape
     hv = v.shape[2]
     if k.shape != q.shape or v.shape[:2] != (b, n) or hv % hk:
-        raise ValueError(f"inconsistent shapes q {q.shape} k {k.shape} v {v.shape}: need "
-                         "q, k [B, N, Hk, dk], v [B, N, HV, dv] with HV a multiple of Hk")
+        raise ValueError(
+            f"inconsistent shapes q {q.shape} k {k.shape} v {v.shape}: need "
+            "q, k [B, N, Hk, dk], v [B, N, HV, dv] with HV a multiple of Hk"
+        )
     if g.shape != (b, n, hv) or beta.shape != (b, n, hv) or state.shape != (b, hv, dk, v.shape[3]):
-        raise ValueError(f"g {g.shape} / beta {beta.shape} must be [B, N, HV] and state "
-                         f"{state.shape} [B, HV, dk, dv]")
-    scale = float(dk ** -0.5 if scale is None else scale)
+        raise ValueError(
+            f"g {g.shape} / beta {beta.shape} must be [B, N, HV] and state "
+            f"{state.shape} [B, HV, dk, dv]"
+        )
+    scale = float(dk**-0.5 if scale is None else scale)
     options = KernelOptions() if options is None else options
     backend, interpret = resolve_backend(backend, interpret)
     if isinstance(pending, PendingPath):
@@ -627,41 +775,78 @@ def tree_gdn_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=N
         if isinstance(pending, PendingPath):
             pending = gather_pending_path(pending, backend="reference")
         if pending is None:
-            return tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
-                                                     num_nodes, scale=scale, tree=tree)
+            return tree_gdn_ref.tree_gdn_closed_form(
+                q, k, v, g, beta, state, parents, num_nodes, scale=scale, tree=tree
+            )
         state = apply_pending(state, pending)
-        o, factors = tree_gdn_ref.tree_gdn_closed_form(q, k, v, g, beta, state, parents,
-                                                       num_nodes, scale=scale, tree=tree)
+        o, factors = tree_gdn_ref.tree_gdn_closed_form(
+            q, k, v, g, beta, state, parents, num_nodes, scale=scale, tree=tree
+        )
         return o, factors, state
     if n > 128:
-        raise ValueError(f"the Pallas tree kernel handles N <= 128 nodes (got {n}): its N x N "
-                         "tiles must fit one program; use backend='reference' or a smaller tree")
+        raise ValueError(
+            f"the Pallas tree kernel handles N <= 128 nodes (got {n}): its N x N "
+            "tiles must fit one program; use backend='reference' or a smaller tree"
+        )
     if tree is None:
         tree = tree_structure(parents, num_nodes)
-    launch = (None if config is not None or interpret else
-              mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound, options))
+    launch = (
+        None
+        if config is not None or interpret
+        else mosaic_launch(b, n, dk, v.shape[3], v.dtype, depth_bound, options)
+    )
     if launch is not None and isinstance(pending, PendingPath):
         pending = gather_pending_path(pending, backend="pallas", interpret=False)
     if launch is not None and (pending is None or pending.k.shape[1] >= 1):
         # The measured-faster Mosaic GPU kernel (same outputs). With a pending commit it folds
         # the rows into its state tiles and writes them back in place, also measured faster
         # than the best Triton fold (docs/kernels.md, launch table).
-        return tree_gdn_mgpu.tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes,
-                                                  depth_bound=depth_bound, scale=scale,
-                                                  tree=tree, interpret=False, pending=pending,
-                                                  **launch)
+        return tree_gdn_mgpu.tree_gdn_verify_mgpu(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            parents,
+            num_nodes,
+            depth_bound=depth_bound,
+            scale=scale,
+            tree=tree,
+            interpret=False,
+            pending=pending,
+            **launch,
+        )
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
     # No config: the measured launch table on a device; plain fp32 operands in interpret mode
     # (tests compare against the fp32 reference there).
-    cfg = config or (TreeGDNConfig(depth_bound=depth_bound) if interpret
-                     else TreeGDNConfig.auto(b, n, depth_bound, options))
-    if (cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS
-            or cfg.fold not in _FOLDS):
-        raise ValueError(f"inverse must be one of {_INVERSES}, precision one of "
-                         f"{tuple(_PRECISIONS)} and fold one of {_FOLDS}, got {cfg.inverse!r}, "
-                         f"{cfg.precision!r}, {cfg.fold!r}")
-    return with_keys(k, _tree_gdn_pallas(q, k, v, g, beta, state, tree.anc,
-                                          jnp.asarray(num_nodes, jnp.int32),
-                                          tree.path_len.astype(jnp.int32), pending, scale=scale,
-                                          cfg=cfg, interpret=interpret))
+    cfg = config or (
+        TreeGDNConfig(depth_bound=depth_bound)
+        if interpret
+        else TreeGDNConfig.auto(b, n, depth_bound, options)
+    )
+    if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS or cfg.fold not in _FOLDS:
+        raise ValueError(
+            f"inverse must be one of {_INVERSES}, precision one of "
+            f"{tuple(_PRECISIONS)} and fold one of {_FOLDS}, got {cfg.inverse!r}, "
+            f"{cfg.precision!r}, {cfg.fold!r}"
+        )
+    return with_keys(
+        k,
+        _tree_gdn_pallas(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            tree.anc,
+            jnp.asarray(num_nodes, jnp.int32),
+            tree.path_len.astype(jnp.int32),
+            pending,
+            scale=scale,
+            cfg=cfg,
+            interpret=interpret,
+        ),
+    )

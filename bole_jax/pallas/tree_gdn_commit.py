@@ -26,8 +26,16 @@ from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
 
-__all__ = ["commit_state", "commit_state_pallas", "accepted_rows", "commit_path_weights",
-           "pending_commit", "gather_pending_path", "apply_pending", "commit_launch"]
+__all__ = [
+    "commit_state",
+    "commit_state_pallas",
+    "accepted_rows",
+    "commit_path_weights",
+    "pending_commit",
+    "gather_pending_path",
+    "apply_pending",
+    "commit_launch",
+]
 
 _FOLDS = ("loop", "dot", "unroll")  # the lazy verify's and the commit's
 
@@ -40,6 +48,7 @@ def _rank1_fold(count, init, row):
     k_m [dk], u_m [bv]): exact fp32 rank-1 updates in a loop over the real count (no row's
     address depends on another row's data, but each trip's loads issue after the previous
     trip's update: on the GPU the loop is bound by load latency, see `_dot_fold`)."""
+
     def update(m, acc):
         w, k, u = row(m)
         return acc + (w * k)[:, None] * u[None, :]
@@ -106,8 +115,22 @@ def _path_inputs(count_ref, sel_ref, path_ref, length: int, nodes: int):
     return count, sel, node, path
 
 
-def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, s_ref, o_ref, *,
-                   fold, precision, length, nodes):
+def _commit_kernel(
+    count_ref,
+    sel_ref,
+    path_ref,
+    gamma_ref,
+    k_ref,
+    ks_ref,
+    u_ref,
+    s_ref,
+    o_ref,
+    *,
+    fold,
+    precision,
+    length,
+    nodes,
+):
     # Blocks: count [] = nodes on the accepted root path (0: nothing accepted, the state is
     # kept); sel [] = the accepted node; path [L] their ids (any order; entries past count add
     # nothing: the loop stops at count, the dot and the unrolled updates zero them); gamma [N]
@@ -132,8 +155,9 @@ def _commit_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref
         rows = [(gamma_ref[nd], key(nd), u_ref[nd]) for nd in ids]
         g_sel = gamma_ref[sel]
         init = _path_scale(count, g_sel) * s
-        o_ref[...] = _unrolled_fold(count, init, [
-            (_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows])
+        o_ref[...] = _unrolled_fold(
+            count, init, [(_path_weight(g_sel, g_m), k_m, u_m) for g_m, k_m, u_m in rows]
+        )
         return
     g_sel = gamma_ref[sel]
     init = _path_scale(count, g_sel) * s_ref[...]
@@ -165,8 +189,9 @@ def accepted_rows(parents, accepted, length: int):
     return path, jnp.sum(valid, axis=1, dtype=jnp.int32)
 
 
-def commit_path_weights(factors: TreeFactors, parents, accepted, length: int, path=None,
-                        count=None):
+def commit_path_weights(
+    factors: TreeFactors, parents, accepted, length: int, path=None, count=None
+):
     """What a commit needs of the accepted node's root path (at most `length` nodes):
     path [B, L] int32 node ids (walked: accepted node first; padding repeats it, so gathers stay
     in bounds and in cache); w [B, L, HV] = exp(gamma_sel - gamma_j) (0 past count); p_sel
@@ -215,9 +240,17 @@ def _k_scale(factors: TreeFactors):
     return factors.k_scale.astype(jnp.float32)
 
 
-def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=None,
-                   count=None, *, backend: str = "auto",
-                   interpret: bool | None = None) -> PendingCommit:
+def pending_commit(
+    factors: TreeFactors,
+    parents,
+    accepted,
+    length: int,
+    path=None,
+    count=None,
+    *,
+    backend: str = "auto",
+    interpret: bool | None = None,
+) -> PendingCommit:
     """The accepted node's root-path factor rows, gathered (at most `length` nodes): what the
     next verify folds into the state (`PendingCommit`). accepted [B] int32, -1 = nothing.
     path, count: as in `commit_path_weights` (padded to `length` rows when shorter).
@@ -232,23 +265,51 @@ def pending_commit(factors: TreeFactors, parents, accepted, length: int, path=No
         return _pending_gather_pallas(factors, accepted, path, count, interpret=interpret)
     path, w, p_sel, count = commit_path_weights(factors, parents, accepted, length, path, count)
     rows = jnp.arange(path.shape[0])[:, None]
-    return PendingCommit(k=_key_rows(factors, rows, path),
-                         u=factors.u[rows, path].astype(jnp.float32), w=w, p_sel=p_sel,
-                         count=count)
+    return PendingCommit(
+        k=_key_rows(factors, rows, path),
+        u=factors.u[rows, path].astype(jnp.float32),
+        w=w,
+        p_sel=p_sel,
+        count=count,
+    )
 
 
-def gather_pending_path(pending: PendingPath, *, backend: str = "auto",
-                        interpret: bool | None = None) -> PendingCommit:
+def gather_pending_path(
+    pending: PendingPath, *, backend: str = "auto", interpret: bool | None = None
+) -> PendingCommit:
     """The rows of a `PendingPath`, gathered (`pending_commit`): for a verify that folds
     gathered rows (the Mosaic kernel, the reference) and for `apply_pending`."""
     count = pending.live_count()
     accepted = jnp.where(count > 0, jnp.asarray(pending.sel, jnp.int32), -1)
-    return pending_commit(pending.factors, None, accepted, pending.path.shape[1], pending.path,
-                          count, backend=backend, interpret=interpret)
+    return pending_commit(
+        pending.factors,
+        None,
+        accepted,
+        pending.path.shape[1],
+        pending.path,
+        count,
+        backend=backend,
+        interpret=interpret,
+    )
 
 
-def _pending_gather_kernel(count_ref, sel_ref, path_ref, gamma_ref, k_ref, ks_ref, u_ref, pk_ref,
-                           pu_ref, pw_ref, ps_ref, *, ratio, rows, nodes):
+def _pending_gather_kernel(
+    count_ref,
+    sel_ref,
+    path_ref,
+    gamma_ref,
+    k_ref,
+    ks_ref,
+    u_ref,
+    pk_ref,
+    pu_ref,
+    pw_ref,
+    ps_ref,
+    *,
+    ratio,
+    rows,
+    nodes,
+):
     # Blocks: count, sel [] and path [Lp] as the caller holds them (`_path_inputs`; Lp a power
     # of two >= rows, ids past rows masked and never stored); gamma [N]; k [N, dk], ks [N] (the
     # keys and their normalising factors); u [N, dv]; out pk [Lp, dk] (this value head's key
@@ -290,20 +351,27 @@ def _pending_gather_pallas(factors: TreeFactors, accepted, path, count, *, inter
     pk, pu, pw, ps = pl.pallas_call(
         functools.partial(_pending_gather_kernel, ratio=ratio, rows=length, nodes=n),
         grid=(hv, b),
-        in_specs=[per_req, per_req,
-                  pl.BlockSpec((None, lp), lambda h, i: (i, 0)),
-                  pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h)),
-                  pl.BlockSpec((None, n, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h // ratio)),
-                  pl.BlockSpec((None, n, None, dvp), lambda h, i: (i, 0, h, 0))],
-        out_specs=[pl.BlockSpec((None, lp, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
-                   pl.BlockSpec((None, lp, None, dvp), lambda h, i: (i, 0, h, 0)),
-                   pl.BlockSpec((None, lp, None), lambda h, i: (i, 0, h)),
-                   pl.BlockSpec((None, None), lambda h, i: (i, h))],
-        out_shape=[jax.ShapeDtypeStruct((b, length, hk, dkp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, length, hv, dvp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, length, hv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hv), jnp.float32)],
+        in_specs=[
+            per_req,
+            per_req,
+            pl.BlockSpec((None, lp), lambda h, i: (i, 0)),
+            pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h)),
+            pl.BlockSpec((None, n, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
+            pl.BlockSpec((None, n, None), lambda h, i: (i, 0, h // ratio)),
+            pl.BlockSpec((None, n, None, dvp), lambda h, i: (i, 0, h, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, lp, None, dkp), lambda h, i: (i, 0, h // ratio, 0)),
+            pl.BlockSpec((None, lp, None, dvp), lambda h, i: (i, 0, h, 0)),
+            pl.BlockSpec((None, lp, None), lambda h, i: (i, 0, h)),
+            pl.BlockSpec((None, None), lambda h, i: (i, h)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, length, hk, dkp), jnp.float32),
+            jax.ShapeDtypeStruct((b, length, hv, dvp), jnp.float32),
+            jax.ShapeDtypeStruct((b, length, hv), jnp.float32),
+            jax.ShapeDtypeStruct((b, hv), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="bole_pending_gather",
@@ -324,12 +392,16 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
     prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
     # rows past count weigh 0 and are zeroed (their contents, even NaN, never reach the sum)
     live = (jnp.arange(length)[None, :] < jnp.asarray(pending.count)[:, None])[:, :, None, None]
-    delta = jnp.einsum("bmgd,bmgr,bmgrv->bgrdv", jnp.where(live, pending.k, 0.0),
-                       pending.w.reshape(b, length, hk, r),
-                       jnp.where(live, pending.u, 0.0).reshape(b, length, hk, r, dv),
-                       precision=prec)
-    return (pending.p_sel[:, :, None, None] * state.astype(jnp.float32)
-            + delta.reshape(b, hv, dk, dv))
+    delta = jnp.einsum(
+        "bmgd,bmgr,bmgrv->bgrdv",
+        jnp.where(live, pending.k, 0.0),
+        pending.w.reshape(b, length, hk, r),
+        jnp.where(live, pending.u, 0.0).reshape(b, length, hk, r, dv),
+        precision=prec,
+    )
+    return pending.p_sel[:, :, None, None] * state.astype(jnp.float32) + delta.reshape(
+        b, hv, dk, dv
+    )
 
 
 # Path rows up to which fold "auto" unrolls the rank-1 updates (a decode step's path has depth + 1
@@ -349,12 +421,23 @@ def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None =
     return fold, block_v
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret",
-                                             "fold"))
-def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
-                        block_v: int | None = None, num_warps: int = 4,
-                        max_path: int | None = None, interpret: bool = False, path=None,
-                        count=None, fold: str = "auto"):
+@functools.partial(
+    jax.jit, static_argnames=("block_v", "num_warps", "max_path", "interpret", "fold")
+)
+def commit_state_pallas(
+    state,
+    factors: TreeFactors,
+    parents,
+    accepted,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    max_path: int | None = None,
+    interpret: bool = False,
+    path=None,
+    count=None,
+    fold: str = "auto",
+):
     """Pallas form of `tree_gdn_commit.commit_state`: one program per (request, value head, value
     tile) reads its S_pre tile once, adds the fp32 rank-1 updates of the accepted node's
     root-path factor rows and writes the new tile over the old one: the bytes floor of a
@@ -380,8 +463,9 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     ratio = hv // hk
     dkp, dvp = next_pow2(dk), next_pow2(dv)
     accepted = jnp.asarray(accepted, jnp.int32)
-    path, count = _raw_path(parents, accepted, next_pow2(min(n, max_path or n), minimum=1),
-                            path, count)  # power-of-two blocks when walked here
+    path, count = _raw_path(
+        parents, accepted, next_pow2(min(n, max_path or n), minimum=1), path, count
+    )  # power-of-two blocks when walked here
     if fold not in _FOLDS + ("auto",):
         raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
     length = path.shape[1]
@@ -394,16 +478,24 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
     s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
     per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
     new = pl.pallas_call(
-        functools.partial(_commit_kernel, fold=fold, length=length, nodes=n,
-                          precision=None if interpret else _PRECISIONS["tf32x3"]),
+        functools.partial(
+            _commit_kernel,
+            fold=fold,
+            length=length,
+            nodes=n,
+            precision=None if interpret else _PRECISIONS["tf32x3"],
+        ),
         grid=(dvp // bv, hv, b),
-        in_specs=[per_req, per_req,
-                  pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
-                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
-                  pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
-                  pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
-                  pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
-                  pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t))],
+        in_specs=[
+            per_req,
+            per_req,
+            pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
+            pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
+            pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
+            pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
+            pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
+            pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+        ],
         out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
         out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
         # In place: each program reads its tile of S before writing the same tile. Inside the
@@ -422,10 +514,22 @@ def commit_state_pallas(state, factors: TreeFactors, parents, accepted, *,
 # ------------------------------------------------------------------------- the commit, either backend
 
 
-def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: int | None = None,
-                 precision: str | None = "highest", backend: str = "auto",
-                 interpret: bool | None = None, block_v: int | None = None,
-                 num_warps: int = 4, path=None, count=None, fold: str = "auto"):
+def commit_state(
+    state,
+    factors: TreeFactors,
+    parents,
+    accepted,
+    *,
+    max_path: int | None = None,
+    precision: str | None = "highest",
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    path=None,
+    count=None,
+    fold: str = "auto",
+):
     """New committed GDN state of each request.
 
     state [B, HV, dk, dv] fp32 (the state verify started from); factors from `tree_gdn_verify`;
@@ -447,22 +551,33 @@ def commit_state(state, factors: TreeFactors, parents, accepted, *, max_path: in
     S, the path rows)."""
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
-        return commit_state_pallas(state, factors, parents, accepted, block_v=block_v,
-                                   num_warps=num_warps, max_path=max_path, interpret=interpret,
-                                   path=path, count=count, fold=fold)
-    return _commit_state_einsum(state, factors, parents, accepted, path, count,
-                                max_path=max_path, precision=precision)
+        return commit_state_pallas(
+            state,
+            factors,
+            parents,
+            accepted,
+            block_v=block_v,
+            num_warps=num_warps,
+            max_path=max_path,
+            interpret=interpret,
+            path=path,
+            count=count,
+            fold=fold,
+        )
+    return _commit_state_einsum(
+        state, factors, parents, accepted, path, count, max_path=max_path, precision=precision
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("max_path", "precision"))
-def _commit_state_einsum(state, factors: TreeFactors, parents, accepted, path, count, *,
-                         max_path, precision):
+def _commit_state_einsum(
+    state, factors: TreeFactors, parents, accepted, path, count, *, max_path, precision
+):
     n = factors.k.shape[1]
     length = n if max_path is None else min(max_path, n)
     if path is not None:
         length = path.shape[1]
-    pending = pending_commit(factors, parents, accepted, length, path, count,
-                             backend="reference")
+    pending = pending_commit(factors, parents, accepted, length, path, count, backend="reference")
     new = apply_pending(state, pending, precision=precision)
     accepted = jnp.asarray(accepted, jnp.int32)
     return jnp.where((accepted >= 0)[:, None, None, None], new, state.astype(jnp.float32))

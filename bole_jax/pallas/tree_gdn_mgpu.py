@@ -74,9 +74,14 @@ try:  # jax >= 0.11: the API this kernel is written against
 
     _VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
     AVAILABLE = _VERSION >= (0, 11) and hasattr(plgpu, "InterpretGPUParams")
-    UNAVAILABLE_REASON = "" if AVAILABLE else (
-        f"jax {jax.__version__}: the Mosaic GPU verify needs jax >= 0.11 (plgpu.kernel's "
-        "out_type / scratch_types, transposed shared-memory operands, GPU interpret mode)")
+    UNAVAILABLE_REASON = (
+        ""
+        if AVAILABLE
+        else (
+            f"jax {jax.__version__}: the Mosaic GPU verify needs jax >= 0.11 (plgpu.kernel's "
+            "out_type / scratch_types, transposed shared-memory operands, GPU interpret mode)"
+        )
+    )
 except ImportError as e:  # pragma: no cover - a jax without Mosaic GPU
     plgpu = None
     AVAILABLE, UNAVAILABLE_REASON = False, f"no Mosaic GPU in this jax: {e}"
@@ -92,8 +97,10 @@ def _transforms(dtype, per_row=None):
     """The swizzle of a row of `per_row` elements (128 bytes by default) with the matching
     tile, the layout wgmma and TMA both take."""
     per_row = per_row or 128 // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, per_row)),
-            plgpu.SwizzleTransform(per_row * jnp.dtype(dtype).itemsize))
+    return (
+        plgpu.TilingTransform((8, per_row)),
+        plgpu.SwizzleTransform(per_row * jnp.dtype(dtype).itemsize),
+    )
 
 
 def _split(x):
@@ -102,16 +109,15 @@ def _split(x):
     return hi, (x - hi.astype(_F32)).astype(_BF)
 
 
-def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows,
-            auto_barriers):
+def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_rows, auto_barriers):
     # pend_rows > 0 (a pending lazy commit of that many rows): after the state s_g come its
     # rows pk [B, L, Hk, dk], pu [B, L, HV, dv], the weights pw [B, L, HVp] and p_sel
     # [B, HVp], as the caller holds them (no count: rows past it weigh 0, `PendingCommit`);
     # s_g is then a mutable ref each program writes its folded tile back into (in place).
     n_in, n_out = (12, 4) if pend_rows else (8, 4)
     q_g, k_g, v_g, g_g, beta_g, vflag_g, anc_g, s_g, *pend_g = refs[:n_in]
-    o_g, u_g, ks_g, gam_out_g = refs[n_in:n_in + n_out]
-    q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out:]
+    o_g, u_g, ks_g, gam_out_g = refs[n_in : n_in + n_out]
+    q_s, k_s, v_s, sb_s, vr_s, bar = refs[n_in + n_out :]
     n, dk = NP, HEAD_DIM
     wg = plgpu.Layout.WGMMA
     t = lax.axis_index("t")
@@ -162,8 +168,10 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             def update(a, m=m, w=w):
                 k_m = plgpu.load(pk_s.at[m], layout=wg.reduce(1)) * w  # [dk], per state row
                 u_m = plgpu.load(pu_s.at[m], layout=wg.reduce(0))  # [bv], per column
-                return a + (lax.broadcast_in_dim(k_m, (dk, bv), [0])
-                            * lax.broadcast_in_dim(u_m, (dk, bv), [1]))
+                return a + (
+                    lax.broadcast_in_dim(k_m, (dk, bv), [0])
+                    * lax.broadcast_in_dim(u_m, (dk, bv), [1])
+                )
 
             acc = lax.cond(live, update, lambda a: a, acc)
         return acc
@@ -252,19 +260,30 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
     # (the weights' rows, then p_sel in the first row on a 128-byte boundary, where a TMA
     # destination must start: one buffer, as a second would cost an aligned KiB of its own)
     ps_row = -(-pend_rows // 4) * 4
-    pend_scratch = [plgpu.SMEM((pend_rows, dk), _F32), plgpu.SMEM((pend_rows, bv), _F32),
-                    plgpu.SMEM((ps_row + 1, GATE_BOX), _F32)] if pend_rows else []
+    pend_scratch = (
+        [
+            plgpu.SMEM((pend_rows, dk), _F32),
+            plgpu.SMEM((pend_rows, bv), _F32),
+            plgpu.SMEM((ps_row + 1, GATE_BOX), _F32),
+        ]
+        if pend_rows
+        else []
+    )
     gam, g_row, b_row, vflag = pl.run_scoped(
-        prologue, plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
+        prologue,
+        plgpu.SMEM((dk, bv), _F32, transforms=_transforms(_F32)),
         plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF)),
         *[plgpu.SMEM((n, GATE_BOX), _F32, transforms=_transforms(_F32, GATE_BOX))] * 2,
         # g, gamma as column vectors (the GPU-timed layout without a pending commit)
         plgpu.SMEM((2, n), _F32) if pend_rows else [plgpu.SMEM((n,), _F32)] * 2,
-        plgpu.Barrier(num_arrivals=6 if pend_rows else 2), *pend_scratch)
+        plgpu.Barrier(num_arrivals=6 if pend_rows else 2),
+        *pend_scratch,
+    )
 
     @_region("mm")
     def mms(*jobs):
         """Independent products, each (pairs, shape): every wgmma issued, then one wait."""
+
         def run(*accs):
             for (pairs, _), acc in zip(jobs, accs):
                 for a, c in pairs:
@@ -274,6 +293,7 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
             # hoisted a use of them (a negation) above the wait, and ptxas then serialised
             # every wgmma of the kernel (its warning C7514 in a GPU profile).
             return lax.optimization_barrier(tuple(acc[...] for acc in accs))
+
         return pl.run_scoped(run, *(plgpu.ACC(shape, _F32) for _, shape in jobs))
 
     def mm(pairs, shape):
@@ -360,8 +380,9 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
 
     nn_pair = [plgpu.SMEM((n, n), _BF, transforms=_transforms(_BF))] * 2  # -G / W, hi and lo
     x_pair = [plgpu.SMEM((n, bv), _BF, transforms=_transforms(_BF))] * 2  # X / U, hi and lo
-    o, u = pl.run_scoped(main, *nn_pair, *x_pair,
-                         *(nn_pair if inverse == "squaring" else []))  # the powers of M
+    o, u = pl.run_scoped(
+        main, *nn_pair, *x_pair, *(nn_pair if inverse == "squaring" else [])
+    )  # the powers of M
 
     @_region("store")
     def store(o_s, u_s):  # (the inverse's buffers are free again: the same shared memory)
@@ -373,15 +394,49 @@ def _kernel(*refs, ratio, depth, o_dtype, scale, bv, inverse, products, pend_row
         plgpu.copy_smem_to_gmem(u_s, u_g.at[b, :, h, cols])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, plgpu.SMEM((n, bv), o_dtype, transforms=_transforms(o_dtype)),
-                  plgpu.SMEM((n, bv), _F32, transforms=_transforms(_F32)))
+    pl.run_scoped(
+        store,
+        plgpu.SMEM((n, bv), o_dtype, transforms=_transforms(o_dtype)),
+        plgpu.SMEM((n, bv), _F32, transforms=_transforms(_F32)),
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "depth_bound", "block_v", "inverse",
-                                             "products", "approx_math", "auto_barriers",
-                                             "interpret", "profile_dir"))
-def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale, depth_bound,
-            block_v, inverse, products, approx_math, auto_barriers, interpret, profile_dir):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "depth_bound",
+        "block_v",
+        "inverse",
+        "products",
+        "approx_math",
+        "auto_barriers",
+        "interpret",
+        "profile_dir",
+    ),
+)
+def _verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes,
+    tree,
+    pending,
+    *,
+    scale,
+    depth_bound,
+    block_v,
+    inverse,
+    products,
+    approx_math,
+    auto_barriers,
+    interpret,
+    profile_dir,
+):
     bsz, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if tree is None:
@@ -405,33 +460,52 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     if pend_rows:  # the rows as the caller holds them (heads padded to the 8-head box only;
         # concatenating w, p_sel and the count into one box cost two XLA launches per call,
         # ~2.3 us at B = 16)
-        pend_args = [pending.k.astype(_F32), pending.u.astype(_F32),
-                     jnp.pad(pending.w.astype(_F32), ((0, 0), (0, 0), (0, hvp - hv))),
-                     jnp.pad(pending.p_sel.astype(_F32), ((0, 0), (0, hvp - hv)))]
+        pend_args = [
+            pending.k.astype(_F32),
+            pending.u.astype(_F32),
+            jnp.pad(pending.w.astype(_F32), ((0, 0), (0, 0), (0, hvp - hv))),
+            jnp.pad(pending.p_sel.astype(_F32), ((0, 0), (0, hvp - hv))),
+        ]
 
     def bole_tree_gdn_verify_mgpu(*refs):  # (the kernel's name in profiles)
-        _kernel(*refs, ratio=hv // hk, depth=depth_bound, o_dtype=o_dtype, scale=scale,
-                bv=block_v, inverse=inverse, products=products, pend_rows=pend_rows,
-                auto_barriers=auto_barriers)
+        _kernel(
+            *refs,
+            ratio=hv // hk,
+            depth=depth_bound,
+            o_dtype=o_dtype,
+            scale=scale,
+            bv=block_v,
+            inverse=inverse,
+            products=products,
+            pend_rows=pend_rows,
+            auto_barriers=auto_barriers,
+        )
 
     kernel = plgpu.kernel(
         bole_tree_gdn_verify_mgpu,
-        out_type=(jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
-                  jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hk), _F32),
-                  jax.ShapeDtypeStruct((bsz, NP, hvp), _F32)),
+        out_type=(
+            jax.ShapeDtypeStruct((bsz, NP, hv, dv), o_dtype),
+            jax.ShapeDtypeStruct((bsz, NP, hv, dv), _F32),
+            jax.ShapeDtypeStruct((bsz, NP, hk), _F32),
+            jax.ShapeDtypeStruct((bsz, NP, hvp), _F32),
+        ),
         scratch_types=[
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # q
             plgpu.SMEM((NP, dk), _BF, transforms=_transforms(_BF)),  # k
             plgpu.SMEM((NP, block_v), _BF, transforms=_transforms(_BF)),  # v
             plgpu.SMEM((dk, block_v), _BF, transforms=_transforms(_BF)),  # S in bf16
             plgpu.SMEM((NP,), _F32),  # vflag
-            plgpu.Barrier(num_arrivals=6)],
-        grid=(dv // block_v, hv, bsz), grid_names=("t", "h", "b"),
+            plgpu.Barrier(num_arrivals=6),
+        ],
+        grid=(dv // block_v, hv, bsz),
+        grid_names=("t", "h", "b"),
         compiler_params=plgpu.CompilerParams(
-            approx_math=approx_math, unsafe_no_auto_barriers=not auto_barriers,
-            **(dict(profile_space=PROFILE_SPACE, profile_dir=profile_dir) if profile_dir else {})),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+            approx_math=approx_math,
+            unsafe_no_auto_barriers=not auto_barriers,
+            **(dict(profile_space=PROFILE_SPACE, profile_dir=profile_dir) if profile_dir else {}),
+        ),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
     # With a pending commit the state goes in as a mutable ref: each program folds its tile and
     # writes it back where it read it (no other program reads that tile), so the folded state
     # takes the state's buffer (the caller's, when it donates it) instead of a new one, which a
@@ -450,12 +524,28 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, tree, pending, *, scale
     return o.astype(v.dtype), u, gamma, k_scale
 
 
-def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, depth_bound: int,
-                         scale=None, tree: TreeStructure | None = None, block_v: int = 128,
-                         inverse: str = "neumann", products: int = 3,
-                         approx_math: bool = False, auto_barriers: bool = True,
-                         pending: PendingCommit | None = None, interpret=None,
-                         profile_dir: str | None = None):
+def tree_gdn_verify_mgpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes=None,
+    *,
+    depth_bound: int,
+    scale=None,
+    tree: TreeStructure | None = None,
+    block_v: int = 128,
+    inverse: str = "neumann",
+    products: int = 3,
+    approx_math: bool = False,
+    auto_barriers: bool = True,
+    pending: PendingCommit | None = None,
+    interpret=None,
+    profile_dir: str | None = None,
+):
     """The Mosaic GPU tree verify; inputs and outputs as `tree_gdn.tree_gdn_verify`
     (q, k [B, N, Hk, 128]; v [B, N, HV, 128]; g, beta [B, N, HV]; state [B, HV, 128, 128];
     parents [B, N]). `depth_bound`: nodes on the longest root path any request may have (a
@@ -500,7 +590,7 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         raise ValueError(f"depth_bound must be >= 1, got {depth_bound}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = float(dk**-0.5 if scale is None else scale)
     parents = jnp.asarray(parents, jnp.int32)
     if num_nodes is not None:
         num_nodes = jnp.asarray(num_nodes, jnp.int32)
@@ -509,9 +599,27 @@ def tree_gdn_verify_mgpu(q, k, v, g, beta, state, parents, num_nodes=None, *, de
         if pending.k.shape[1] < 1:  # (the kernel unrolls its rows: none would drop the fold)
             raise ValueError("pending rows: a pending commit needs at least one row")
     # the factor k: the keys the kernel normalised (bf16: the caller's own array when bf16)
-    return with_keys(k.astype(_BF), _verify(
-        q, k, v, g, beta, state, parents, num_nodes, tree, pending, scale=scale,
-        depth_bound=int(depth_bound), block_v=int(block_v), inverse=inverse,
-        products=int(products), approx_math=bool(approx_math),
-        auto_barriers=bool(auto_barriers), interpret=bool(interpret),
-        profile_dir=None if interpret else profile_dir))
+    return with_keys(
+        k.astype(_BF),
+        _verify(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            parents,
+            num_nodes,
+            tree,
+            pending,
+            scale=scale,
+            depth_bound=int(depth_bound),
+            block_v=int(block_v),
+            inverse=inverse,
+            products=int(products),
+            approx_math=bool(approx_math),
+            auto_barriers=bool(auto_barriers),
+            interpret=bool(interpret),
+            profile_dir=None if interpret else profile_dir,
+        ),
+    )

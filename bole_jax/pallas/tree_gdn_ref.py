@@ -34,15 +34,13 @@ from bole_jax.pallas.tree_utils import L2_EPS, TreeStructure, node_validity, tre
 _HI = jax.lax.Precision.HIGHEST
 
 
-
-
 def _prepare(q, k, v, g, beta, parents, num_nodes, scale):
     """Normalise/scale q and k, expand keys to value heads, zero padding nodes."""
     b, n, hk, dk = k.shape
     hv = v.shape[2]
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
-    scale = dk ** -0.5 if scale is None else scale
+    scale = dk**-0.5 if scale is None else scale
     valid = node_validity(jnp.asarray(parents), num_nodes)
     m = valid[:, :, None, None]
     qn = jnp.where(m, l2_normalize(q) * scale, 0.0)
@@ -71,8 +69,9 @@ def tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes=None, *, sca
 
     def step(states, i):
         par = parents[:, i]
-        s_par = jnp.where((par >= 0)[:, None, None, None],
-                          states[jnp.arange(b), jnp.clip(par, 0, n - 1)], s_pre)
+        s_par = jnp.where(
+            (par >= 0)[:, None, None, None], states[jnp.arange(b), jnp.clip(par, 0, n - 1)], s_pre
+        )
         a = jnp.exp(gf[:, i])[:, :, None, None]  # [B, HV, 1, 1]
         s = a * s_par
         kv = jnp.einsum("bhkv,bhk->bhv", s, kh[:, i], precision=_HI)
@@ -107,6 +106,7 @@ def neumann_apply(gmat: jax.Array, rhs: jax.Array, steps) -> jax.Array:
 
     gmat [..., N, N], rhs [..., N, V]; `steps` = path_len - 1 may be traced (a while loop).
     """
+
     def body(_, zu):
         z, u = zu
         z = -jnp.einsum("...ij,...jv->...iv", gmat, z, precision=_HI)
@@ -116,8 +116,20 @@ def neumann_apply(gmat: jax.Array, rhs: jax.Array, steps) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "inverse"))
-def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
-                         tree: TreeStructure | None = None, inverse: str = "solve"):
+def tree_gdn_closed_form(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes=None,
+    *,
+    scale=None,
+    tree: TreeStructure | None = None,
+    inverse: str = "solve",
+):
     """All tree nodes in parallel from one committed state.
 
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors). `inverse`: "solve" (unit lower triangular
@@ -152,8 +164,12 @@ def tree_gdn_closed_form(q, k, v, g, beta, state, parents, num_nodes=None, *, sc
     o = pt * qs + jnp.einsum("bhij,bhjv->bhiv", qk * gam, u, precision=_HI)
     o = jnp.moveaxis(o, 1, 2)
     k_scale = jnp.where(valid[:, :, None], l2_scale(k, L2_EPS), 0.0)
-    factors = TreeFactors(k=k, u=jnp.moveaxis(u, 1, 2),
-                          gamma=jnp.where(valid[:, :, None], gamma, 0.0), k_scale=k_scale)
+    factors = TreeFactors(
+        k=k,
+        u=jnp.moveaxis(u, 1, 2),
+        gamma=jnp.where(valid[:, :, None], gamma, 0.0),
+        k_scale=k_scale,
+    )
     return o.astype(v.dtype), factors
 
 

@@ -31,9 +31,17 @@ from jax.experimental.pallas import triton as pltriton
 from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.tree_utils import L2_EPS, dfs_order, next_pow2, pad_axis, resolve_backend
 
-__all__ = ["PernodeConfig", "tree_pernode_verify", "chain_verify", "commit_pernode",
-           "commit_pernode_state", "commit_chain", "scratch_layout", "tree_pernode_conv",
-           "commit_pernode_conv"]
+__all__ = [
+    "PernodeConfig",
+    "tree_pernode_verify",
+    "chain_verify",
+    "commit_pernode",
+    "commit_pernode_state",
+    "commit_chain",
+    "scratch_layout",
+    "tree_pernode_conv",
+    "commit_pernode_conv",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +90,10 @@ class PernodeConfig:
         if self.layout not in LAYOUTS:
             raise ValueError(f"PernodeConfig.layout={self.layout!r}: expected one of {LAYOUTS}")
         if self.scratch_eviction not in (None, "evict_first", "evict_last"):
-            raise ValueError(f"PernodeConfig.scratch_eviction={self.scratch_eviction!r}: "
-                             "expected None, 'evict_first' or 'evict_last'")
+            raise ValueError(
+                f"PernodeConfig.scratch_eviction={self.scratch_eviction!r}: "
+                "expected None, 'evict_first' or 'evict_last'"
+            )
         if self.order not in ORDERS:
             raise ValueError(f"PernodeConfig.order={self.order!r}: expected one of {ORDERS}")
 
@@ -98,8 +108,9 @@ def scratch_layout(states, layout: str):
     return jnp.swapaxes(states, -1, -2) if layout == "vk" else states
 
 
-def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root, eviction,
-                    interpret, ordered):
+def _pernode_kernel(
+    nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root, eviction, interpret, ordered
+):
     # Blocks: par [N]; (ordered: the walk's order [N]); q, k [N, dk]; v [N, bv]; g, beta [N];
     # s [dk, bv]; o [N, bv]; scr [N, bv, dk] ("vk": the tile is held transposed, as stored) or
     # [N, dk, bv] ("kv"). Per node: scalar loads and [dk] / [bv] row vectors.
@@ -138,8 +149,7 @@ def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root,
             reuse = par == prev
             from_pool = jnp.logical_and(par < 0, jnp.logical_not(reuse))
             from_scratch = jnp.logical_and(par >= 0, jnp.logical_not(reuse))
-            from_scr = pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch,
-                                     other=0.0)
+            from_scr = pltriton.load(scr_ref.at[jnp.maximum(par, 0)], mask=from_scratch, other=0.0)
             if hold_root:
                 loaded = jnp.where(from_pool, root, from_scr)
             else:
@@ -170,8 +180,9 @@ def _pernode_kernel(nn_ref, par_ref, *refs, n_real, scale, chain, vk, hold_root,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cfg", "interpret", "chain"))
-def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, order, *, scale, cfg, interpret,
-                    chain):
+def _pernode_pallas(
+    q, k, v, g, beta, state, parents, num_nodes, order, *, scale, cfg, interpret, chain
+):
     b, n, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     ratio = hv // hk
@@ -195,42 +206,81 @@ def _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, order, *, scale
     row_spec = pl.BlockSpec((None, n), lambda t, h, i: (i, 0))
     ordered = order is not None and not chain
     o, scratch = pl.pallas_call(
-        functools.partial(_pernode_kernel, n_real=n, scale=scale, chain=chain, vk=vk,
-                          hold_root=cfg.holds_root(dk, dv), eviction=cfg.scratch_eviction,
-                          interpret=interpret, ordered=ordered),
+        functools.partial(
+            _pernode_kernel,
+            n_real=n,
+            scale=scale,
+            chain=chain,
+            vk=vk,
+            hold_root=cfg.holds_root(dk, dv),
+            eviction=cfg.scratch_eviction,
+            interpret=interpret,
+            ordered=ordered,
+        ),
         grid=(dvp // bv, hv, b),  # tiles fastest: programs sharing q, k run together
         in_specs=[
             pl.BlockSpec((None,), lambda t, h, i: (i,)),
-            row_spec, *([row_spec] if ordered else []),
-            qk_spec, qk_spec, val_spec, gate_spec, gate_spec,
+            row_spec,
+            *([row_spec] if ordered else []),
+            qk_spec,
+            qk_spec,
+            val_spec,
+            gate_spec,
+            gate_spec,
             pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
         ],
         out_specs=[val_spec, scr_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
-                   jax.ShapeDtypeStruct(scr_shape, jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
+            jax.ShapeDtypeStruct(scr_shape, jnp.float32),
+        ],
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps,
-                                                num_stages=cfg.num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name="chain_verify" if chain else "tree_pernode_verify",
-    )(num_nodes, parents, *([order] if ordered else []), q, k, v, g.astype(jnp.float32),
-      beta.astype(jnp.float32), state)
+    )(
+        num_nodes,
+        parents,
+        *([order] if ordered else []),
+        q,
+        k,
+        v,
+        g.astype(jnp.float32),
+        beta.astype(jnp.float32),
+        state,
+    )
     if (dkp, dvp) != (dk, dv):
         o = o[..., :dv]
         scratch = scratch[..., :dv, :dk] if vk else scratch[..., :dk, :dv]
     return o, scratch
 
 
-def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
-            chain, tree=None, order=None):
+def _verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes,
+    scale,
+    backend,
+    interpret,
+    config,
+    chain,
+    tree=None,
+    order=None,
+):
     b, n, _, dk = q.shape
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = float(dk**-0.5 if scale is None else scale)
     backend, interpret = resolve_backend(backend, interpret)
     if parents is None:
         parents = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (b, n))
     config = config or PernodeConfig.auto(b, n)
     if backend == "reference":
-        o, states = tree_gdn_ref.tree_gdn_sequential(q, k, v, g, beta, state, parents, num_nodes,
-                                                     scale=scale)
+        o, states = tree_gdn_ref.tree_gdn_sequential(
+            q, k, v, g, beta, state, parents, num_nodes, scale=scale
+        )
         return o.astype(v.dtype), scratch_layout(states, config.layout)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
@@ -242,13 +292,40 @@ def _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpr
         order = dfs_order(parents, num_nodes, None if tree is None else tree.anc)
     else:
         order = jnp.asarray(order, jnp.int32)
-    return _pernode_pallas(q, k, v, g, beta, state, parents, num_nodes, order, scale=scale,
-                           cfg=config, interpret=interpret, chain=chain)
+    return _pernode_pallas(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        parents,
+        num_nodes,
+        order,
+        scale=scale,
+        cfg=config,
+        interpret=interpret,
+        chain=chain,
+    )
 
 
-def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, scale=None,
-                        backend="auto", interpret=None, config: PernodeConfig | None = None,
-                        tree=None, order=None):
+def tree_pernode_verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents,
+    num_nodes=None,
+    *,
+    scale=None,
+    backend="auto",
+    interpret=None,
+    config: PernodeConfig | None = None,
+    tree=None,
+    order=None,
+):
     """TREE-PERNODE verify. Same inputs as `tree_gdn.tree_gdn_verify`.
 
     Returns (o [B, N, HV, dv] in v.dtype, node_states fp32): the state after every node (the
@@ -261,17 +338,46 @@ def tree_pernode_verify(q, k, v, g, beta, state, parents, num_nodes=None, *, sca
     `order` is trusted: any permutation that lists every node after its parent (padding last)
     gives the same results; one that does not gives wrong states silently.
     """
-    return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
-                   chain=False, tree=tree, order=order)
+    return _verify(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        parents,
+        num_nodes,
+        scale,
+        backend,
+        interpret,
+        config,
+        chain=False,
+        tree=tree,
+        order=order,
+    )
 
 
-def chain_verify(q, k, v, g, beta, state, parents=None, num_nodes=None, *, scale=None,
-                 backend="auto", interpret=None, config: PernodeConfig | None = None):
+def chain_verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    parents=None,
+    num_nodes=None,
+    *,
+    scale=None,
+    backend="auto",
+    interpret=None,
+    config: PernodeConfig | None = None,
+):
     """CHAIN verify: nodes form one chain (parents[i] = i - 1; `parents` is not read by the
     kernel). Returns (o, snapshots): the state after each position, in `config.layout` as for
     `tree_pernode_verify`."""
-    return _verify(q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config,
-                   chain=True)
+    return _verify(
+        q, k, v, g, beta, state, parents, num_nodes, scale, backend, interpret, config, chain=True
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("transpose",))
@@ -288,8 +394,16 @@ def commit_pernode(old, per_node, accepted, transpose=False):
     return jnp.where(keep, old, picked.astype(old.dtype))
 
 
-def commit_pernode_state(old, node_states, accepted, layout: str = "vk", *, backend="auto",
-                         interpret=None, block_rows: int = 32):
+def commit_pernode_state(
+    old,
+    node_states,
+    accepted,
+    layout: str = "vk",
+    *,
+    backend="auto",
+    interpret=None,
+    block_rows: int = 32,
+):
     """The GDN state commit of both baselines: the accepted node's state into the pool's
     [B, HV, dk, dv] slot, transposed back from the scratch's "vk" layout (the default of
     `tree_pernode_verify` / `chain_verify`); -1 keeps `old`.
@@ -308,8 +422,13 @@ def commit_pernode_state(old, node_states, accepted, layout: str = "vk", *, back
     dk, dv = old.shape[-2:]
     if backend == "reference" or dk != next_pow2(dk) or dv != next_pow2(dv):
         return commit_pernode(old, node_states, accepted, transpose=True)
-    return _commit_transposed_pallas(old, node_states, jnp.asarray(accepted, jnp.int32),
-                                     block_rows=min(block_rows, dv), interpret=interpret)
+    return _commit_transposed_pallas(
+        old,
+        node_states,
+        jnp.asarray(accepted, jnp.int32),
+        block_rows=min(block_rows, dv),
+        interpret=interpret,
+    )
 
 
 def _commit_transposed_kernel(acc_ref, scr_ref, old_ref, out_ref):
@@ -332,9 +451,11 @@ def _commit_transposed_pallas(old, node_states, accepted, *, block_rows, interpr
     return pl.pallas_call(
         _commit_transposed_kernel,
         grid=(dv // block_rows, hv, b),
-        in_specs=[pl.BlockSpec((None,), lambda t, h, i: (i,)),
-                  pl.BlockSpec((None, n, None, block_rows, dk), lambda t, h, i: (i, 0, h, t, 0)),
-                  pool_spec],
+        in_specs=[
+            pl.BlockSpec((None,), lambda t, h, i: (i,)),
+            pl.BlockSpec((None, n, None, block_rows, dk), lambda t, h, i: (i, 0, h, t, 0)),
+            pool_spec,
+        ],
         out_specs=pool_spec,
         out_shape=jax.ShapeDtypeStruct(old.shape, old.dtype),
         input_output_aliases={2: 0},
@@ -351,8 +472,9 @@ commit_pernode_conv = commit_pernode
 # ----------------------------------------------------------------------------- conv baseline
 
 
-def _pernode_conv_kernel(nn_ref, par_ref, x_ref, cs_ref, w_ref, y_ref, win_ref, *, n_real, width,
-                         interpret):
+def _pernode_conv_kernel(
+    nn_ref, par_ref, x_ref, cs_ref, w_ref, y_ref, win_ref, *, n_real, width, interpret
+):
     # Blocks: par [N]; x [N, bc]; cs [K-1, bc]; w [K, bc]; y [N, bc]; win [N, K-1, bc].
     nn = jnp.minimum(nn_ref[...], n_real)
     c = width - 1
@@ -367,8 +489,9 @@ def _pernode_conv_kernel(nn_ref, par_ref, x_ref, cs_ref, w_ref, y_ref, win_ref, 
         rows = []
         for r in range(c):
             rr = jnp.int32(r)  # (a Python int index breaks masked loads in interpret mode)
-            loaded = (pltriton.load(cs_ref.at[rr], mask=from_pool, other=0)
-                      + pltriton.load(win_ref.at[pp, rr], mask=from_scratch, other=0))
+            loaded = pltriton.load(cs_ref.at[rr], mask=from_pool, other=0) + pltriton.load(
+                win_ref.at[pp, rr], mask=from_scratch, other=0
+            )
             rows.append(jnp.where(reuse, prev[r], loaded))
         xi = x_ref[i]
         acc = w[c] * xi.astype(jnp.float32)
@@ -392,8 +515,9 @@ def _pernode_conv_kernel(nn_ref, par_ref, x_ref, cs_ref, w_ref, y_ref, win_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("block_c", "interpret", "num_warps"))
-def _pernode_conv_pallas(x, conv_state, weight, parents, num_nodes, *, block_c, interpret,
-                         num_warps):
+def _pernode_conv_pallas(
+    x, conv_state, weight, parents, num_nodes, *, block_c, interpret, num_warps
+):
     b, n, ch = x.shape
     width = weight.shape[0]
     cp, bc = tree_conv.channel_tiling(ch, block_c)
@@ -402,15 +526,21 @@ def _pernode_conv_pallas(x, conv_state, weight, parents, num_nodes, *, block_c, 
     y, win = pl.pallas_call(
         functools.partial(_pernode_conv_kernel, n_real=n, width=width, interpret=interpret),
         grid=(b, cp // bc),
-        in_specs=[pl.BlockSpec((None,), lambda i, t: (i,)),
-                  pl.BlockSpec((None, n), lambda i, t: (i, 0)),
-                  pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
-                  pl.BlockSpec((None, width - 1, bc), lambda i, t: (i, 0, t)),
-                  pl.BlockSpec((width, bc), lambda i, t: (0, t))],
-        out_specs=[pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
-                   pl.BlockSpec((None, n, width - 1, bc), lambda i, t: (i, 0, 0, t))],
-        out_shape=[jax.ShapeDtypeStruct((b, n, cp), x.dtype),
-                   jax.ShapeDtypeStruct((b, n, width - 1, cp), x.dtype)],
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, t: (i,)),
+            pl.BlockSpec((None, n), lambda i, t: (i, 0)),
+            pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
+            pl.BlockSpec((None, width - 1, bc), lambda i, t: (i, 0, t)),
+            pl.BlockSpec((width, bc), lambda i, t: (0, t)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, n, bc), lambda i, t: (i, 0, t)),
+            pl.BlockSpec((None, n, width - 1, bc), lambda i, t: (i, 0, 0, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, cp), x.dtype),
+            jax.ShapeDtypeStruct((b, n, width - 1, cp), x.dtype),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="tree_pernode_conv",
@@ -420,8 +550,18 @@ def _pernode_conv_pallas(x, conv_state, weight, parents, num_nodes, *, block_c, 
     return y, win
 
 
-def tree_pernode_conv(x, conv_state, weight, parents, num_nodes=None, *, backend="auto",
-                      interpret=None, block_c: int = 256, num_warps: int = 4):
+def tree_pernode_conv(
+    x,
+    conv_state,
+    weight,
+    parents,
+    num_nodes=None,
+    *,
+    backend="auto",
+    interpret=None,
+    block_c: int = 256,
+    num_warps: int = 4,
+):
     """Baseline tree conv. x [B, N, C] pre-conv inputs; conv_state [B, K-1, C] (newest last);
     weight [K, C]. Returns (y [B, N, C] SiLU(conv), windows [B, N, K-1, C]: the last K-1
     pre-conv inputs along each node's root path = that node's conv state)."""
@@ -432,6 +572,13 @@ def tree_pernode_conv(x, conv_state, weight, parents, num_nodes=None, *, backend
         return y, tree_conv.node_conv_states_ref(x, conv_state, parents)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
-    return _pernode_conv_pallas(x, conv_state, weight, jnp.asarray(parents, jnp.int32),
-                                jnp.asarray(num_nodes, jnp.int32), block_c=block_c,
-                                interpret=interpret, num_warps=num_warps)
+    return _pernode_conv_pallas(
+        x,
+        conv_state,
+        weight,
+        jnp.asarray(parents, jnp.int32),
+        jnp.asarray(num_nodes, jnp.int32),
+        block_c=block_c,
+        interpret=interpret,
+        num_warps=num_warps,
+    )

@@ -71,8 +71,9 @@ class TreeSSDConfig:
     precision: str | None = None
 
 
-def _tree_ssd_kernel(nn_ref, anc_ref, q_ref, k_ref, v_ref, a_ref, s_ref, o_ref, gamma_ref, *,
-                     n_real, prec):
+def _tree_ssd_kernel(
+    nn_ref, anc_ref, q_ref, k_ref, v_ref, a_ref, s_ref, o_ref, gamma_ref, *, n_real, prec
+):
     # Blocks: anc [Np, Np] int8; q, k [Np, dk]; v, o [Np, hg, bv]; a, gamma [Np, hg];
     # s [hg, dk, bv]. Np = N rounded up to a power of two >= 16: rows >= N lie past the arrays'
     # end and are touched only through masks.
@@ -139,15 +140,24 @@ def _tree_ssd_pallas(q, k, v, a, state, tree: TreeStructure, num_nodes, *, cfg, 
     val_spec = pl.BlockSpec((None, np_, hg, bv), lambda t, h, i: (i, 0, h, t))
     head_spec = pl.BlockSpec((None, np_, hg), lambda t, h, i: (i, 0, h))
     o, gamma = pl.pallas_call(
-        functools.partial(_tree_ssd_kernel, n_real=n,
-                          prec=None if interpret else _PRECISIONS[cfg.precision]),
+        functools.partial(
+            _tree_ssd_kernel, n_real=n, prec=None if interpret else _PRECISIONS[cfg.precision]
+        ),
         grid=grid,
-        in_specs=[per_req, pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
-                  qk_spec, qk_spec, val_spec, head_spec,
-                  pl.BlockSpec((None, hg, dkp, bv), lambda t, h, i: (i, h, 0, t))],
+        in_specs=[
+            per_req,
+            pl.BlockSpec((None, np_, np_), lambda t, h, i: (i, 0, 0)),
+            qk_spec,
+            qk_spec,
+            val_spec,
+            head_spec,
+            pl.BlockSpec((None, hg, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+        ],
         out_specs=[val_spec, head_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
-                   jax.ShapeDtypeStruct((b, n, hv), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n, hv, dvp), v.dtype),
+            jax.ShapeDtypeStruct((b, n, hv), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=cfg.num_stages),
         name="bole_tree_ssd",
@@ -155,9 +165,20 @@ def _tree_ssd_pallas(q, k, v, a, state, tree: TreeStructure, num_nodes, *, cfg, 
     return o[..., :dv], tree_ssd_ref.ssd_factors(k, v, gamma, tree.valid)
 
 
-def tree_ssd_verify(q, k, v, a, state, parents, num_nodes=None, *,
-                    tree: TreeStructure | None = None, backend: str = "auto",
-                    interpret: bool | None = None, config: TreeSSDConfig | None = None):
+def tree_ssd_verify(
+    q,
+    k,
+    v,
+    a,
+    state,
+    parents,
+    num_nodes=None,
+    *,
+    tree: TreeStructure | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    config: TreeSSDConfig | None = None,
+):
     """Verify all nodes of a draft tree through one SSD (Mamba2) layer from the committed state.
 
     q, k [B, N, Hk, dk] (C, B of Mamba2: Hk = ngroups, dk = d_state; used as given, no norm or
@@ -175,17 +196,20 @@ def tree_ssd_verify(q, k, v, a, state, parents, num_nodes=None, *,
     b, n, hk, dk = q.shape
     hv = v.shape[2]
     if k.shape != q.shape or v.shape[:2] != (b, n) or hv % hk:
-        raise ValueError(f"inconsistent shapes q {q.shape} k {k.shape} v {v.shape}: need "
-                         "q, k [B, N, Hk, dk], v [B, N, HV, dv] with HV a multiple of Hk")
+        raise ValueError(
+            f"inconsistent shapes q {q.shape} k {k.shape} v {v.shape}: need "
+            "q, k [B, N, Hk, dk], v [B, N, HV, dv] with HV a multiple of Hk"
+        )
     if a.shape != (b, n, hv) or state.shape != (b, hv, dk, v.shape[3]):
-        raise ValueError(f"a {a.shape} must be [B, N, HV] and state {state.shape} "
-                         "[B, HV, dk, dv]")
+        raise ValueError(f"a {a.shape} must be [B, N, HV] and state {state.shape} [B, HV, dk, dv]")
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "reference":
         return tree_ssd_ref.tree_ssd_closed_form(q, k, v, a, state, parents, num_nodes, tree)
     if n > MAX_NODES:
-        raise ValueError(f"the Pallas tree SSD kernel handles N <= {MAX_NODES} nodes (got {n}): "
-                         "use backend='reference' or a smaller tree")
+        raise ValueError(
+            f"the Pallas tree SSD kernel handles N <= {MAX_NODES} nodes (got {n}): "
+            "use backend='reference' or a smaller tree"
+        )
     cfg = config or TreeSSDConfig()
     if cfg.precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(_PRECISIONS)}, got {cfg.precision!r}")
@@ -193,5 +217,6 @@ def tree_ssd_verify(q, k, v, a, state, parents, num_nodes=None, *,
         tree = tree_structure(parents, num_nodes)
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
-    return _tree_ssd_pallas(q, k, v, a, state, tree, jnp.asarray(num_nodes, jnp.int32), cfg=cfg,
-                            interpret=interpret)
+    return _tree_ssd_pallas(
+        q, k, v, a, state, tree, jnp.asarray(num_nodes, jnp.int32), cfg=cfg, interpret=interpret
+    )

@@ -43,8 +43,14 @@ from bole_jax.pallas.tree_gdn_commit import commit_state
 from bole_jax.pallas.tree_gdn_ref import decay_matrix, node_states_from_factors, root_path_gamma
 from bole_jax.pallas.tree_utils import TreeStructure, node_validity, tree_structure
 
-__all__ = ["from_mamba2", "tree_ssd_sequential", "tree_ssd_closed_form", "ssd_factors",
-           "node_states_from_factors", "commit"]
+__all__ = [
+    "from_mamba2",
+    "tree_ssd_sequential",
+    "tree_ssd_closed_form",
+    "ssd_factors",
+    "node_states_from_factors",
+    "commit",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -108,13 +114,13 @@ def tree_ssd_sequential(q, k, v, a, state, parents, num_nodes=None):
         from_parent = states[rows, jnp.clip(par, 0, n - 1)]
         s = jnp.where((par >= 0)[:, None, None, None], from_parent, s_pre)  # [B, HV, dk, dv]
         s = jnp.exp(af[:, i])[..., None, None] * s + jnp.einsum(
-            "bhk,bhv->bhkv", kf[:, i], vf[:, i], precision=_HI)
+            "bhk,bhv->bhkv", kf[:, i], vf[:, i], precision=_HI
+        )
         s = jnp.where(valid[:, i, None, None, None], s, 0.0)
         o = jnp.einsum("bhkv,bhk->bhv", s, qf[:, i], precision=_HI)
         return states.at[:, i].set(s), o
 
-    states, o = jax.lax.scan(node, jnp.zeros((b, n) + s_pre.shape[1:], jnp.float32),
-                             jnp.arange(n))
+    states, o = jax.lax.scan(node, jnp.zeros((b, n) + s_pre.shape[1:], jnp.float32), jnp.arange(n))
     return jnp.moveaxis(o, 0, 1), states
 
 
@@ -122,8 +128,9 @@ def tree_ssd_sequential(q, k, v, a, state, parents, num_nodes=None):
 
 
 @jax.jit
-def tree_ssd_closed_form(q, k, v, a, state, parents, num_nodes=None,
-                         tree: TreeStructure | None = None):
+def tree_ssd_closed_form(
+    q, k, v, a, state, parents, num_nodes=None, tree: TreeStructure | None = None
+):
     """All tree nodes in parallel from one committed state.
 
     Returns (o [B, N, HV, dv] in v.dtype, TreeFactors(k [B, N, Hk, dk], u = v [B, N, HV, dv],
@@ -164,5 +171,4 @@ def commit(state, factors: TreeFactors, parents, accepted, *, max_path: int | No
     factors are TreeFactors with u = v; its Pallas backend (`tree_gdn_commit.commit_state_pallas`) does
     too. max_path: static bound on nodes on any root path (None = N, always exact).
     """
-    return commit_state(state, factors, parents, accepted, max_path=max_path,
-                        backend="reference")
+    return commit_state(state, factors, parents, accepted, max_path=max_path, backend="reference")

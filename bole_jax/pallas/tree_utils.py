@@ -73,7 +73,8 @@ def tree_structure(parents: jax.Array, num_nodes: jax.Array | None = None) -> Tr
     reach = (edge | (jnp.eye(n, dtype=bool)[None] & valid[:, :, None])).astype(jnp.float32)
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
         reach = jnp.minimum(
-            jnp.einsum("bij,bjk->bik", reach, reach, precision=jax.lax.Precision.HIGHEST), 1.0)
+            jnp.einsum("bij,bjk->bik", reach, reach, precision=jax.lax.Precision.HIGHEST), 1.0
+        )
     anc = reach > 0.5
     path = jnp.sum(anc, axis=-1, dtype=jnp.int32)  # nodes on the root path, self included
     depth = jnp.maximum(path - 1, 0)
@@ -81,8 +82,9 @@ def tree_structure(parents: jax.Array, num_nodes: jax.Array | None = None) -> Tr
 
 
 @jax.jit
-def dfs_order(parents: jax.Array, num_nodes: jax.Array | None = None,
-              anc: jax.Array | None = None) -> jax.Array:
+def dfs_order(
+    parents: jax.Array, num_nodes: jax.Array | None = None, anc: jax.Array | None = None
+) -> jax.Array:
     """[B, N] int32: each tree's nodes in depth-first preorder (children, and the roots of a
     forest, in index order), padding nodes last in index order. order[b, j] is the j-th node
     visited. Every node comes after its parent, and a node's parent is the node just before it
@@ -102,10 +104,15 @@ def dfs_order(parents: jax.Array, num_nodes: jax.Array | None = None,
     a = anc.astype(jnp.float32)  # (sizes and positions <= N: exact in fp32)
     size = jnp.sum(a, axis=1)  # [B, N]: nodes whose ancestor-or-self is j
     ids = jnp.arange(n, dtype=jnp.int32)
-    sib = ((parents[:, None, :] == parents[:, :, None]) & (ids[None, None, :] < ids[None, :, None])
-           & valid[:, None, :] & valid[:, :, None])  # [B, a, s]: s an earlier sibling of a
-    c = 1.0 + jnp.einsum("bas,bs->ba", sib.astype(jnp.float32), size,
-                         precision=jax.lax.Precision.HIGHEST)
+    sib = (
+        (parents[:, None, :] == parents[:, :, None])
+        & (ids[None, None, :] < ids[None, :, None])
+        & valid[:, None, :]
+        & valid[:, :, None]
+    )  # [B, a, s]: s an earlier sibling of a
+    c = 1.0 + jnp.einsum(
+        "bas,bs->ba", sib.astype(jnp.float32), size, precision=jax.lax.Precision.HIGHEST
+    )
     pos = jnp.einsum("bia,ba->bi", a, c, precision=jax.lax.Precision.HIGHEST) - 1.0
     pos = jnp.where(valid, jnp.round(pos).astype(jnp.int32), ids[None, :])
     # order = pos^-1, as a one-hot sum (N <= a few hundred)
@@ -184,4 +191,5 @@ def check_parents(parents, num_nodes=None) -> None:
             i = int(bad[0])
             raise ValueError(
                 f"parents[{b}, {i}] = {int(row[i])}: every real node needs -1 <= parent < index "
-                "(nodes in topological order; -1 = child of the committed state)")
+                "(nodes in topological order; -1 = child of the committed state)"
+            )

@@ -35,216 +35,234 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model import parallel
-from bole_jax.model.cache import (AttnCache, Cache, GDNCache, committed_state,
-                                  empty_pending_like)
+from bole_jax.model.cache import AttnCache, Cache, GDNCache, committed_state, empty_pending_like
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PrefixBlock:
-  """The device content of one entry (batch 1, P = block tokens).
+    """The device content of one entry (batch 1, P = block tokens).
 
-  attn:   per attention layer (k, v), each [1, P, Hkv, D] model dtype.
-  mtp:    per MTP layer (k, v) [1, P, Hkv, D], or None (ar).
-  conv:   per GDN layer [1, K-1, C] model dtype, the conv window at the block's end.
-  state:  per GDN layer [1, HV, dk, dv] fp32, the recurrent state at the block's end.
-  h_last: [1, H] final-normed hidden state of the block's last token.
-  """
+    attn:   per attention layer (k, v), each [1, P, Hkv, D] model dtype.
+    mtp:    per MTP layer (k, v) [1, P, Hkv, D], or None (ar).
+    conv:   per GDN layer [1, K-1, C] model dtype, the conv window at the block's end.
+    state:  per GDN layer [1, HV, dk, dv] fp32, the recurrent state at the block's end.
+    h_last: [1, H] final-normed hidden state of the block's last token.
+    """
 
-  attn: tuple
-  mtp: tuple | None
-  conv: tuple
-  state: tuple
-  h_last: jax.Array
+    attn: tuple
+    mtp: tuple | None
+    conv: tuple
+    state: tuple
+    h_last: jax.Array
 
-  @property
-  def nbytes(self) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(self))
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
 
 
 def block_bytes(cfg, block_tokens: int, dtype, mtp: bool) -> int:
-  """Bytes of one entry (`PrefixBlock`) for the model `cfg`, on one device under tensor
-  parallelism (KV and GDN checkpoints split over their heads)."""
-  it = jnp.dtype(dtype).itemsize
-  kv_rows = 2 * block_tokens * cfg.num_kv_heads * cfg.head_dim * it
-  kv_rows //= parallel.shards(cfg, cfg.num_kv_heads)
-  n = len(cfg.attention_layers) * kv_rows + (cfg.mtp_num_layers * kv_rows if mtp else 0)
-  n += len(cfg.gdn_layers) * ((cfg.conv_kernel - 1) * cfg.conv_dim * it
-                              + cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
-                              ) // parallel.gdn_shards(cfg)
-  return n + cfg.hidden_size * it
+    """Bytes of one entry (`PrefixBlock`) for the model `cfg`, on one device under tensor
+    parallelism (KV and GDN checkpoints split over their heads)."""
+    it = jnp.dtype(dtype).itemsize
+    kv_rows = 2 * block_tokens * cfg.num_kv_heads * cfg.head_dim * it
+    kv_rows //= parallel.shards(cfg, cfg.num_kv_heads)
+    n = len(cfg.attention_layers) * kv_rows + (cfg.mtp_num_layers * kv_rows if mtp else 0)
+    n += (
+        len(cfg.gdn_layers)
+        * (
+            (cfg.conv_kernel - 1) * cfg.conv_dim * it
+            + cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4
+        )
+        // parallel.gdn_shards(cfg)
+    )
+    return n + cfg.hidden_size * it
 
 
 # ------------------------------------------------------------------ device side (jitted)
 @functools.partial(jax.jit, static_argnames=("size",))
-def take_block(cache: Cache, draft_kv, h_last: jax.Array, start: jax.Array, *,
-               size: int) -> PrefixBlock:
-  """Copy rows [start, start + size) of a batch-1 prefill cache and its current checkpoint.
+def take_block(
+    cache: Cache, draft_kv, h_last: jax.Array, start: jax.Array, *, size: int
+) -> PrefixBlock:
+    """Copy rows [start, start + size) of a batch-1 prefill cache and its current checkpoint.
 
-  Call right after the prefill piece that ended at start + size (the checkpoint is the cache's
-  committed GDN state now, a pending lazy commit included). h_last [1, H]: that piece's last
-  hidden state. Every output is a fresh buffer.
-  """
-  rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-  attn = tuple((rows(c.k), rows(c.v)) for c in cache.layers if isinstance(c, AttnCache))
-  gdn = [c for c in cache.layers if isinstance(c, GDNCache)]
-  mtp = None if draft_kv is None else tuple((rows(c.k), rows(c.v)) for c in draft_kv)
-  return PrefixBlock(attn=attn, mtp=mtp, conv=tuple(jnp.copy(c.conv) for c in gdn),
-                     state=tuple(jnp.copy(committed_state(c)) for c in gdn),
-                     h_last=jnp.copy(h_last))
+    Call right after the prefill piece that ended at start + size (the checkpoint is the cache's
+    committed GDN state now, a pending lazy commit included). h_last [1, H]: that piece's last
+    hidden state. Every output is a fresh buffer.
+    """
+    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    attn = tuple((rows(c.k), rows(c.v)) for c in cache.layers if isinstance(c, AttnCache))
+    gdn = [c for c in cache.layers if isinstance(c, GDNCache)]
+    mtp = None if draft_kv is None else tuple((rows(c.k), rows(c.v)) for c in draft_kv)
+    return PrefixBlock(
+        attn=attn,
+        mtp=mtp,
+        conv=tuple(jnp.copy(c.conv) for c in gdn),
+        state=tuple(jnp.copy(committed_state(c)) for c in gdn),
+        h_last=jnp.copy(h_last),
+    )
 
 
 def _replace_layers(layers: tuple, kind: type, values, fn) -> tuple:
-  """`layers` with fn(layer, value) in place of each layer of type `kind` (values in order)."""
-  values = iter(values)
-  return tuple(fn(c, next(values)) if isinstance(c, kind) else c for c in layers)
+    """`layers` with fn(layer, value) in place of each layer of type `kind` (values in order)."""
+    values = iter(values)
+    return tuple(fn(c, next(values)) if isinstance(c, kind) else c for c in layers)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache", "draft_kv"))
 def restore_kv(cache: Cache, draft_kv, block: PrefixBlock, start: jax.Array):
-  """Write a block's KV rows (target and MTP) at [start, start + P) of a batch-1 prefill cache."""
-  put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=1)
-  put_kv = lambda c, kv: AttnCache(k=put(c.k, kv[0]), v=put(c.v, kv[1]))
-  layers = _replace_layers(cache.layers, AttnCache, block.attn, put_kv)
-  if draft_kv is not None:
-    draft_kv = _replace_layers(draft_kv, AttnCache, block.mtp, put_kv)
-  return dataclasses.replace(cache, layers=layers), draft_kv
+    """Write a block's KV rows (target and MTP) at [start, start + P) of a batch-1 prefill cache."""
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=1)
+    put_kv = lambda c, kv: AttnCache(k=put(c.k, kv[0]), v=put(c.v, kv[1]))
+    layers = _replace_layers(cache.layers, AttnCache, block.attn, put_kv)
+    if draft_kv is not None:
+        draft_kv = _replace_layers(draft_kv, AttnCache, block.mtp, put_kv)
+    return dataclasses.replace(cache, layers=layers), draft_kv
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def restore_checkpoint(cache: Cache, block: PrefixBlock, length: jax.Array) -> Cache:
-  """Set every GDN layer's conv window and recurrent state to the block's checkpoint, and the
-  committed length to `length` (the block's end). The states are copied into the donated cache;
-  a pending lazy commit there is dropped (cleared): the checkpoint is the whole committed state."""
-  put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0,) * big.ndim)
+    """Set every GDN layer's conv window and recurrent state to the block's checkpoint, and the
+    committed length to `length` (the block's end). The states are copied into the donated cache;
+    a pending lazy commit there is dropped (cleared): the checkpoint is the whole committed state."""
+    put = lambda big, small: jax.lax.dynamic_update_slice(big, small, (0,) * big.ndim)
 
-  def restore(c: GDNCache, cs) -> GDNCache:
-    pending = None if c.pending is None else empty_pending_like(c.pending)
-    return GDNCache(conv=put(c.conv, cs[0]), state=put(c.state, cs[1]), pending=pending)
+    def restore(c: GDNCache, cs) -> GDNCache:
+        pending = None if c.pending is None else empty_pending_like(c.pending)
+        return GDNCache(conv=put(c.conv, cs[0]), state=put(c.state, cs[1]), pending=pending)
 
-  layers = _replace_layers(cache.layers, GDNCache, zip(block.conv, block.state), restore)
-  return Cache(layers=layers, lengths=jnp.full_like(cache.lengths, length))
+    layers = _replace_layers(cache.layers, GDNCache, zip(block.conv, block.state), restore)
+    return Cache(layers=layers, lengths=jnp.full_like(cache.lengths, length))
 
 
 # ------------------------------------------------------------------ host index
 @dataclasses.dataclass(eq=False)
 class Entry:
-  """One cached block: `block` holds tokens [depth * P, (depth + 1) * P) of every prompt whose
-  first (depth + 1) * P tokens equal the chain root -> ... -> this entry."""
+    """One cached block: `block` holds tokens [depth * P, (depth + 1) * P) of every prompt whose
+    first (depth + 1) * P tokens equal the chain root -> ... -> this entry."""
 
-  id: int
-  parent: "Entry | None"
-  tokens: tuple[int, ...]
-  block: PrefixBlock
-  nbytes: int
-  depth: int
-  children: int = 0
+    id: int
+    parent: "Entry | None"
+    tokens: tuple[int, ...]
+    block: PrefixBlock
+    nbytes: int
+    depth: int
+    children: int = 0
 
 
 class PrefixCache:
-  """Block-chained prefix entries with LRU eviction under `budget_bytes` (host bookkeeping; the
-  entries' arrays live on the device). Not thread-safe: the engine thread owns it; `stats()` may
-  be read from other threads (it only copies counters)."""
+    """Block-chained prefix entries with LRU eviction under `budget_bytes` (host bookkeeping; the
+    entries' arrays live on the device). Not thread-safe: the engine thread owns it; `stats()` may
+    be read from other threads (it only copies counters)."""
 
-  def __init__(self, block_tokens: int, budget_bytes: int):
-    if block_tokens < 1:
-      raise ValueError(f"--prefix-block must be >= 1 token, got {block_tokens}")
-    self.block_tokens = block_tokens
-    self.budget_bytes = max(int(budget_bytes), 0)
-    self.bytes = 0
-    self._index: dict[tuple[int, tuple[int, ...]], Entry] = {}  # (parent id or -1, tokens)
-    self._lru: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # oldest first
-    self._ids = itertools.count()
-    self.inserted = 0
-    self.evicted = 0
-    self.rejected = 0  # blocks not stored: no room even after evicting every unpinned leaf
+    def __init__(self, block_tokens: int, budget_bytes: int):
+        if block_tokens < 1:
+            raise ValueError(f"--prefix-block must be >= 1 token, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self.budget_bytes = max(int(budget_bytes), 0)
+        self.bytes = 0
+        self._index: dict[tuple[int, tuple[int, ...]], Entry] = {}  # (parent id or -1, tokens)
+        self._lru: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # oldest first
+        self._ids = itertools.count()
+        self.inserted = 0
+        self.evicted = 0
+        self.rejected = 0  # blocks not stored: no room even after evicting every unpinned leaf
 
-  @property
-  def enabled(self) -> bool:
-    return self.budget_bytes > 0
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
 
-  def __len__(self) -> int:
-    return len(self._lru)
+    def __len__(self) -> int:
+        return len(self._lru)
 
-  def blocks_of(self, tokens: Sequence[int], end: int) -> list[tuple[int, ...]]:
-    """The full blocks of tokens[:end]."""
-    p = self.block_tokens
-    return [tuple(tokens[i:i + p]) for i in range(0, end - p + 1, p)]
+    def blocks_of(self, tokens: Sequence[int], end: int) -> list[tuple[int, ...]]:
+        """The full blocks of tokens[:end]."""
+        p = self.block_tokens
+        return [tuple(tokens[i : i + p]) for i in range(0, end - p + 1, p)]
 
-  def match(self, tokens: Sequence[int]) -> list[Entry]:
-    """The longest cached chain for a prompt, leaving at least its last token out (see module
-    docstring). Touches the chain (LRU)."""
-    chain: list[Entry] = []
-    parent = -1
-    for blk in self.blocks_of(tokens, len(tokens) - 1):
-      e = self._index.get((parent, blk))
-      if e is None:
-        break
-      chain.append(e)
-      parent = e.id
-    if chain:
-      self._touch(chain[-1])
-    return chain
+    def match(self, tokens: Sequence[int]) -> list[Entry]:
+        """The longest cached chain for a prompt, leaving at least its last token out (see module
+        docstring). Touches the chain (LRU)."""
+        chain: list[Entry] = []
+        parent = -1
+        for blk in self.blocks_of(tokens, len(tokens) - 1):
+            e = self._index.get((parent, blk))
+            if e is None:
+                break
+            chain.append(e)
+            parent = e.id
+        if chain:
+            self._touch(chain[-1])
+        return chain
 
-  def child(self, parent: Entry | None, tokens: tuple[int, ...]) -> Entry | None:
-    """The cached block `tokens` right after `parent` (None: at the start), touched; or None."""
-    e = self._index.get((-1 if parent is None else parent.id, tokens))
-    if e is not None:
-      self._touch(e)
-    return e
+    def child(self, parent: Entry | None, tokens: tuple[int, ...]) -> Entry | None:
+        """The cached block `tokens` right after `parent` (None: at the start), touched; or None."""
+        e = self._index.get((-1 if parent is None else parent.id, tokens))
+        if e is not None:
+            self._touch(e)
+        return e
 
-  def insert(self, parent: Entry | None, tokens: tuple[int, ...],
-             block: PrefixBlock) -> Entry | None:
-    """Store the block that follows `parent` (None: the first block). Returns the entry (an
-    existing one when the block is already cached), or None when it does not fit or the parent
-    was evicted meanwhile (the chain cannot continue)."""
-    assert len(tokens) == self.block_tokens, (len(tokens), self.block_tokens)
-    if parent is not None and self._lru.get(parent.id) is not parent:
-      return None
-    key = (-1 if parent is None else parent.id, tokens)
-    e = self._index.get(key)
-    if e is None:
-      nbytes = block.nbytes
-      if not self._make_room(nbytes, pinned=parent):
-        self.rejected += 1
-        return None
-      e = Entry(next(self._ids), parent, tokens, block, nbytes,
-                0 if parent is None else parent.depth + 1)
-      self._index[key] = e
-      self._lru[e.id] = e
-      self.bytes += nbytes
-      self.inserted += 1
-      if parent is not None:
-        parent.children += 1
-    self._touch(e)
-    return e
+    def insert(
+        self, parent: Entry | None, tokens: tuple[int, ...], block: PrefixBlock
+    ) -> Entry | None:
+        """Store the block that follows `parent` (None: the first block). Returns the entry (an
+        existing one when the block is already cached), or None when it does not fit or the parent
+        was evicted meanwhile (the chain cannot continue)."""
+        assert len(tokens) == self.block_tokens, (len(tokens), self.block_tokens)
+        if parent is not None and self._lru.get(parent.id) is not parent:
+            return None
+        key = (-1 if parent is None else parent.id, tokens)
+        e = self._index.get(key)
+        if e is None:
+            nbytes = block.nbytes
+            if not self._make_room(nbytes, pinned=parent):
+                self.rejected += 1
+                return None
+            e = Entry(
+                next(self._ids),
+                parent,
+                tokens,
+                block,
+                nbytes,
+                0 if parent is None else parent.depth + 1,
+            )
+            self._index[key] = e
+            self._lru[e.id] = e
+            self.bytes += nbytes
+            self.inserted += 1
+            if parent is not None:
+                parent.children += 1
+        self._touch(e)
+        return e
 
-  def clear(self) -> None:
-    self._index.clear()
-    self._lru.clear()
-    self.bytes = 0
+    def clear(self) -> None:
+        self._index.clear()
+        self._lru.clear()
+        self.bytes = 0
 
-  def _touch(self, e: Entry | None) -> None:
-    while e is not None:  # leaf first: every ancestor ends up more recent than its descendants
-      self._lru.move_to_end(e.id)
-      e = e.parent
+    def _touch(self, e: Entry | None) -> None:
+        while e is not None:  # leaf first: every ancestor ends up more recent than its descendants
+            self._lru.move_to_end(e.id)
+            e = e.parent
 
-  def _make_room(self, nbytes: int, pinned: Entry | None) -> bool:
-    if nbytes > self.budget_bytes:
-      return False
-    while self.bytes + nbytes > self.budget_bytes:
-      victim = next((e for e in self._lru.values() if e.children == 0 and e is not pinned), None)
-      if victim is None:
-        return False
-      self._evict(victim)
-    return True
+    def _make_room(self, nbytes: int, pinned: Entry | None) -> bool:
+        if nbytes > self.budget_bytes:
+            return False
+        while self.bytes + nbytes > self.budget_bytes:
+            victim = next(
+                (e for e in self._lru.values() if e.children == 0 and e is not pinned), None
+            )
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
 
-  def _evict(self, e: Entry) -> None:
-    assert e.children == 0, "only leaves are evicted"
-    del self._lru[e.id]
-    del self._index[(-1 if e.parent is None else e.parent.id, e.tokens)]
-    if e.parent is not None:
-      e.parent.children -= 1
-    self.bytes -= e.nbytes
-    self.evicted += 1
-    e.block = None  # drop the device arrays now
+    def _evict(self, e: Entry) -> None:
+        assert e.children == 0, "only leaves are evicted"
+        del self._lru[e.id]
+        del self._index[(-1 if e.parent is None else e.parent.id, e.tokens)]
+        if e.parent is not None:
+            e.parent.children -= 1
+        self.bytes -= e.nbytes
+        self.evicted += 1
+        e.block = None  # drop the device arrays now

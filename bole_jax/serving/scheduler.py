@@ -72,10 +72,20 @@ from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
 from bole_jax.serving.memory import MemoryPlan, plan_memory, plan_slots, slot_bytes  # noqa: F401
 from bole_jax.serving.metrics import Metrics
-from bole_jax.serving.prefix_cache import (Entry, PrefixCache, block_bytes, restore_checkpoint,
-                                           restore_kv, take_block)
-from bole_jax.serving.requests import (Delta, Request, RequestError, RequestParams,  # noqa: F401
-                                       TokenLogprob)
+from bole_jax.serving.prefix_cache import (
+    Entry,
+    PrefixCache,
+    block_bytes,
+    restore_checkpoint,
+    restore_kv,
+    take_block,
+)
+from bole_jax.serving.requests import (
+    Request,
+    RequestError,
+    RequestParams,  # noqa: F401
+    TokenLogprob,
+)
 from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher  # noqa: F401
 from bole_jax.spec_decode import loop
 from bole_jax.model import logits as lm_logits
@@ -89,657 +99,801 @@ MIN_PIECE = 64  # smallest prefill piece width (a prompt's last piece is buckete
 
 
 def _pow2(n: int, lo: int = 1) -> int:
-  return max(lo, 1 << (max(n, 1) - 1).bit_length())
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 # ------------------------------------------------------------------ jitted slot surgery
 def _shared_fields_cleared(state: DecodeState) -> DecodeState:
-  return dataclasses.replace(state, key=None, eos=None)
+    return dataclasses.replace(state, key=None, eos=None)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert_slot(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
-  """Write the batch-1 state `row` into row `slot` of `state` (every batched leaf, axis 0).
+    """Write the batch-1 state `row` into row `slot` of `state` (every batched leaf, axis 0).
 
-  `row` must come from `LLM.state_after_prefill` with the same mode and capacity (and its `out`
-  widened to the state's); the PRNG key and EOS ids of `state` are kept.
-  Lazy bole commit: the slot's pending commit is overwritten by the row's, and the row's is
-  folded into its state first (`settle_cache`; one is empty after a prefill anyway), so the new
-  request leaves nothing pending in the slot and the previous occupant's rows are gone.
-  """
-  row = dataclasses.replace(row, cache=settle_cache(row.cache))
-  put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, 0)
-  new = jax.tree.map(put, _shared_fields_cleared(state), _shared_fields_cleared(row))
-  return dataclasses.replace(new, key=state.key, eos=state.eos)
+    `row` must come from `LLM.state_after_prefill` with the same mode and capacity (and its `out`
+    widened to the state's); the PRNG key and EOS ids of `state` are kept.
+    Lazy bole commit: the slot's pending commit is overwritten by the row's, and the row's is
+    folded into its state first (`settle_cache`; one is empty after a prefill anyway), so the new
+    request leaves nothing pending in the slot and the previous occupant's rows are gone.
+    """
+    row = dataclasses.replace(row, cache=settle_cache(row.cache))
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(
+        big, small.astype(big.dtype), slot, 0
+    )
+    new = jax.tree.map(put, _shared_fields_cleared(state), _shared_fields_cleared(row))
+    return dataclasses.replace(new, key=state.key, eos=state.eos)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release_slots(state: DecodeState, mask: jax.Array) -> DecodeState:
-  """Mark rows `mask [B]` done (free). Their temperature is reset to 0 so that a batch whose live
-  rows are all greedy keeps the argmax-only sampling path."""
-  sp = state.sampling
-  sp = dataclasses.replace(sp, temperature=jnp.where(mask, 0.0, sp.temperature))
-  return dataclasses.replace(state, done=state.done | mask, sampling=sp)
+    """Mark rows `mask [B]` done (free). Their temperature is reset to 0 so that a batch whose live
+    rows are all greedy keeps the argmax-only sampling path."""
+    sp = state.sampling
+    sp = dataclasses.replace(sp, temperature=jnp.where(mask, 0.0, sp.temperature))
+    return dataclasses.replace(state, done=state.done | mask, sampling=sp)
 
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def read_new_logprobs(state: DecodeState, start: jax.Array, *, width: int):
-  """The `Logprobs` of out[b, start[b] : start[b] + width]: [B, width], [B, width, K] twice."""
-  lp = state.logprobs
-  idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], lp.logp.shape[1] - 1)
-  return (jnp.take_along_axis(lp.logp, idx, axis=1),
-          jnp.take_along_axis(lp.top_ids, idx[..., None], axis=1),
-          jnp.take_along_axis(lp.top_logp, idx[..., None], axis=1))
+    """The `Logprobs` of out[b, start[b] : start[b] + width]: [B, width], [B, width, K] twice."""
+    lp = state.logprobs
+    idx = jnp.minimum(
+        start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], lp.logp.shape[1] - 1
+    )
+    return (
+        jnp.take_along_axis(lp.logp, idx, axis=1),
+        jnp.take_along_axis(lp.top_ids, idx[..., None], axis=1),
+        jnp.take_along_axis(lp.top_logp, idx[..., None], axis=1),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
 def first_logprobs(params, h_last: jax.Array, token: jax.Array, *, cfg, k: int):
-  """Target log-probabilities of the first token [1] (drawn from the prompt's last hidden [1, H])."""
-  return token_logprobs(lm_logits(params, cfg, h_last), token, k)
+    """Target log-probabilities of the first token [1] (drawn from the prompt's last hidden [1, H])."""
+    return token_logprobs(lm_logits(params, cfg, h_last), token, k)
 
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def read_new_tokens(state: DecodeState, start: jax.Array, *, width: int):
-  """Tokens out[b, start[b] : start[b] + width] ([B, width], -1 past the end), num_out, done, steps."""
-  idx = jnp.minimum(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], state.out.shape[1] - 1)
-  return jnp.take_along_axis(state.out, idx, axis=1), state.num_out, state.done, state.steps
+    """Tokens out[b, start[b] : start[b] + width] ([B, width], -1 past the end), num_out, done, steps."""
+    idx = jnp.minimum(
+        start[:, None] + jnp.arange(width, dtype=jnp.int32)[None], state.out.shape[1] - 1
+    )
+    return jnp.take_along_axis(state.out, idx, axis=1), state.num_out, state.done, state.steps
 
 
 # ------------------------------------------------------------------ host-side text
 
+
 # ------------------------------------------------------------------ the engine
 @dataclasses.dataclass(eq=False)
 class PrefillJob:
-  """A request whose prompt is prefilled piece by piece between decode segments (batch 1).
+    """A request whose prompt is prefilled piece by piece between decode segments (batch 1).
 
-  cache, draft_kv: its target cache (KV capacity = the slots') and MTP cache, donated by every piece.
-  h_last:  [1, H] hidden state of its last prefilled token (zeros before the first piece).
-  pos:     prompt tokens in `cache` (restored from the prefix cache or computed); a multiple of
-           the block size until the last piece.
-  parent:  the prefix-cache entry of the block ending at `pos` (the next full block is stored
-           under it), None at the start of the prompt.
-  chained: False once a block could not be stored (budget): later blocks would be unreachable.
-  """
+    cache, draft_kv: its target cache (KV capacity = the slots') and MTP cache, donated by every piece.
+    h_last:  [1, H] hidden state of its last prefilled token (zeros before the first piece).
+    pos:     prompt tokens in `cache` (restored from the prefix cache or computed); a multiple of
+             the block size until the last piece.
+    parent:  the prefix-cache entry of the block ending at `pos` (the next full block is stored
+             under it), None at the start of the prompt.
+    chained: False once a block could not be stored (budget): later blocks would be unreachable.
+    """
 
-  req: Request
-  cache: Any
-  draft_kv: Any
-  h_last: jax.Array
-  pos: int = 0
-  parent: Entry | None = None
-  chained: bool = True
+    req: Request
+    cache: Any
+    draft_kv: Any
+    h_last: jax.Array
+    pos: int = 0
+    parent: Entry | None = None
+    chained: bool = True
 
 
 class Scheduler:
-  """Continuous-batching engine over `num_slots` decode rows of one `LLM`.
+    """Continuous-batching engine over `num_slots` decode rows of one `LLM`.
 
-  Args:
-    llm: a loaded `bole_jax.LLM` (its spec_options fix the tree shape of the spec modes).
-    mode: "ar", "bole", "pernode" or "chain" (default: llm.default_spec).
-    max_batch: upper bound on the slots (decode rows); memory may allow fewer.
-    max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
-      8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
-    segment_steps: decode steps per jitted segment, at most (smaller: lower latency to join/leave
-      and finer streaming; larger: fewer host round trips).
-    segment_ms: target duration of one segment in milliseconds: the steps per segment follow
-      segment_ms / (measured seconds per step), clamped to [1, segment_steps]; the first segment
-      runs one step. None: always `segment_steps`.
-    prefill_chunk: prompt tokens prefilled per iteration between two decode segments (rounded
-      up to whole `prefix_block` pieces): bounds how long a long prompt holds the running rows.
-    prefix_block: tokens per prefix-cache block, which is also the prefill piece (a checkpoint of
-      the recurrent state is taken after every full block).
-    prefix_cache_gb: prefix cache budget in GiB (0 = off; default: the memory the slots leave, see
-      `plan_memory`).
-    memory_gb: cap in GiB on what slots + prefix cache may use (default: no cap beyond the free
-      device memory).
-    memory_fraction: share of the free device memory the slots and the prefix cache may use.
-    seed: seed of the engine's shared PRNG stream.
-    max_logprobs: record the target log-probability of every generated token and the
-      `max_logprobs` most likely tokens at its position (requests may ask for up to that many);
-      None: not recorded (requests asking for logprobs are refused). Costs a log-softmax and a
-      top-k over the vocabulary for every verified position of every step.
-  Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
-  """
+    Args:
+      llm: a loaded `bole_jax.LLM` (its spec_options fix the tree shape of the spec modes).
+      mode: "ar", "bole", "pernode" or "chain" (default: llm.default_spec).
+      max_batch: upper bound on the slots (decode rows); memory may allow fewer.
+      max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
+        8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
+      segment_steps: decode steps per jitted segment, at most (smaller: lower latency to join/leave
+        and finer streaming; larger: fewer host round trips).
+      segment_ms: target duration of one segment in milliseconds: the steps per segment follow
+        segment_ms / (measured seconds per step), clamped to [1, segment_steps]; the first segment
+        runs one step. None: always `segment_steps`.
+      prefill_chunk: prompt tokens prefilled per iteration between two decode segments (rounded
+        up to whole `prefix_block` pieces): bounds how long a long prompt holds the running rows.
+      prefix_block: tokens per prefix-cache block, which is also the prefill piece (a checkpoint of
+        the recurrent state is taken after every full block).
+      prefix_cache_gb: prefix cache budget in GiB (0 = off; default: the memory the slots leave, see
+        `plan_memory`).
+      memory_gb: cap in GiB on what slots + prefix cache may use (default: no cap beyond the free
+        device memory).
+      memory_fraction: share of the free device memory the slots and the prefix cache may use.
+      seed: seed of the engine's shared PRNG stream.
+      max_logprobs: record the target log-probability of every generated token and the
+        `max_logprobs` most likely tokens at its position (requests may ask for up to that many);
+        None: not recorded (requests asking for logprobs are refused). Costs a log-softmax and a
+        top-k over the vocabulary for every verified position of every step.
+    Use `start()` / `stop()` for the engine thread, `submit()` from any thread.
+    """
 
-  def __init__(self, llm, *, mode: str | None = None, max_batch: int = 8,
-               max_context: int | None = None, segment_steps: int = 8,
-               segment_ms: float | None = 100.0, prefill_chunk: int = 1024, prefix_block: int = 256,
-               prefix_cache_gb: float | None = None, memory_gb: float | None = None,
-               memory_fraction: float = 0.9, max_waiting: int = 4096, seed: int = 0,
-               max_logprobs: int | None = None):
-    self.llm = llm
-    cfg = llm.cfg
-    self.mode = mode or llm.default_spec
-    if self.mode not in ("ar",) + SPEC_MODES:
-      raise ValueError(f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}")
-    self.spec = None
-    if self.mode != "ar":
-      # The tree shape of the batch bucket the slots run at (a calibrated width when a table
-      # matches, else the logged default): the same bucket for the segment, the prefill caches
-      # and the rows, so slack and slot memory are sized for the tree actually verified.
-      self.spec = llm._spec_config(self.mode, max_batch)
-      if self.spec.synthetic_accept is not None:
-        raise ValueError("the synthetic-acceptance drafter is for offline benchmarks, not serving")
-      require_mtp(cfg, llm.params)
-    if segment_steps < 1:
-      raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
-    slack = self.spec.slack if self.spec else 0
-    limit = cfg.max_position_embeddings
-    if max_context is None:
-      self.capacity = _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64)
-      self.max_context = min(limit, self.capacity - slack - 1)
-    else:
-      if not 2 <= max_context <= limit:
-        raise ValueError(f"--max-context must be in [2, {limit}] (the model's "
-                         f"max_position_embeddings), got {max_context}")
-      self.max_context = max_context
-      # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
-      self.capacity = _pow2(max_context + slack + 1, lo=64)
-      tight = self.capacity // 2 - slack - 1
-      if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
-        log.warning("--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
-                    "halve the KV memory", max_context, self.capacity, tight)
-    if prefix_block < 1:
-      raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
-    if prefill_chunk < 1:
-      raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
-    if segment_ms is not None and not segment_ms > 0:
-      raise ValueError(f"--segment-ms must be > 0, got {segment_ms}")
-    if max_logprobs is not None and not 0 <= max_logprobs <= 20:
-      raise ValueError(f"--max-logprobs must be in [0, 20], got {max_logprobs}")
-    self.max_logprobs = max_logprobs
-    self.segment_steps = segment_steps
-    self.segment_ms = segment_ms
-    self._step_s: float | None = None  # moving average of one decode step's seconds
-    self.prefix_block = prefix_block
-    # Whole pieces per iteration; at least one, so a prompt always progresses.
-    self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
-    self.max_waiting = max_waiting
-    self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
-    self.dtype = llm.params["embed"].dtype
-    self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, self.dtype)
-    self.memory = plan_memory(sum(self.slot_bytes.values()), max_batch, memory_gb=memory_gb,
-                              prefix_cache_gb=prefix_cache_gb, memory_fraction=memory_fraction)
-    self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
-    self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
-    entry = block_bytes(cfg, prefix_block, self.dtype, mtp=self.spec is not None)
-    if self.prefix.enabled and prefix_block > self.max_context - 2:
-      log.warning("--prefix-block %d leaves no prompt of this server (at most %d tokens) a whole "
-                  "block to reuse: nothing will be cached", prefix_block, self.max_context - 1)
-    elif self.prefix.enabled and entry > self.prefix.budget_bytes:
-      log.warning("the prefix cache budget (%.1f MiB) is smaller than one block (%.1f MiB): "
-                  "nothing will be cached (raise --prefix-cache-gb or lower --prefix-block)",
-                  self.prefix.budget_bytes / 2**20, entry / 2**20)
-    self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
-    self.tokenizer = llm.tokenizer
-    self.metrics = Metrics()
-    self._segment = llm.segment_fn(self.mode, max_batch)
-    self._spec_batch = max_batch
-    self._seed = seed
-    self.warming_up = False
-    self._inbox: queue.Queue = queue.Queue()
-    self._waiting: collections.deque[Request] = collections.deque()
-    self._slots: list[Request | None] = [None] * self.num_slots
-    self._seen = np.zeros(self.num_slots, np.int32)  # tokens of each slot already on the host
-    self._steps = np.zeros(self.num_slots, np.int32)  # host copy of state.steps at the last read
-    self._state: DecodeState | None = None
-    self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
-    self.state_bytes = 0  # bytes of the running state (its shapes never change)
-    self._thread: threading.Thread | None = None
-    self._stop = threading.Event()
-    self.error: str | None = None  # set when the engine thread died
-    self._queued = 0  # submitted, still in the inbox
-    self._queued_lock = threading.Lock()
+    def __init__(
+        self,
+        llm,
+        *,
+        mode: str | None = None,
+        max_batch: int = 8,
+        max_context: int | None = None,
+        segment_steps: int = 8,
+        segment_ms: float | None = 100.0,
+        prefill_chunk: int = 1024,
+        prefix_block: int = 256,
+        prefix_cache_gb: float | None = None,
+        memory_gb: float | None = None,
+        memory_fraction: float = 0.9,
+        max_waiting: int = 4096,
+        seed: int = 0,
+        max_logprobs: int | None = None,
+    ):
+        self.llm = llm
+        cfg = llm.cfg
+        self.mode = mode or llm.default_spec
+        if self.mode not in ("ar",) + SPEC_MODES:
+            raise ValueError(
+                f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"
+            )
+        self.spec = None
+        if self.mode != "ar":
+            # The tree shape of the batch bucket the slots run at (a calibrated width when a table
+            # matches, else the logged default): the same bucket for the segment, the prefill caches
+            # and the rows, so slack and slot memory are sized for the tree actually verified.
+            self.spec = llm._spec_config(self.mode, max_batch)
+            if self.spec.synthetic_accept is not None:
+                raise ValueError(
+                    "the synthetic-acceptance drafter is for offline benchmarks, not serving"
+                )
+            require_mtp(cfg, llm.params)
+        if segment_steps < 1:
+            raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
+        slack = self.spec.slack if self.spec else 0
+        limit = cfg.max_position_embeddings
+        if max_context is None:
+            self.capacity = _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64)
+            self.max_context = min(limit, self.capacity - slack - 1)
+        else:
+            if not 2 <= max_context <= limit:
+                raise ValueError(
+                    f"--max-context must be in [2, {limit}] (the model's "
+                    f"max_position_embeddings), got {max_context}"
+                )
+            self.max_context = max_context
+            # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
+            self.capacity = _pow2(max_context + slack + 1, lo=64)
+            tight = self.capacity // 2 - slack - 1
+            if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
+                log.warning(
+                    "--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
+                    "halve the KV memory",
+                    max_context,
+                    self.capacity,
+                    tight,
+                )
+        if prefix_block < 1:
+            raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
+        if prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be >= 1 token, got {prefill_chunk}")
+        if segment_ms is not None and not segment_ms > 0:
+            raise ValueError(f"--segment-ms must be > 0, got {segment_ms}")
+        if max_logprobs is not None and not 0 <= max_logprobs <= 20:
+            raise ValueError(f"--max-logprobs must be in [0, 20], got {max_logprobs}")
+        self.max_logprobs = max_logprobs
+        self.segment_steps = segment_steps
+        self.segment_ms = segment_ms
+        self._step_s: float | None = None  # moving average of one decode step's seconds
+        self.prefix_block = prefix_block
+        # Whole pieces per iteration; at least one, so a prompt always progresses.
+        self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
+        self.max_waiting = max_waiting
+        self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
+        self.dtype = llm.params["embed"].dtype
+        self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, self.dtype)
+        self.memory = plan_memory(
+            sum(self.slot_bytes.values()),
+            max_batch,
+            memory_gb=memory_gb,
+            prefix_cache_gb=prefix_cache_gb,
+            memory_fraction=memory_fraction,
+        )
+        self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
+        self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
+        entry = block_bytes(cfg, prefix_block, self.dtype, mtp=self.spec is not None)
+        if self.prefix.enabled and prefix_block > self.max_context - 2:
+            log.warning(
+                "--prefix-block %d leaves no prompt of this server (at most %d tokens) a whole "
+                "block to reuse: nothing will be cached",
+                prefix_block,
+                self.max_context - 1,
+            )
+        elif self.prefix.enabled and entry > self.prefix.budget_bytes:
+            log.warning(
+                "the prefix cache budget (%.1f MiB) is smaller than one block (%.1f MiB): "
+                "nothing will be cached (raise --prefix-cache-gb or lower --prefix-block)",
+                self.prefix.budget_bytes / 2**20,
+                entry / 2**20,
+            )
+        self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
+        self.tokenizer = llm.tokenizer
+        self.metrics = Metrics()
+        self._segment = llm.segment_fn(self.mode, max_batch)
+        self._spec_batch = max_batch
+        self._seed = seed
+        self.warming_up = False
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._slots: list[Request | None] = [None] * self.num_slots
+        self._seen = np.zeros(self.num_slots, np.int32)  # tokens of each slot already on the host
+        self._steps = np.zeros(
+            self.num_slots, np.int32
+        )  # host copy of state.steps at the last read
+        self._state: DecodeState | None = None
+        self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
+        self.state_bytes = 0  # bytes of the running state (its shapes never change)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: str | None = None  # set when the engine thread died
+        self._queued = 0  # submitted, still in the inbox
+        self._queued_lock = threading.Lock()
 
-  # ---------------------------------------------------------------- client API (any thread)
-  def check(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
-    """Raise RequestError for what the client got wrong (the HTTP layer answers 400)."""
-    n = len(prompt_ids)
-    if n == 0:
-      raise RequestError("the prompt is empty (after tokenisation)", "prompt")
-    vocab = self.llm.cfg.vocab_size
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-      raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
-    if isinstance(params.max_tokens, bool) or not isinstance(params.max_tokens, int) \
-        or params.max_tokens < 1:
-      raise RequestError(f"max_tokens must be an integer >= 1, got {params.max_tokens!r}",
-                         "max_tokens")
-    if n + params.max_tokens > self.max_context:
-      raise RequestError(
-          f"this server's maximum context length is {self.max_context} tokens, but "
-          f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} for "
-          "the completion): shorten the prompt or lower max_tokens", "max_tokens",
-          "context_length_exceeded")
-    try:
-      validate_sampling(params.temperature, params.top_p, params.top_k)
-    except ValueError as e:
-      raise RequestError(str(e), str(e).split()[0]) from None
-    if any(not isinstance(s, str) or not s for s in params.stop):
-      raise RequestError("stop strings must be non-empty strings", "stop")
-    if params.logprobs is not None:
-      if self.max_logprobs is None:
-        raise RequestError("this server does not record logprobs: start it with --max-logprobs K",
-                           "logprobs")
-      if not 0 <= params.logprobs <= self.max_logprobs:
-        raise RequestError(f"at most {self.max_logprobs} top logprobs per token on this server "
-                           f"(--max-logprobs), got {params.logprobs}", "logprobs")
-
-  def submit(self, prompt_ids: Sequence[int], params: RequestParams, *,
-             events: queue.Queue | None = None, index: int = 0) -> Request:
-    """Validate and enqueue a request (token ids). `events`: a queue shared by several requests
-    (their `Delta.index` tells them apart); by default the request has its own."""
-    prompt_ids = [int(t) for t in prompt_ids]
-    self.check(prompt_ids, params)
-    if self.error is not None:
-      raise RuntimeError(f"the engine stopped: {self.error}")
-    if self.queue_depth >= self.max_waiting:
-      raise OverflowError(f"too many waiting requests ({self.max_waiting}): retry later")
-    req = Request(prompt_ids, params, self.tokenizer, events=events, index=index,
-                  inbox=self._inbox)
-    with self._queued_lock:
-      self._queued += 1
-    self._inbox.put(("add", req))
-    return req
-
-  @property
-  def queue_depth(self) -> int:
-    """Requests submitted and not yet in a slot (nor finished), the one being prefilled included."""
-    return len(self._waiting) + self._queued + (self._job is not None)
-
-  @property
-  def active_slots(self) -> int:
-    return sum(r is not None for r in self._slots)
-
-  @property
-  def prefilling(self) -> Request | None:
-    """The request whose prompt is being prefilled (between decode segments), if any."""
-    job = self._job
-    return None if job is None else job.req
-
-  def start(self, warmup: bool = True) -> "Scheduler":
-    """Compile (`warmup`) and start the engine thread."""
-    if self._thread is None:
-      if warmup:
-        self.warming_up = True  # /health: 503 "starting" until the engine runs
+    # ---------------------------------------------------------------- client API (any thread)
+    def check(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
+        """Raise RequestError for what the client got wrong (the HTTP layer answers 400)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty (after tokenisation)", "prompt")
+        vocab = self.llm.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+        if (
+            isinstance(params.max_tokens, bool)
+            or not isinstance(params.max_tokens, int)
+            or params.max_tokens < 1
+        ):
+            raise RequestError(
+                f"max_tokens must be an integer >= 1, got {params.max_tokens!r}", "max_tokens"
+            )
+        if n + params.max_tokens > self.max_context:
+            raise RequestError(
+                f"this server's maximum context length is {self.max_context} tokens, but "
+                f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} for "
+                "the completion): shorten the prompt or lower max_tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         try:
-          self.warmup()
-        finally:
-          self.warming_up = False
-      self._ensure_state()
-      self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
-      self._thread.start()
-    return self
+            validate_sampling(params.temperature, params.top_p, params.top_k)
+        except ValueError as e:
+            raise RequestError(str(e), str(e).split()[0]) from None
+        if any(not isinstance(s, str) or not s for s in params.stop):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        if params.logprobs is not None:
+            if self.max_logprobs is None:
+                raise RequestError(
+                    "this server does not record logprobs: start it with --max-logprobs K",
+                    "logprobs",
+                )
+            if not 0 <= params.logprobs <= self.max_logprobs:
+                raise RequestError(
+                    f"at most {self.max_logprobs} top logprobs per token on this server "
+                    f"(--max-logprobs), got {params.logprobs}",
+                    "logprobs",
+                )
 
-  def stop(self) -> None:
-    self._stop.set()
-    self._inbox.put(("wake", None))
-    if self._thread is not None:
-      self._thread.join()
-      self._thread = None
-    self._fail_all("cancelled")
-    if self._state is not None and self.error is None:  # free every row (start() may follow)
-      self._state = release_slots(self._state, jnp.ones((self.num_slots,), bool))
-
-  def _fail_all(self, reason: str, error: str | None = None) -> None:
-    """Finish every request the engine knows of (queued, waiting, prefilling, running)."""
-    pending = []
-    try:
-      while True:
-        kind, req = self._inbox.get_nowait()
-        if kind == "add":
-          with self._queued_lock:
-            self._queued -= 1
-          pending.append(req)
-    except queue.Empty:
-      pass
-    job, self._job = self._job, None
-    pending += [job.req] if job is not None else []
-    for r in pending + list(self._waiting) + [r for r in self._slots if r is not None]:
-      self._end(r, reason, error)
-    self._waiting.clear()
-    self._slots = [None] * self.num_slots
-
-  def warmup(self) -> None:
-    """Compile every prefill piece shape, the prefix-cache copies, the first-token sampling,
-    insertion, one segment, the readback and the release (engine idle)."""
-    assert self.active_slots == 0 and self._job is None, "warm up before serving"
-    self._ensure_state()
-    longest = self.max_context - 1  # the longest prompt (max_tokens >= 1)
-    lengths = sorted({min(t, longest) for t in self._piece_sizes()})
-    if self.prefix_block < longest:  # a full block and a partial piece, twice: checkpoint, restore
-      lengths += [self.prefix_block + 1] * 2
-    row = None
-    for n in lengths:
-      row, _ = self._prefill_now(Request([1] * n, RequestParams(max_tokens=1), None, internal=True))
-    self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
-    self._state = insert_slot(self._state, row, jnp.int32(0))
-    self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
-    jax.block_until_ready(read_new_tokens(self._state, jnp.asarray(self._seen),
-                                          width=self.segment_steps * self.tokens_per_step))
-    if self.max_logprobs is not None:
-      jax.block_until_ready(read_new_logprobs(self._state, jnp.asarray(self._seen),
-                                              width=self.segment_steps * self.tokens_per_step))
-    self._release([0])
-    self._steps[0] = 0
-
-  # ---------------------------------------------------------------- engine thread
-  def _run(self) -> None:
-    try:
-      while not self._stop.is_set():
-        self.step(block=True)
-    except Exception as e:  # the state was donated: nothing sensible is left to continue with
-      log.exception("engine thread died")
-      self.error = f"{type(e).__name__}: {e}"
-      self._fail_all("error", self.error)
-
-  def step(self, block: bool = False) -> None:
-    """One engine iteration: take new requests and cancellations, prefill up to `prefill_chunk`
-    prompt tokens (admitting the requests whose prefill completes), decode one segment."""
-    idle = self.active_slots == 0 and not self._waiting and self._job is None
-    self._drain_inbox(timeout=0.5 if (block and idle) else None)
-    self._ensure_state()
-    self._admit()
-    if self.active_slots:
-      self._decode()
-
-  def _drain_inbox(self, timeout: float | None) -> None:
-    msgs = []
-    try:
-      msgs.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
-      while True:
-        msgs.append(self._inbox.get_nowait())
-    except queue.Empty:
-      pass
-    free = []
-    for kind, req in msgs:
-      if kind == "add":
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: RequestParams,
+        *,
+        events: queue.Queue | None = None,
+        index: int = 0,
+    ) -> Request:
+        """Validate and enqueue a request (token ids). `events`: a queue shared by several requests
+        (their `Delta.index` tells them apart); by default the request has its own."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check(prompt_ids, params)
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error}")
+        if self.queue_depth >= self.max_waiting:
+            raise OverflowError(f"too many waiting requests ({self.max_waiting}): retry later")
+        req = Request(
+            prompt_ids, params, self.tokenizer, events=events, index=index, inbox=self._inbox
+        )
         with self._queued_lock:
-          self._queued -= 1
-        self._waiting.append(req)
-      elif kind == "cancel" and not req.finished:
-        if req in self._waiting:
-          self._waiting.remove(req)
-        elif self._job is not None and self._job.req is req:
-          self._job = None  # its batch-1 caches go with it; no slot was taken yet
-        elif req in self._slots:
-          free.append(self._slots.index(req))
-        self._end(req, "cancelled")
-    self._release(free)
+            self._queued += 1
+        self._inbox.put(("add", req))
+        return req
 
-  def _ensure_state(self) -> None:
-    """The running state: every slot a copy of a 1-token dummy row, all done (free)."""
-    if self._state is not None:
-      return
-    row, _ = self._prefill_now(Request([1], RequestParams(max_tokens=1), None, internal=True))
-    b = self.num_slots
-    state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
-    self._state = dataclasses.replace(state, key=jax.random.key(self._seed), eos=row.eos,
-                                      done=jnp.ones((b,), bool))
-    self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state)))
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet in a slot (nor finished), the one being prefilled included."""
+        return len(self._waiting) + self._queued + (self._job is not None)
 
-  # ---------------------------------------------------------------- chunked prefill
-  def _piece_width(self, w: int) -> int:
-    """Compiled width of a piece of `w` prompt tokens: the block, or for a prompt's last (partial)
-    piece a power-of-two bucket (from 64) below it."""
-    p = self.prefix_block
-    return p if w == p else min(p, _pow2(w, lo=min(p, MIN_PIECE)))
+    @property
+    def active_slots(self) -> int:
+        return sum(r is not None for r in self._slots)
 
-  def _piece_sizes(self) -> list[int]:
-    """Every width `_piece_width` gives for this engine's prompts (compiled by `warmup`)."""
-    return sorted({self._piece_width(w)
-                   for w in range(1, min(self.prefix_block, self.max_context - 1) + 1)})
+    @property
+    def prefilling(self) -> Request | None:
+        """The request whose prompt is being prefilled (between decode segments), if any."""
+        job = self._job
+        return None if job is None else job.req
 
-  def _new_job(self, req: Request) -> "PrefillJob":
-    """Start prefilling `req`: fresh batch-1 caches of the slots' capacity, then the longest
-    cached prefix restored into them (KV rows of every block, the checkpoint of the last)."""
-    cache, draft_kv = self.llm.prefill_caches(1, self.capacity, mode=self.mode,
-                                              spec_batch=self._spec_batch)
-    job = PrefillJob(req, cache, draft_kv, jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype))
-    if not self.prefix.enabled:
-      return job
-    chain = self.prefix.match(req.prompt_ids)
-    p = self.prefix_block
-    for i, e in enumerate(chain):
-      job.cache, job.draft_kv = restore_kv(job.cache, job.draft_kv, e.block, jnp.int32(i * p))
-    if chain:
-      job.cache = restore_checkpoint(job.cache, chain[-1].block, jnp.int32(len(chain) * p))
-      job.h_last = chain[-1].block.h_last  # never donated (prefill_chunk reads it)
-      job.pos, job.parent = len(chain) * p, chain[-1]
-    req.cached_tokens = req.prefilled = job.pos
-    if not req.internal:
-      with self.metrics.lock:
-        self.metrics.prefix_queries += 1
-        self.metrics.prefix_hits += bool(chain)
-        self.metrics.prefix_query_tokens += len(req.prompt_ids)
-        self.metrics.prefix_cached_tokens += job.pos
-    return job
+    def start(self, warmup: bool = True) -> "Scheduler":
+        """Compile (`warmup`) and start the engine thread."""
+        if self._thread is None:
+            if warmup:
+                self.warming_up = True  # /health: 503 "starting" until the engine runs
+                try:
+                    self.warmup()
+                finally:
+                    self.warming_up = False
+            self._ensure_state()
+            self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
+            self._thread.start()
+        return self
 
-  def _prefill_piece(self, job: "PrefillJob") -> int:
-    """Prefill the job's next piece (up to one block, ending on a block boundary) and checkpoint
-    a completed block into the prefix cache. Returns the prompt tokens prefilled."""
-    ids, p = job.req.prompt_ids, self.prefix_block
-    start = job.pos
-    w = min(p, len(ids) - start)
-    piece = np.zeros((1, self._piece_width(w)), np.int32)
-    piece[0, :w] = ids[start:start + w]
-    job.h_last, job.cache, job.draft_kv = loop.prefill_chunk(
-        self.llm.params, job.cache, jnp.asarray(piece), jnp.full((1,), w, jnp.int32), job.h_last,
-        job.draft_kv, cfg=self.llm.cfg)
-    job.pos = job.req.prefilled = start + w
-    if w == p and job.chained and self.prefix.enabled:
-      toks = tuple(ids[start:start + p])
-      entry = self.prefix.child(job.parent, toks)
-      if entry is None:
-        block = take_block(job.cache, job.draft_kv, job.h_last, jnp.int32(start), size=p)
-        entry = self.prefix.insert(job.parent, toks, block)
-      job.parent, job.chained = entry, entry is not None  # a gap ends the chain for this prompt
-    if not job.req.internal:
-      with self.metrics.lock:
-        self.metrics.prefill_tokens += w
-        self.metrics.prefill_pieces += 1
-    return w
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._fail_all("cancelled")
+        if self._state is not None and self.error is None:  # free every row (start() may follow)
+            self._state = release_slots(self._state, jnp.ones((self.num_slots,), bool))
 
-  def _row(self, job: "PrefillJob") -> tuple[DecodeState, int]:
-    """The prefilled job as a row of the running state's shapes -> (row, first token)."""
-    p = job.req.params
-    # max_new = 1 gives start_batch's layout; out, max_out and done are restated below.
-    row = self.llm.state_after_prefill(job.cache, job.draft_kv, job.h_last, 1, 1, mode=self.mode,
-                                       temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                       seed=p.seed, spec_batch=self._spec_batch)
-    assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)
-    tok0 = int(row.next_token[0])
-    out = np.full((1, self.max_context), -1, np.int32)
-    out[0, 0] = tok0
-    row = dataclasses.replace(row, out=jnp.asarray(out),
-                              max_out=jnp.full((1,), p.max_tokens, jnp.int32),
-                              done=jnp.zeros((1,), bool))
-    if self.max_logprobs is not None:
-      k = self.max_logprobs
-      logp, ids, lps = first_logprobs(self.llm.params, job.h_last, row.next_token, cfg=self.llm.cfg,
-                                      k=k)
-      buf = Logprobs.zeros(1, self.max_context, k)
-      buf = Logprobs(buf.logp.at[0, 0].set(logp[0]), buf.top_ids.at[0, 0].set(ids[0]),
-                     buf.top_logp.at[0, 0].set(lps[0]))
-      row = dataclasses.replace(row, logprobs=buf)
-      if job.req.logprobs is not None:
-        job.req.first_logprob = _entry(tok0, *jax.device_get((logp[0], ids[0], lps[0])))
-    return row, tok0
+    def _fail_all(self, reason: str, error: str | None = None) -> None:
+        """Finish every request the engine knows of (queued, waiting, prefilling, running)."""
+        pending = []
+        try:
+            while True:
+                kind, req = self._inbox.get_nowait()
+                if kind == "add":
+                    with self._queued_lock:
+                        self._queued -= 1
+                    pending.append(req)
+        except queue.Empty:
+            pass
+        job, self._job = self._job, None
+        pending += [job.req] if job is not None else []
+        for r in pending + list(self._waiting) + [r for r in self._slots if r is not None]:
+            self._end(r, reason, error)
+        self._waiting.clear()
+        self._slots = [None] * self.num_slots
 
-  def _prefill_now(self, req: Request) -> tuple[DecodeState, int]:
-    """Prefill a whole prompt at once (engine-made dummy rows and warm-up)."""
-    job = self._new_job(req)
-    while job.pos < len(req.prompt_ids):
-      self._prefill_piece(job)
-    return self._row(job)
+    def warmup(self) -> None:
+        """Compile every prefill piece shape, the prefix-cache copies, the first-token sampling,
+        insertion, one segment, the readback and the release (engine idle)."""
+        assert self.active_slots == 0 and self._job is None, "warm up before serving"
+        self._ensure_state()
+        longest = self.max_context - 1  # the longest prompt (max_tokens >= 1)
+        lengths = sorted({min(t, longest) for t in self._piece_sizes()})
+        if (
+            self.prefix_block < longest
+        ):  # a full block and a partial piece, twice: checkpoint, restore
+            lengths += [self.prefix_block + 1] * 2
+        row = None
+        for n in lengths:
+            row, _ = self._prefill_now(
+                Request([1] * n, RequestParams(max_tokens=1), None, internal=True)
+            )
+        self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
+        self._state = insert_slot(self._state, row, jnp.int32(0))
+        self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
+        jax.block_until_ready(
+            read_new_tokens(
+                self._state,
+                jnp.asarray(self._seen),
+                width=self.segment_steps * self.tokens_per_step,
+            )
+        )
+        if self.max_logprobs is not None:
+            jax.block_until_ready(
+                read_new_logprobs(
+                    self._state,
+                    jnp.asarray(self._seen),
+                    width=self.segment_steps * self.tokens_per_step,
+                )
+            )
+        self._release([0])
+        self._steps[0] = 0
 
-  def _admit(self) -> None:
-    """This iteration's prefill: up to `prefill_chunk` prompt tokens, in pieces, oldest request
-    first (FIFO; one request at a time, continued next iteration when its prompt is longer). A
-    request whose prefill completes takes a free slot. A request is only started while a slot is
-    free, so a completed prefill always finds one."""
-    budget = self.prefill_chunk
-    t0 = time.perf_counter()
-    pieces = 0
-    while budget > 0:
-      if self._job is None and not self._start_next():
-        break
-      job = self._job
-      try:
-        budget -= self._prefill_piece(job)
-        pieces += 1
-        row = self._row(job) if job.pos == len(job.req.prompt_ids) else None
-      except Exception as e:  # a failed prefill must not take the engine down
-        log.exception("prefill failed")
-        self._job = None
-        self._end(job.req, "error", f"prefill failed: {type(e).__name__}: {e}")
-        continue
-      if row is not None:
-        self._job = None
-        self._admit_one(job.req, *row)
-    if pieces:
-      if self._job is not None:
-        jax.block_until_ready(self._job.h_last)  # time the device work, not its dispatch
-      with self.metrics.lock:
-        self.metrics.prefill_seconds += time.perf_counter() - t0
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.step(block=True)
+        except Exception as e:  # the state was donated: nothing sensible is left to continue with
+            log.exception("engine thread died")
+            self.error = f"{type(e).__name__}: {e}"
+            self._fail_all("error", self.error)
 
-  def _start_next(self) -> bool:
-    """Start the next waiting request's prefill if a slot is free. False when none can start."""
-    while self._waiting and None in self._slots:
-      req = self._waiting.popleft()
-      if req.cancelled:
-        self._end(req, "cancelled")
-        continue
-      try:
-        self._job = self._new_job(req)
-      except Exception as e:
-        log.exception("prefill failed")
-        self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
-        continue
-      return True
-    return False
+    def step(self, block: bool = False) -> None:
+        """One engine iteration: take new requests and cancellations, prefill up to `prefill_chunk`
+        prompt tokens (admitting the requests whose prefill completes), decode one segment."""
+        idle = self.active_slots == 0 and not self._waiting and self._job is None
+        self._drain_inbox(timeout=0.5 if (block and idle) else None)
+        self._ensure_state()
+        self._admit()
+        if self.active_slots:
+            self._decode()
 
-  def _admit_one(self, req: Request, row: DecodeState, tok0: int) -> None:
-    """Hand a prefilled request its first token and insert its row into a free slot."""
-    req.t_first = time.perf_counter()
-    with self.metrics.lock:
-      self.metrics.prompt_tokens += len(req.prompt_ids)
-    reason = req._consume(tok0, self.eos, req.first_logprob)
-    if reason is not None:
-      self._end(req, reason)
-      return
-    slot = self._slots.index(None)
-    self._state = insert_slot(self._state, row, jnp.int32(slot))
-    self._slots[slot] = req
-    self._seen[slot] = 1
-    self._steps[slot] = 0
+    def _drain_inbox(self, timeout: float | None) -> None:
+        msgs = []
+        try:
+            msgs.append(self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait())
+            while True:
+                msgs.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        free = []
+        for kind, req in msgs:
+            if kind == "add":
+                with self._queued_lock:
+                    self._queued -= 1
+                self._waiting.append(req)
+            elif kind == "cancel" and not req.finished:
+                if req in self._waiting:
+                    self._waiting.remove(req)
+                elif self._job is not None and self._job.req is req:
+                    self._job = None  # its batch-1 caches go with it; no slot was taken yet
+                elif req in self._slots:
+                    free.append(self._slots.index(req))
+                self._end(req, "cancelled")
+        self._release(free)
 
-  def _decode(self) -> None:
-    """One segment for all slots, then hand the new tokens to their requests."""
-    t0 = time.perf_counter()
-    n = self.next_segment_steps()
-    self._state = self._segment(self.llm.params, self._state, jnp.int32(n))
-    width = self.segment_steps * self.tokens_per_step
-    window, num_out, done, steps = jax.device_get(
-        read_new_tokens(self._state, jnp.asarray(self._seen), width=width))
-    lps = None
-    if self.max_logprobs is not None and any(r is not None and r.logprobs is not None
-                                             for r in self._slots):
-      lps = jax.device_get(read_new_logprobs(self._state, jnp.asarray(self._seen), width=width))
-    dt = time.perf_counter() - t0
-    # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
-    # steps, i.e. a longer next segment, bounded by segment_steps.
-    self._step_s = dt / n if self._step_s is None else 0.7 * self._step_s + 0.3 * dt / n
-    with self.metrics.lock:
-      self.metrics.segments += 1
-      self.metrics.segment_seconds += dt
-      self.metrics.segment_steps += n
-    free = []
-    for slot, req in enumerate(self._slots):
-      if req is None:
-        continue
-      new = int(num_out[slot] - self._seen[slot])
-      assert 0 <= new <= width, (new, width)
-      took = int(steps[slot] - self._steps[slot])
-      req.steps += took
-      with self.metrics.lock:
-        self.metrics.decode_tokens += new
-        self.metrics.slot_steps += took
-      self._seen[slot] = num_out[slot]
-      self._steps[slot] = steps[slot]
-      reason = None
-      for j, tok in enumerate(window[slot, :new]):
-        lp = None
-        if lps is not None and req.logprobs is not None:
-          lp = _entry(int(tok), lps[0][slot, j], lps[1][slot, j], lps[2][slot, j])
-        reason = req._consume(int(tok), self.eos, lp)
+    def _ensure_state(self) -> None:
+        """The running state: every slot a copy of a 1-token dummy row, all done (free)."""
+        if self._state is not None:
+            return
+        row, _ = self._prefill_now(Request([1], RequestParams(max_tokens=1), None, internal=True))
+        b = self.num_slots
+        state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
+        self._state = dataclasses.replace(
+            state, key=jax.random.key(self._seed), eos=row.eos, done=jnp.ones((b,), bool)
+        )
+        self.state_bytes = sum(
+            x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state))
+        )
+
+    # ---------------------------------------------------------------- chunked prefill
+    def _piece_width(self, w: int) -> int:
+        """Compiled width of a piece of `w` prompt tokens: the block, or for a prompt's last (partial)
+        piece a power-of-two bucket (from 64) below it."""
+        p = self.prefix_block
+        return p if w == p else min(p, _pow2(w, lo=min(p, MIN_PIECE)))
+
+    def _piece_sizes(self) -> list[int]:
+        """Every width `_piece_width` gives for this engine's prompts (compiled by `warmup`)."""
+        return sorted(
+            {
+                self._piece_width(w)
+                for w in range(1, min(self.prefix_block, self.max_context - 1) + 1)
+            }
+        )
+
+    def _new_job(self, req: Request) -> "PrefillJob":
+        """Start prefilling `req`: fresh batch-1 caches of the slots' capacity, then the longest
+        cached prefix restored into them (KV rows of every block, the checkpoint of the last)."""
+        cache, draft_kv = self.llm.prefill_caches(
+            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch
+        )
+        job = PrefillJob(req, cache, draft_kv, jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype))
+        if not self.prefix.enabled:
+            return job
+        chain = self.prefix.match(req.prompt_ids)
+        p = self.prefix_block
+        for i, e in enumerate(chain):
+            job.cache, job.draft_kv = restore_kv(job.cache, job.draft_kv, e.block, jnp.int32(i * p))
+        if chain:
+            job.cache = restore_checkpoint(job.cache, chain[-1].block, jnp.int32(len(chain) * p))
+            job.h_last = chain[-1].block.h_last  # never donated (prefill_chunk reads it)
+            job.pos, job.parent = len(chain) * p, chain[-1]
+        req.cached_tokens = req.prefilled = job.pos
+        if not req.internal:
+            with self.metrics.lock:
+                self.metrics.prefix_queries += 1
+                self.metrics.prefix_hits += bool(chain)
+                self.metrics.prefix_query_tokens += len(req.prompt_ids)
+                self.metrics.prefix_cached_tokens += job.pos
+        return job
+
+    def _prefill_piece(self, job: "PrefillJob") -> int:
+        """Prefill the job's next piece (up to one block, ending on a block boundary) and checkpoint
+        a completed block into the prefix cache. Returns the prompt tokens prefilled."""
+        ids, p = job.req.prompt_ids, self.prefix_block
+        start = job.pos
+        w = min(p, len(ids) - start)
+        piece = np.zeros((1, self._piece_width(w)), np.int32)
+        piece[0, :w] = ids[start : start + w]
+        job.h_last, job.cache, job.draft_kv = loop.prefill_chunk(
+            self.llm.params,
+            job.cache,
+            jnp.asarray(piece),
+            jnp.full((1,), w, jnp.int32),
+            job.h_last,
+            job.draft_kv,
+            cfg=self.llm.cfg,
+        )
+        job.pos = job.req.prefilled = start + w
+        if w == p and job.chained and self.prefix.enabled:
+            toks = tuple(ids[start : start + p])
+            entry = self.prefix.child(job.parent, toks)
+            if entry is None:
+                block = take_block(job.cache, job.draft_kv, job.h_last, jnp.int32(start), size=p)
+                entry = self.prefix.insert(job.parent, toks, block)
+            job.parent, job.chained = (
+                entry,
+                entry is not None,
+            )  # a gap ends the chain for this prompt
+        if not job.req.internal:
+            with self.metrics.lock:
+                self.metrics.prefill_tokens += w
+                self.metrics.prefill_pieces += 1
+        return w
+
+    def _row(self, job: "PrefillJob") -> tuple[DecodeState, int]:
+        """The prefilled job as a row of the running state's shapes -> (row, first token)."""
+        p = job.req.params
+        # max_new = 1 gives start_batch's layout; out, max_out and done are restated below.
+        row = self.llm.state_after_prefill(
+            job.cache,
+            job.draft_kv,
+            job.h_last,
+            1,
+            1,
+            mode=self.mode,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            spec_batch=self._spec_batch,
+        )
+        assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)
+        tok0 = int(row.next_token[0])
+        out = np.full((1, self.max_context), -1, np.int32)
+        out[0, 0] = tok0
+        row = dataclasses.replace(
+            row,
+            out=jnp.asarray(out),
+            max_out=jnp.full((1,), p.max_tokens, jnp.int32),
+            done=jnp.zeros((1,), bool),
+        )
+        if self.max_logprobs is not None:
+            k = self.max_logprobs
+            logp, ids, lps = first_logprobs(
+                self.llm.params, job.h_last, row.next_token, cfg=self.llm.cfg, k=k
+            )
+            buf = Logprobs.zeros(1, self.max_context, k)
+            buf = Logprobs(
+                buf.logp.at[0, 0].set(logp[0]),
+                buf.top_ids.at[0, 0].set(ids[0]),
+                buf.top_logp.at[0, 0].set(lps[0]),
+            )
+            row = dataclasses.replace(row, logprobs=buf)
+            if job.req.logprobs is not None:
+                job.req.first_logprob = _entry(tok0, *jax.device_get((logp[0], ids[0], lps[0])))
+        return row, tok0
+
+    def _prefill_now(self, req: Request) -> tuple[DecodeState, int]:
+        """Prefill a whole prompt at once (engine-made dummy rows and warm-up)."""
+        job = self._new_job(req)
+        while job.pos < len(req.prompt_ids):
+            self._prefill_piece(job)
+        return self._row(job)
+
+    def _admit(self) -> None:
+        """This iteration's prefill: up to `prefill_chunk` prompt tokens, in pieces, oldest request
+        first (FIFO; one request at a time, continued next iteration when its prompt is longer). A
+        request whose prefill completes takes a free slot. A request is only started while a slot is
+        free, so a completed prefill always finds one."""
+        budget = self.prefill_chunk
+        t0 = time.perf_counter()
+        pieces = 0
+        while budget > 0:
+            if self._job is None and not self._start_next():
+                break
+            job = self._job
+            try:
+                budget -= self._prefill_piece(job)
+                pieces += 1
+                row = self._row(job) if job.pos == len(job.req.prompt_ids) else None
+            except Exception as e:  # a failed prefill must not take the engine down
+                log.exception("prefill failed")
+                self._job = None
+                self._end(job.req, "error", f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            if row is not None:
+                self._job = None
+                self._admit_one(job.req, *row)
+        if pieces:
+            if self._job is not None:
+                jax.block_until_ready(self._job.h_last)  # time the device work, not its dispatch
+            with self.metrics.lock:
+                self.metrics.prefill_seconds += time.perf_counter() - t0
+
+    def _start_next(self) -> bool:
+        """Start the next waiting request's prefill if a slot is free. False when none can start."""
+        while self._waiting and None in self._slots:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                self._end(req, "cancelled")
+                continue
+            try:
+                self._job = self._new_job(req)
+            except Exception as e:
+                log.exception("prefill failed")
+                self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            return True
+        return False
+
+    def _admit_one(self, req: Request, row: DecodeState, tok0: int) -> None:
+        """Hand a prefilled request its first token and insert its row into a free slot."""
+        req.t_first = time.perf_counter()
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(req.prompt_ids)
+        reason = req._consume(tok0, self.eos, req.first_logprob)
         if reason is not None:
-          break
-      if reason is None and done[slot]:
-        reason = "length"  # done on the device without an EOS: max_out reached
-      if reason is not None:
-        free.append(slot)
-        self._end(req, reason)
-    self._release(free)
+            self._end(req, reason)
+            return
+        slot = self._slots.index(None)
+        self._state = insert_slot(self._state, row, jnp.int32(slot))
+        self._slots[slot] = req
+        self._seen[slot] = 1
+        self._steps[slot] = 0
 
-  def next_segment_steps(self) -> int:
-    """Decode steps of the next segment: segment_ms / (seconds per step), in [1, segment_steps]."""
-    if self.segment_ms is None:
-      return self.segment_steps
-    if self._step_s is None:
-      return 1
-    return max(1, min(self.segment_steps, int(self.segment_ms / 1e3 / self._step_s)))
+    def _decode(self) -> None:
+        """One segment for all slots, then hand the new tokens to their requests."""
+        t0 = time.perf_counter()
+        n = self.next_segment_steps()
+        self._state = self._segment(self.llm.params, self._state, jnp.int32(n))
+        width = self.segment_steps * self.tokens_per_step
+        window, num_out, done, steps = jax.device_get(
+            read_new_tokens(self._state, jnp.asarray(self._seen), width=width)
+        )
+        lps = None
+        if self.max_logprobs is not None and any(
+            r is not None and r.logprobs is not None for r in self._slots
+        ):
+            lps = jax.device_get(
+                read_new_logprobs(self._state, jnp.asarray(self._seen), width=width)
+            )
+        dt = time.perf_counter() - t0
+        # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
+        # steps, i.e. a longer next segment, bounded by segment_steps.
+        self._step_s = dt / n if self._step_s is None else 0.7 * self._step_s + 0.3 * dt / n
+        with self.metrics.lock:
+            self.metrics.segments += 1
+            self.metrics.segment_seconds += dt
+            self.metrics.segment_steps += n
+        free = []
+        for slot, req in enumerate(self._slots):
+            if req is None:
+                continue
+            new = int(num_out[slot] - self._seen[slot])
+            assert 0 <= new <= width, (new, width)
+            took = int(steps[slot] - self._steps[slot])
+            req.steps += took
+            with self.metrics.lock:
+                self.metrics.decode_tokens += new
+                self.metrics.slot_steps += took
+            self._seen[slot] = num_out[slot]
+            self._steps[slot] = steps[slot]
+            reason = None
+            for j, tok in enumerate(window[slot, :new]):
+                lp = None
+                if lps is not None and req.logprobs is not None:
+                    lp = _entry(int(tok), lps[0][slot, j], lps[1][slot, j], lps[2][slot, j])
+                reason = req._consume(int(tok), self.eos, lp)
+                if reason is not None:
+                    break
+            if reason is None and done[slot]:
+                reason = "length"  # done on the device without an EOS: max_out reached
+            if reason is not None:
+                free.append(slot)
+                self._end(req, reason)
+        self._release(free)
 
-  def _release(self, slots: list[int]) -> None:
-    if not slots:
-      return
-    mask = np.zeros(self.num_slots, bool)
-    mask[slots] = True
-    self._state = release_slots(self._state, jnp.asarray(mask))
-    for s in slots:
-      self._slots[s] = None
+    def next_segment_steps(self) -> int:
+        """Decode steps of the next segment: segment_ms / (seconds per step), in [1, segment_steps]."""
+        if self.segment_ms is None:
+            return self.segment_steps
+        if self._step_s is None:
+            return 1
+        return max(1, min(self.segment_steps, int(self.segment_ms / 1e3 / self._step_s)))
 
-  def _end(self, req: Request, reason: str, error: str | None = None) -> None:
-    if req._finish(reason, error) and not req.internal:
-      self.metrics.on_finish(req)
+    def _release(self, slots: list[int]) -> None:
+        if not slots:
+            return
+        mask = np.zeros(self.num_slots, bool)
+        mask[slots] = True
+        self._state = release_slots(self._state, jnp.asarray(mask))
+        for s in slots:
+            self._slots[s] = None
 
-  # ---------------------------------------------------------------- metrics
-  def stats(self) -> dict[str, Any]:
-    """A snapshot for /metrics and tests."""
-    m = self.metrics
-    with m.lock:
-      snap = dict(queue_depth=self.queue_depth, active_slots=self.active_slots,
-                  num_slots=self.num_slots, capacity=self.capacity, max_context=self.max_context,
-                  mode=self.mode, slot_bytes=dict(self.slot_bytes),
-                  finished=dict(m.finished), prompt_tokens=m.prompt_tokens,
-                  generation_tokens=m.generation_tokens, decode_tokens=m.decode_tokens,
-                  slot_steps=m.slot_steps, segments=m.segments, segment_steps=m.segment_steps,
-                  segment_seconds=m.segment_seconds, prefill_seconds=m.prefill_seconds,
-                  mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1),
-                  prefilling=int(self._job is not None), prefill_chunk=self.prefill_chunk,
-                  prefill_tokens=m.prefill_tokens, prefill_pieces=m.prefill_pieces)
-      pc = self.prefix
-      snap["prefix_cache"] = dict(
-          enabled=pc.enabled, block_tokens=pc.block_tokens, budget_bytes=pc.budget_bytes,
-          bytes=pc.bytes, entries=len(pc), inserted=pc.inserted, evicted=pc.evicted,
-          rejected=pc.rejected, queries=m.prefix_queries, hits=m.prefix_hits,
-          misses=m.prefix_queries - m.prefix_hits, query_tokens=m.prefix_query_tokens,
-          cached_tokens=m.prefix_cached_tokens,
-          hit_rate=m.prefix_hits / max(m.prefix_queries, 1),
-          cached_token_fraction=m.prefix_cached_tokens / max(m.prefix_query_tokens, 1))
-    mem = self.memory
-    snap["memory"] = dict(limit_bytes=mem.limit_bytes, usable_bytes=mem.usable_bytes,
-                          planned_bytes=mem.planned_bytes, slot_bytes=mem.slot_bytes,
-                          prefix_cache_budget_bytes=mem.prefix_bytes)
-    snap["state_bytes"] = self.state_bytes
-    try:
-      dev = jax.devices()[0].memory_stats() or {}
-    except Exception:
-      dev = {}
-    snap["device_bytes_in_use"] = dev.get("bytes_in_use")
-    snap["device_bytes_limit"] = dev.get("bytes_limit")
-    return snap
+    def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req._finish(reason, error) and not req.internal:
+            self.metrics.on_finish(req)
+
+    # ---------------------------------------------------------------- metrics
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for /metrics and tests."""
+        m = self.metrics
+        with m.lock:
+            snap = dict(
+                queue_depth=self.queue_depth,
+                active_slots=self.active_slots,
+                num_slots=self.num_slots,
+                capacity=self.capacity,
+                max_context=self.max_context,
+                mode=self.mode,
+                slot_bytes=dict(self.slot_bytes),
+                finished=dict(m.finished),
+                prompt_tokens=m.prompt_tokens,
+                generation_tokens=m.generation_tokens,
+                decode_tokens=m.decode_tokens,
+                slot_steps=m.slot_steps,
+                segments=m.segments,
+                segment_steps=m.segment_steps,
+                segment_seconds=m.segment_seconds,
+                prefill_seconds=m.prefill_seconds,
+                mean_tokens_per_step=m.decode_tokens / max(m.slot_steps, 1),
+                prefilling=int(self._job is not None),
+                prefill_chunk=self.prefill_chunk,
+                prefill_tokens=m.prefill_tokens,
+                prefill_pieces=m.prefill_pieces,
+            )
+            pc = self.prefix
+            snap["prefix_cache"] = dict(
+                enabled=pc.enabled,
+                block_tokens=pc.block_tokens,
+                budget_bytes=pc.budget_bytes,
+                bytes=pc.bytes,
+                entries=len(pc),
+                inserted=pc.inserted,
+                evicted=pc.evicted,
+                rejected=pc.rejected,
+                queries=m.prefix_queries,
+                hits=m.prefix_hits,
+                misses=m.prefix_queries - m.prefix_hits,
+                query_tokens=m.prefix_query_tokens,
+                cached_tokens=m.prefix_cached_tokens,
+                hit_rate=m.prefix_hits / max(m.prefix_queries, 1),
+                cached_token_fraction=m.prefix_cached_tokens / max(m.prefix_query_tokens, 1),
+            )
+        mem = self.memory
+        snap["memory"] = dict(
+            limit_bytes=mem.limit_bytes,
+            usable_bytes=mem.usable_bytes,
+            planned_bytes=mem.planned_bytes,
+            slot_bytes=mem.slot_bytes,
+            prefix_cache_budget_bytes=mem.prefix_bytes,
+        )
+        snap["state_bytes"] = self.state_bytes
+        try:
+            dev = jax.devices()[0].memory_stats() or {}
+        except Exception:
+            dev = {}
+        snap["device_bytes_in_use"] = dev.get("bytes_in_use")
+        snap["device_bytes_limit"] = dev.get("bytes_limit")
+        return snap
 
 
 def _entry(tok: int, logp, top_ids, top_logp) -> TokenLogprob:
-  return TokenLogprob(tok, float(logp), tuple((int(i), float(v)) for i, v in zip(top_ids, top_logp)))
+    return TokenLogprob(
+        tok, float(logp), tuple((int(i), float(v)) for i, v in zip(top_ids, top_logp))
+    )

@@ -30,106 +30,130 @@ from bole_jax.spec_decode.tree import Tree
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Accepted:
-  path: jax.Array  # [B, D+1] int32 node indices along the accepted path (path[0] = root)
-  num_accepted: jax.Array  # [B] int32 nodes on the path, root included (>= 1)
-  bonus: jax.Array  # [B] int32 token sampled at the last accepted node
-  tokens: jax.Array  # [B, D+1] int32 tokens to emit: accepted drafts then the bonus
+    path: jax.Array  # [B, D+1] int32 node indices along the accepted path (path[0] = root)
+    num_accepted: jax.Array  # [B] int32 nodes on the path, root included (>= 1)
+    bonus: jax.Array  # [B] int32 token sampled at the last accepted node
+    tokens: jax.Array  # [B, D+1] int32 tokens to emit: accepted drafts then the bonus
 
-  @property
-  def last(self) -> jax.Array:
-    """[B] the last accepted node (whose state is committed)."""
-    return jnp.take_along_axis(self.path, (self.num_accepted - 1)[:, None], axis=1)[:, 0]
+    @property
+    def last(self) -> jax.Array:
+        """[B] the last accepted node (whose state is committed)."""
+        return jnp.take_along_axis(self.path, (self.num_accepted - 1)[:, None], axis=1)[:, 0]
 
 
 def _children(tree: Tree, node: jax.Array, max_children: int) -> tuple[jax.Array, jax.Array]:
-  """First `max_children` children of `node [B]` in index order: (idx [B, C], valid [B, C])."""
-  n = tree.parents.shape[1]
-  is_child = (tree.parents == node[:, None]) & tree.valid
-  key = jnp.where(is_child, jnp.arange(n)[None], n + jnp.arange(n)[None])
-  idx = jnp.argsort(key, axis=-1)[:, :max_children]
-  return idx, jnp.take_along_axis(is_child, idx, axis=-1)
+    """First `max_children` children of `node [B]` in index order: (idx [B, C], valid [B, C])."""
+    n = tree.parents.shape[1]
+    is_child = (tree.parents == node[:, None]) & tree.valid
+    key = jnp.where(is_child, jnp.arange(n)[None], n + jnp.arange(n)[None])
+    idx = jnp.argsort(key, axis=-1)[:, :max_children]
+    return idx, jnp.take_along_axis(is_child, idx, axis=-1)
 
 
 def _finish(tree: Tree, path, num, bonus) -> Accepted:
-  d1 = path.shape[1]
-  drafts = jnp.take_along_axis(tree.tokens, path, axis=1)
-  j = jnp.arange(d1)[None]
-  shifted = jnp.concatenate([drafts[:, 1:], jnp.zeros_like(drafts[:, :1])], axis=1)
-  tokens = jnp.where(j < num[:, None] - 1, shifted, jnp.where(j == num[:, None] - 1,
-                                                               bonus[:, None], 0))
-  return Accepted(path=path, num_accepted=num, bonus=bonus, tokens=tokens.astype(jnp.int32))
+    d1 = path.shape[1]
+    drafts = jnp.take_along_axis(tree.tokens, path, axis=1)
+    j = jnp.arange(d1)[None]
+    shifted = jnp.concatenate([drafts[:, 1:], jnp.zeros_like(drafts[:, :1])], axis=1)
+    tokens = jnp.where(
+        j < num[:, None] - 1, shifted, jnp.where(j == num[:, None] - 1, bonus[:, None], 0)
+    )
+    return Accepted(path=path, num_accepted=num, bonus=bonus, tokens=tokens.astype(jnp.int32))
 
 
 def accept_greedy(tree: Tree, target_tok: jax.Array, max_depth: int) -> Accepted:
-  """Greedy acceptance. target_tok [B, N] = argmax of the target at every node."""
-  b, n = tree.tokens.shape
-  path = jnp.zeros((b, max_depth + 1), jnp.int32)
+    """Greedy acceptance. target_tok [B, N] = argmax of the target at every node."""
+    b, n = tree.tokens.shape
+    path = jnp.zeros((b, max_depth + 1), jnp.int32)
 
-  def body(d, carry):
-    path, num, cur, alive = carry
-    want = jnp.take_along_axis(target_tok, cur[:, None], axis=1)  # [B, 1]
-    match = (tree.parents == cur[:, None]) & tree.valid & (tree.tokens == want)
-    hit = jnp.any(match, axis=1) & alive
-    nxt = jnp.argmax(match, axis=1).astype(jnp.int32)  # first matching child
-    cur = jnp.where(hit, nxt, cur)
-    path = path.at[:, d + 1].set(jnp.where(hit, nxt, 0))
-    return path, num + hit.astype(jnp.int32), cur, hit
+    def body(d, carry):
+        path, num, cur, alive = carry
+        want = jnp.take_along_axis(target_tok, cur[:, None], axis=1)  # [B, 1]
+        match = (tree.parents == cur[:, None]) & tree.valid & (tree.tokens == want)
+        hit = jnp.any(match, axis=1) & alive
+        nxt = jnp.argmax(match, axis=1).astype(jnp.int32)  # first matching child
+        cur = jnp.where(hit, nxt, cur)
+        path = path.at[:, d + 1].set(jnp.where(hit, nxt, 0))
+        return path, num + hit.astype(jnp.int32), cur, hit
 
-  path, num, cur, _ = jax.lax.fori_loop(
-      0, max_depth, body, (path, jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
-                           jnp.ones((b,), bool)))
-  bonus = jnp.take_along_axis(target_tok, cur[:, None], axis=1)[:, 0]
-  return _finish(tree, path, num, bonus)
-
-
-def accept_stochastic(tree: Tree, logits: jax.Array, sp: SamplingParams, key: jax.Array,
-                      max_depth: int, max_children: int) -> Accepted:
-  """Multi-candidate tree speculative sampling (module docstring). logits [B, N, V]."""
-  b, n, _ = logits.shape
-  path = jnp.zeros((b, max_depth + 1), jnp.int32)
-
-  def level(d, carry):
-    path, num, cur, alive, resid, key = carry
-    key, k_try = jax.random.split(key)
-    row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]  # [B, V]
-    r = target_probs(row, sp)
-    kids, kid_ok = _children(tree, cur, max_children)
-    kid_tok = jnp.take_along_axis(tree.tokens, kids, axis=1)  # [B, C]
-    u = uniform(k_try, sp, kid_ok.shape)  # per row: independent of the batch (sampling.py)
-    acc_any = jnp.zeros((b,), bool)
-    acc_idx = jnp.zeros((b,), jnp.int32)
-    for c in range(max_children):  # children in index order, residual updated on rejection
-      tok = kid_tok[:, c]
-      pc = jnp.take_along_axis(r, tok[:, None], axis=1)[:, 0]
-      try_it = kid_ok[:, c] & ~acc_any
-      ok = try_it & (u[:, c] * jnp.sum(r, axis=1) < pc)
-      acc_idx = jnp.where(ok, kids[:, c], acc_idx)
-      acc_any |= ok
-      reject = try_it & ~ok
-      r = jnp.where(reject[:, None] & (jnp.arange(r.shape[1])[None] == tok[:, None]), 0.0, r)
-    hit = acc_any & alive
-    # The residual at the node where the walk stops is what the bonus token is drawn from.
-    resid = jnp.where((alive & ~hit)[:, None], r, resid)
-    cur = jnp.where(hit, acc_idx, cur)
-    path = path.at[:, d + 1].set(jnp.where(hit, acc_idx, 0))
-    return path, num + hit.astype(jnp.int32), cur, hit, resid, key
-
-  v = logits.shape[-1]
-  key, k_bonus = jax.random.split(key)
-  carry = (path, jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
-           jnp.zeros((b, v), jnp.float32), key)
-  path, num, cur, alive, resid, _ = jax.lax.fori_loop(0, max_depth, level, carry)
-  # Walks that reached max_depth still alive stop at a leaf-by-depth: sample from its full p.
-  row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
-  resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
-  bonus = sample_from_probs(resid, k_bonus, sp)
-  return _finish(tree, path, num, bonus)
+    path, num, cur, _ = jax.lax.fori_loop(
+        0,
+        max_depth,
+        body,
+        (path, jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)),
+    )
+    bonus = jnp.take_along_axis(target_tok, cur[:, None], axis=1)[:, 0]
+    return _finish(tree, path, num, bonus)
 
 
-def accept(tree: Tree, logits: jax.Array, sp: SamplingParams, key: jax.Array, *, max_depth: int,
-           max_children: int) -> Accepted:
-  """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise."""
-  return jax.lax.cond(
-      jnp.all(sp.temperature <= 0.0),
-      lambda: accept_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth),
-      lambda: accept_stochastic(tree, logits, sp, key, max_depth, max_children))
+def accept_stochastic(
+    tree: Tree,
+    logits: jax.Array,
+    sp: SamplingParams,
+    key: jax.Array,
+    max_depth: int,
+    max_children: int,
+) -> Accepted:
+    """Multi-candidate tree speculative sampling (module docstring). logits [B, N, V]."""
+    b, n, _ = logits.shape
+    path = jnp.zeros((b, max_depth + 1), jnp.int32)
+
+    def level(d, carry):
+        path, num, cur, alive, resid, key = carry
+        key, k_try = jax.random.split(key)
+        row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+        r = target_probs(row, sp)
+        kids, kid_ok = _children(tree, cur, max_children)
+        kid_tok = jnp.take_along_axis(tree.tokens, kids, axis=1)  # [B, C]
+        u = uniform(k_try, sp, kid_ok.shape)  # per row: independent of the batch (sampling.py)
+        acc_any = jnp.zeros((b,), bool)
+        acc_idx = jnp.zeros((b,), jnp.int32)
+        for c in range(max_children):  # children in index order, residual updated on rejection
+            tok = kid_tok[:, c]
+            pc = jnp.take_along_axis(r, tok[:, None], axis=1)[:, 0]
+            try_it = kid_ok[:, c] & ~acc_any
+            ok = try_it & (u[:, c] * jnp.sum(r, axis=1) < pc)
+            acc_idx = jnp.where(ok, kids[:, c], acc_idx)
+            acc_any |= ok
+            reject = try_it & ~ok
+            r = jnp.where(reject[:, None] & (jnp.arange(r.shape[1])[None] == tok[:, None]), 0.0, r)
+        hit = acc_any & alive
+        # The residual at the node where the walk stops is what the bonus token is drawn from.
+        resid = jnp.where((alive & ~hit)[:, None], r, resid)
+        cur = jnp.where(hit, acc_idx, cur)
+        path = path.at[:, d + 1].set(jnp.where(hit, acc_idx, 0))
+        return path, num + hit.astype(jnp.int32), cur, hit, resid, key
+
+    v = logits.shape[-1]
+    key, k_bonus = jax.random.split(key)
+    carry = (
+        path,
+        jnp.ones((b,), jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+        jnp.ones((b,), bool),
+        jnp.zeros((b, v), jnp.float32),
+        key,
+    )
+    path, num, cur, alive, resid, _ = jax.lax.fori_loop(0, max_depth, level, carry)
+    # Walks that reached max_depth still alive stop at a leaf-by-depth: sample from its full p.
+    row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
+    resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
+    bonus = sample_from_probs(resid, k_bonus, sp)
+    return _finish(tree, path, num, bonus)
+
+
+def accept(
+    tree: Tree,
+    logits: jax.Array,
+    sp: SamplingParams,
+    key: jax.Array,
+    *,
+    max_depth: int,
+    max_children: int,
+) -> Accepted:
+    """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise."""
+    return jax.lax.cond(
+        jnp.all(sp.temperature <= 0.0),
+        lambda: accept_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth),
+        lambda: accept_stochastic(tree, logits, sp, key, max_depth, max_children),
+    )

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
 from bole_jax.model.cache import (
-  AttnCache,
-  Cache,
-  GDNCache,
-  committed_state,
-  empty_pending_like,
-  pending_rows,
+    AttnCache,
+    Cache,
+    GDNCache,
+    committed_state,
+    empty_pending_like,
+    pending_rows,
 )
 from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
@@ -55,232 +55,337 @@ GDN_MODES = ("bole", "pernode", "chain")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class GDNVerifyOut:
-  """What one GDN layer's verify leaves for the commit (only one of factors / node_states is set).
+    """What one GDN layer's verify leaves for the commit (only one of factors / node_states is set).
 
-  conv_in: [B, N, C] pre-conv inputs of the nodes (bole: the conv commit reads the accepted path).
-  factors: TreeFactors (bole): k [B, N, Hk, dk] (the verify's own keys, bf16 in a model) with
-    k_scale [B, N, Hk], u [B, N, HV, dv], gamma [B, N, HV].
-  node_states: [B, N, HV, dv, dk] fp32 (pernode / chain): the baseline's per-node state scratch,
-    transposed (tree_pernode's default "vk" layout, as SGLang's).
-  conv_windows: [B, N, K-1, C] (pernode / chain): each node's conv window scratch.
-  """
+    conv_in: [B, N, C] pre-conv inputs of the nodes (bole: the conv commit reads the accepted path).
+    factors: TreeFactors (bole): k [B, N, Hk, dk] (the verify's own keys, bf16 in a model) with
+      k_scale [B, N, Hk], u [B, N, HV, dv], gamma [B, N, HV].
+    node_states: [B, N, HV, dv, dk] fp32 (pernode / chain): the baseline's per-node state scratch,
+      transposed (tree_pernode's default "vk" layout, as SGLang's).
+    conv_windows: [B, N, K-1, C] (pernode / chain): each node's conv window scratch.
+    """
 
-  conv_in: Any = None
-  factors: Any = None
-  node_states: Any = None
-  conv_windows: Any = None
+    conv_in: Any = None
+    factors: Any = None
+    node_states: Any = None
+    conv_windows: Any = None
 
 
 def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) -> jax.Array:
-  """[B, N, S] bool: node i sees the committed prefix and its ancestors-or-self (at slot L + j)."""
-  s = jnp.arange(capacity)[None, None, :]
-  rel = s - lengths[:, None, None]  # tree node index of slot s
-  n = ts.anc.shape[1]
-  in_tree = (rel >= 0) & (rel < n)
-  anc = jnp.take_along_axis(ts.anc, jnp.clip(rel, 0, n - 1).astype(jnp.int32).repeat(n, axis=1),
-                            axis=2)
-  return (rel < 0) | (in_tree & anc)
+    """[B, N, S] bool: node i sees the committed prefix and its ancestors-or-self (at slot L + j)."""
+    s = jnp.arange(capacity)[None, None, :]
+    rel = s - lengths[:, None, None]  # tree node index of slot s
+    n = ts.anc.shape[1]
+    in_tree = (rel >= 0) & (rel < n)
+    anc = jnp.take_along_axis(
+        ts.anc, jnp.clip(rel, 0, n - 1).astype(jnp.int32).repeat(n, axis=1), axis=2
+    )
+    return (rel < 0) | (in_tree & anc)
 
 
-def _gdn_tree_core(conv_w, qkv, g, beta, cache: GDNCache, tree: Tree, ts: TreeStructure, *,
-                   cfg: ModelConfig, mode: str, backend: str, depth_bound: int | None = None):
-  """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut,
-  state): state [B, HV, dk, dv] fp32 is the committed state the verify started from when the
-  cache carried a pending commit (it was folded in: the cache takes it), else None."""
-  # A pending commit: bole folds it in inside its verify; the baselines read it materialised.
-  settled = cache.pending is not None and mode != "bole"
-  state = committed_state(cache) if settled else cache.state
-  new_state = state if settled else None
-  if mode == "bole":
-    y = tree_conv.tree_causal_conv(qkv, cache.conv, conv_w, tree.parents, tree.num_nodes,
-                                   backend=backend)
-    aux = GDNVerifyOut(conv_in=qkv)
-  else:
-    y, windows = tree_pernode.tree_pernode_conv(qkv, cache.conv, conv_w, tree.parents,
-                                                tree.num_nodes, backend=backend)
-    aux = GDNVerifyOut(conv_windows=windows)
-  q, k, v = _split_qkv(y, cfg)
-  if mode == "bole" and cache.pending is not None:
-    # Lazy commit: the verify folds last step's accepted rows into the state it loads.
-    o, factors, new_state = tree_gdn.tree_gdn_verify(q, k, v, g, beta, cache.state, tree.parents,
-                                                     tree.num_nodes, backend=backend, tree=ts,
-                                                     pending=cache.pending,
-                                                     depth_bound=depth_bound,
-                                                     options=cfg.kernels)
-    aux = dataclasses.replace(aux, factors=factors)
-  elif mode == "bole":
-    o, factors = tree_gdn.tree_gdn_verify(q, k, v, g, beta, state, tree.parents,
-                                          tree.num_nodes, backend=backend, tree=ts,
-                                          depth_bound=depth_bound, options=cfg.kernels)
-    aux = dataclasses.replace(aux, factors=factors)
-  elif mode == "pernode":
-    o, states = tree_pernode.tree_pernode_verify(q, k, v, g, beta, state, tree.parents,
-                                                 tree.num_nodes, backend=backend, tree=ts)
-    aux = dataclasses.replace(aux, node_states=states)
-  else:
-    o, states = tree_pernode.chain_verify(q, k, v, g, beta, state, tree.parents, tree.num_nodes,
-                                          backend=backend)
-    aux = dataclasses.replace(aux, node_states=states)
-  return o, aux, new_state
-
-
-def _gdn_tree_layer(p, x, cache: GDNCache, tree: Tree, ts: TreeStructure, cfg: ModelConfig,
-                    mode: str, backend: str, depth_bound: int | None = None):
-  """One GDN layer's verify: (output [B, N, H], GDNVerifyOut, the layer's cache afterwards: its
-  pending commit, if any, folded into the state and cleared)."""
-  qkv, z, g, beta = gdn_in_proj(p, x, cfg)
-  # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
-  heads = parallel.split_at(2)
-  aux_specs = (GDNVerifyOut(conv_in=heads,
-                            factors=TreeFactors(k=heads, u=heads, gamma=heads, k_scale=heads))
-               if mode == "bole" else
-               GDNVerifyOut(node_states=heads, conv_windows=parallel.split_at(3)))
-  lazy = cache.pending is not None
-  core = parallel.over_gdn_heads(
-      functools.partial(_gdn_tree_core, cfg=parallel.gdn_local_cfg(cfg), mode=mode,
-                        backend=backend, depth_bound=depth_bound), cfg,
-      in_specs=(parallel.split_at(1), heads, heads, heads,
-                parallel.gdn_cache_specs(cfg, pending=cache.pending), parallel.REPLICATED,
-                parallel.REPLICATED),
-      out_specs=(heads, aux_specs, parallel.split_at(1) if lazy else None))
-  o, aux, state = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
-  if lazy:  # the pending rows are in `state` now
-    cache = GDNCache(conv=cache.conv, state=state, pending=empty_pending_like(cache.pending))
-  return gdn_out(p, o.astype(x.dtype), z, cfg), aux, cache
-
-
-def verify_forward(params, cfg: ModelConfig, tree: Tree, cache: Cache, *, mode: str = "bole",
-                   backend: str = "auto", depth_bound: int | None = None):
-  """Run all tree nodes through the target.
-
-  Returns hidden [B, N, H] (after the final norm), the cache with the node KV rows written after
-  each prefix (lengths unchanged, committed rows untouched; a GDN layer's pending commit, if
-  any, is folded into its state and cleared: the committed state is the same), and one
-  GDNVerifyOut per GDN layer (None for attention layers). depth_bound: the most nodes on a root
-  path of these trees (the tree shape's depth + 1, which no tree of the step exceeds), or None:
-  lets the bole kernel unroll its inverse for that depth (`tree_gdn_verify`).
-  """
-  if mode not in GDN_MODES:
-    raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
-  ts = tree_structure(tree.parents, tree.num_nodes)
-  positions = cache.lengths[:, None] + tree.depth  # [B, N]
-  n = tree.tokens.shape[1]
-  slots = jnp.where(tree.valid, cache.lengths[:, None] + jnp.arange(n)[None], 2**30)
-  mask = None
-  x = parallel.embed_lookup(params["embed"], tree.tokens, cfg)
-  layers, auxs = [], []
-  for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
-    if cfg.layer_types[i] == LINEAR:
-      h, aux, c = _gdn_tree_layer(lp["gdn"], rms_norm(x, lp["input_norm"], cfg.rms_norm_eps),
-                                  c, tree, ts, cfg, mode, backend, depth_bound)
-      x = mlp_block(lp, x + h, cfg)
+def _gdn_tree_core(
+    conv_w,
+    qkv,
+    g,
+    beta,
+    cache: GDNCache,
+    tree: Tree,
+    ts: TreeStructure,
+    *,
+    cfg: ModelConfig,
+    mode: str,
+    backend: str,
+    depth_bound: int | None = None,
+):
+    """Tree conv + tree gated delta rule of one GDN layer. Returns (o [B, N, HV, dv], GDNVerifyOut,
+    state): state [B, HV, dk, dv] fp32 is the committed state the verify started from when the
+    cache carried a pending commit (it was folded in: the cache takes it), else None."""
+    # A pending commit: bole folds it in inside its verify; the baselines read it materialised.
+    settled = cache.pending is not None and mode != "bole"
+    state = committed_state(cache) if settled else cache.state
+    new_state = state if settled else None
+    if mode == "bole":
+        y = tree_conv.tree_causal_conv(
+            qkv, cache.conv, conv_w, tree.parents, tree.num_nodes, backend=backend
+        )
+        aux = GDNVerifyOut(conv_in=qkv)
     else:
-      if mask is None:
-        mask = tree_attention_mask(cache.lengths, ts, c.k.shape[1])
-      x, c = attention_layer(lp, x, positions, c, slots, mask, cfg)
-      aux = None
-    layers.append(c)
-    auxs.append(aux)
-  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
+        y, windows = tree_pernode.tree_pernode_conv(
+            qkv, cache.conv, conv_w, tree.parents, tree.num_nodes, backend=backend
+        )
+        aux = GDNVerifyOut(conv_windows=windows)
+    q, k, v = _split_qkv(y, cfg)
+    if mode == "bole" and cache.pending is not None:
+        # Lazy commit: the verify folds last step's accepted rows into the state it loads.
+        o, factors, new_state = tree_gdn.tree_gdn_verify(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cache.state,
+            tree.parents,
+            tree.num_nodes,
+            backend=backend,
+            tree=ts,
+            pending=cache.pending,
+            depth_bound=depth_bound,
+            options=cfg.kernels,
+        )
+        aux = dataclasses.replace(aux, factors=factors)
+    elif mode == "bole":
+        o, factors = tree_gdn.tree_gdn_verify(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            tree.parents,
+            tree.num_nodes,
+            backend=backend,
+            tree=ts,
+            depth_bound=depth_bound,
+            options=cfg.kernels,
+        )
+        aux = dataclasses.replace(aux, factors=factors)
+    elif mode == "pernode":
+        o, states = tree_pernode.tree_pernode_verify(
+            q, k, v, g, beta, state, tree.parents, tree.num_nodes, backend=backend, tree=ts
+        )
+        aux = dataclasses.replace(aux, node_states=states)
+    else:
+        o, states = tree_pernode.chain_verify(
+            q, k, v, g, beta, state, tree.parents, tree.num_nodes, backend=backend
+        )
+        aux = dataclasses.replace(aux, node_states=states)
+    return o, aux, new_state
+
+
+def _gdn_tree_layer(
+    p,
+    x,
+    cache: GDNCache,
+    tree: Tree,
+    ts: TreeStructure,
+    cfg: ModelConfig,
+    mode: str,
+    backend: str,
+    depth_bound: int | None = None,
+):
+    """One GDN layer's verify: (output [B, N, H], GDNVerifyOut, the layer's cache afterwards: its
+    pending commit, if any, folded into the state and cleared)."""
+    qkv, z, g, beta = gdn_in_proj(p, x, cfg)
+    # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
+    heads = parallel.split_at(2)
+    aux_specs = (
+        GDNVerifyOut(
+            conv_in=heads, factors=TreeFactors(k=heads, u=heads, gamma=heads, k_scale=heads)
+        )
+        if mode == "bole"
+        else GDNVerifyOut(node_states=heads, conv_windows=parallel.split_at(3))
+    )
+    lazy = cache.pending is not None
+    core = parallel.over_gdn_heads(
+        functools.partial(
+            _gdn_tree_core,
+            cfg=parallel.gdn_local_cfg(cfg),
+            mode=mode,
+            backend=backend,
+            depth_bound=depth_bound,
+        ),
+        cfg,
+        in_specs=(
+            parallel.split_at(1),
+            heads,
+            heads,
+            heads,
+            parallel.gdn_cache_specs(cfg, pending=cache.pending),
+            parallel.REPLICATED,
+            parallel.REPLICATED,
+        ),
+        out_specs=(heads, aux_specs, parallel.split_at(1) if lazy else None),
+    )
+    o, aux, state = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
+    if lazy:  # the pending rows are in `state` now
+        cache = GDNCache(conv=cache.conv, state=state, pending=empty_pending_like(cache.pending))
+    return gdn_out(p, o.astype(x.dtype), z, cfg), aux, cache
+
+
+def verify_forward(
+    params,
+    cfg: ModelConfig,
+    tree: Tree,
+    cache: Cache,
+    *,
+    mode: str = "bole",
+    backend: str = "auto",
+    depth_bound: int | None = None,
+):
+    """Run all tree nodes through the target.
+
+    Returns hidden [B, N, H] (after the final norm), the cache with the node KV rows written after
+    each prefix (lengths unchanged, committed rows untouched; a GDN layer's pending commit, if
+    any, is folded into its state and cleared: the committed state is the same), and one
+    GDNVerifyOut per GDN layer (None for attention layers). depth_bound: the most nodes on a root
+    path of these trees (the tree shape's depth + 1, which no tree of the step exceeds), or None:
+    lets the bole kernel unroll its inverse for that depth (`tree_gdn_verify`).
+    """
+    if mode not in GDN_MODES:
+        raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
+    ts = tree_structure(tree.parents, tree.num_nodes)
+    positions = cache.lengths[:, None] + tree.depth  # [B, N]
+    n = tree.tokens.shape[1]
+    slots = jnp.where(tree.valid, cache.lengths[:, None] + jnp.arange(n)[None], 2**30)
+    mask = None
+    x = parallel.embed_lookup(params["embed"], tree.tokens, cfg)
+    layers, auxs = [], []
+    for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
+        if cfg.layer_types[i] == LINEAR:
+            h, aux, c = _gdn_tree_layer(
+                lp["gdn"],
+                rms_norm(x, lp["input_norm"], cfg.rms_norm_eps),
+                c,
+                tree,
+                ts,
+                cfg,
+                mode,
+                backend,
+                depth_bound,
+            )
+            x = mlp_block(lp, x + h, cfg)
+        else:
+            if mask is None:
+                mask = tree_attention_mask(cache.lengths, ts, c.k.shape[1])
+            x, c = attention_layer(lp, x, positions, c, slots, mask, cfg)
+            aux = None
+        layers.append(c)
+        auxs.append(aux)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 
 def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig | None):
-  """tree_gdn_commit.commit_state with the step's accepted path (no walk per layer), per device
-  on its own heads under tensor parallelism; the Pallas commit's fold is cfg.kernels.commit_fold
-  ("auto" without a cfg)."""
-  fold = "auto" if cfg is None else cfg.kernels.commit_fold
+    """tree_gdn_commit.commit_state with the step's accepted path (no walk per layer), per device
+    on its own heads under tensor parallelism; the Pallas commit's fold is cfg.kernels.commit_fold
+    ("auto" without a cfg)."""
+    fold = "auto" if cfg is None else cfg.kernels.commit_fold
 
-  def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
-    return tree_gdn_commit.commit_state(s, f, p, a, path=pa, count=c, fold=fold)
+    def commit(s, f, p, a, pa, c):  # positional: shard_map maps its in_specs onto these
+        return tree_gdn_commit.commit_state(s, f, p, a, path=pa, count=c, fold=fold)
 
-  if cfg is None:
-    return commit(state, factors, parents, last, path, count)
-  heads = parallel.split_at(1)
-  f = parallel.split_at(2)
-  rep = parallel.REPLICATED
-  return parallel.over_gdn_heads(
-      commit, cfg,
-      in_specs=(heads, TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
-      out_specs=heads)(state, factors, parents, last, path, count)
+    if cfg is None:
+        return commit(state, factors, parents, last, path, count)
+    heads = parallel.split_at(1)
+    f = parallel.split_at(2)
+    rep = parallel.REPLICATED
+    return parallel.over_gdn_heads(
+        commit,
+        cfg,
+        in_specs=(heads, TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
+        out_specs=heads,
+    )(state, factors, parents, last, path, count)
 
 
 def _commit_pernode_state(state, node_states, last, cfg: ModelConfig | None):
-  """tree_pernode.commit_pernode_state (the baselines' copy of the accepted node's scratch
-  state), per device on its own heads under tensor parallelism. Outside shard_map its Pallas
-  launch (B >= 2 on GPU) is a custom call XLA cannot partition: it gathered every device's
-  scratch (all nodes' states of the layer) before the commit, ~27 ms per step at 80B TP = 2
-  B = 4."""
-  if cfg is None:
-    return tree_pernode.commit_pernode_state(state, node_states, last)
-  return parallel.over_gdn_heads(
-      tree_pernode.commit_pernode_state, cfg,
-      in_specs=(parallel.split_at(1), parallel.split_at(2), parallel.REPLICATED),
-      out_specs=parallel.split_at(1))(state, node_states, last)
+    """tree_pernode.commit_pernode_state (the baselines' copy of the accepted node's scratch
+    state), per device on its own heads under tensor parallelism. Outside shard_map its Pallas
+    launch (B >= 2 on GPU) is a custom call XLA cannot partition: it gathered every device's
+    scratch (all nodes' states of the layer) before the commit, ~27 ms per step at 80B TP = 2
+    B = 4."""
+    if cfg is None:
+        return tree_pernode.commit_pernode_state(state, node_states, last)
+    return parallel.over_gdn_heads(
+        tree_pernode.commit_pernode_state,
+        cfg,
+        in_specs=(parallel.split_at(1), parallel.split_at(2), parallel.REPLICATED),
+        out_specs=parallel.split_at(1),
+    )(state, node_states, last)
 
 
 def _pending_rows(factors, parents, last, path, count, length: int, cfg: ModelConfig | None):
-  """tree_gdn_commit.pending_commit with the step's accepted path, per device on its own heads under
-  tensor parallelism (the rows come out split like the cache's pending:
-  `parallel.pending_specs`)."""
-  def rows(f, p, a, pa, c):
-    return tree_gdn_commit.pending_commit(f, p, a, length, pa, c)
+    """tree_gdn_commit.pending_commit with the step's accepted path, per device on its own heads under
+    tensor parallelism (the rows come out split like the cache's pending:
+    `parallel.pending_specs`)."""
 
-  if cfg is None:
-    return rows(factors, parents, last, path, count)
-  f = parallel.split_at(2)
-  rep = parallel.REPLICATED
-  return parallel.over_gdn_heads(
-      rows, cfg, in_specs=(TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
-      out_specs=parallel.pending_specs(cfg))(factors, parents, last, path, count)
+    def rows(f, p, a, pa, c):
+        return tree_gdn_commit.pending_commit(f, p, a, length, pa, c)
+
+    if cfg is None:
+        return rows(factors, parents, last, path, count)
+    f = parallel.split_at(2)
+    rep = parallel.REPLICATED
+    return parallel.over_gdn_heads(
+        rows,
+        cfg,
+        in_specs=(TreeFactors(k=f, u=f, gamma=f, k_scale=f), rep, rep, rep, rep),
+        out_specs=parallel.pending_specs(cfg),
+    )(factors, parents, last, path, count)
 
 
-def commit(cache: Cache, auxs, tree: Tree, acc: Accepted, active: jax.Array, *,
-           mode: str = "bole", cfg: ModelConfig | None = None) -> Cache:
-  """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
+def commit(
+    cache: Cache,
+    auxs,
+    tree: Tree,
+    acc: Accepted,
+    active: jax.Array,
+    *,
+    mode: str = "bole",
+    cfg: ModelConfig | None = None,
+) -> Cache:
+    """Fold the accepted path into the cache. Inactive requests (active False) are left unchanged.
 
-  GDN: the state at the last accepted node (bole eager: rebuilt from factors, one gather +
-  matmul; bole lazy, when the cache's layer carries a `pending`: the step's factors and accepted
-  path kept in it (`PendingPath`; or the path's rows gathered into a `PendingCommit`), for the
-  next verify to fold in (module docstring); baselines: a copy of that node's scratch state) and
-  the conv state along the accepted path.
-  Attention: the path's KV rows move from slot L + path[j] to slot L + j.
-  cfg: read under tensor parallelism (cfg.tp > 1: the state commit runs per device) and for
-  the commit's fold (`KernelOptions.commit_fold`).
-  """
-  last = jnp.where(active, acc.last, -1)  # -1: keep the committed state
-  num = jnp.where(active, acc.num_accepted, 0)
-  d1 = acc.path.shape[1]
-  j = jnp.arange(d1)[None]
-  src = cache.lengths[:, None] + acc.path
-  dst = jnp.where(j < num[:, None], cache.lengths[:, None] + j, 2**30)
-  layers = []
-  for c, aux in zip(cache.layers, auxs):
-    if isinstance(c, GDNCache):
-      state, pending = c.state, c.pending  # pending: cleared by verify_forward (now in state)
-      if mode != "bole":
-        state = _commit_pernode_state(c.state, aux.node_states, last, cfg)
-        conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
-      else:
-        conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
-        # The accepted path (root first, num nodes) is the step's: no walk up the parents
-        # per layer; inactive requests (last -1) get count 0 and keep their state.
-        if pending is None:
-          state = _commit_state(c.state, aux.factors, tree.parents, last, acc.path, num, cfg)
-        else:  # lazy: inactive requests (last -1, count 0) leave nothing pending
-          length = pending_rows(pending)
-          assert length >= d1, f"pending rows ({length}) < nodes on an accepted path ({d1})"
-          if isinstance(pending, PendingPath):  # the factors themselves: no kernel here
-            path = jnp.pad(acc.path.astype(jnp.int32), ((0, 0), (0, length - d1)))
-            pending = PendingPath(factors=aux.factors, path=path, sel=last.astype(jnp.int32),
-                                  count=num.astype(jnp.int32))
-          else:
-            pending = _pending_rows(aux.factors, tree.parents, last, acc.path, num, length,
-                                    cfg)
-      layers.append(GDNCache(conv=conv, state=state, pending=pending))
-    else:
-      b = jnp.arange(c.k.shape[0])[:, None]
-      k_rows = c.k[b, jnp.minimum(src, c.k.shape[1] - 1)]
-      v_rows = c.v[b, jnp.minimum(src, c.v.shape[1] - 1)]
-      layers.append(AttnCache(k=write_rows(c.k, k_rows, dst), v=write_rows(c.v, v_rows, dst)))
-  return Cache(layers=tuple(layers), lengths=cache.lengths + num)
+    GDN: the state at the last accepted node (bole eager: rebuilt from factors, one gather +
+    matmul; bole lazy, when the cache's layer carries a `pending`: the step's factors and accepted
+    path kept in it (`PendingPath`; or the path's rows gathered into a `PendingCommit`), for the
+    next verify to fold in (module docstring); baselines: a copy of that node's scratch state) and
+    the conv state along the accepted path.
+    Attention: the path's KV rows move from slot L + path[j] to slot L + j.
+    cfg: read under tensor parallelism (cfg.tp > 1: the state commit runs per device) and for
+    the commit's fold (`KernelOptions.commit_fold`).
+    """
+    last = jnp.where(active, acc.last, -1)  # -1: keep the committed state
+    num = jnp.where(active, acc.num_accepted, 0)
+    d1 = acc.path.shape[1]
+    j = jnp.arange(d1)[None]
+    src = cache.lengths[:, None] + acc.path
+    dst = jnp.where(j < num[:, None], cache.lengths[:, None] + j, 2**30)
+    layers = []
+    for c, aux in zip(cache.layers, auxs):
+        if isinstance(c, GDNCache):
+            state, pending = c.state, c.pending  # pending: cleared by verify_forward (now in state)
+            if mode != "bole":
+                state = _commit_pernode_state(c.state, aux.node_states, last, cfg)
+                conv = tree_pernode.commit_pernode(c.conv, aux.conv_windows, last)
+            else:
+                conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
+                # The accepted path (root first, num nodes) is the step's: no walk up the parents
+                # per layer; inactive requests (last -1) get count 0 and keep their state.
+                if pending is None:
+                    state = _commit_state(
+                        c.state, aux.factors, tree.parents, last, acc.path, num, cfg
+                    )
+                else:  # lazy: inactive requests (last -1, count 0) leave nothing pending
+                    length = pending_rows(pending)
+                    assert length >= d1, (
+                        f"pending rows ({length}) < nodes on an accepted path ({d1})"
+                    )
+                    if isinstance(pending, PendingPath):  # the factors themselves: no kernel here
+                        path = jnp.pad(acc.path.astype(jnp.int32), ((0, 0), (0, length - d1)))
+                        pending = PendingPath(
+                            factors=aux.factors,
+                            path=path,
+                            sel=last.astype(jnp.int32),
+                            count=num.astype(jnp.int32),
+                        )
+                    else:
+                        pending = _pending_rows(
+                            aux.factors, tree.parents, last, acc.path, num, length, cfg
+                        )
+            layers.append(GDNCache(conv=conv, state=state, pending=pending))
+        else:
+            b = jnp.arange(c.k.shape[0])[:, None]
+            k_rows = c.k[b, jnp.minimum(src, c.k.shape[1] - 1)]
+            v_rows = c.v[b, jnp.minimum(src, c.v.shape[1] - 1)]
+            layers.append(AttnCache(k=write_rows(c.k, k_rows, dst), v=write_rows(c.v, v_rows, dst)))
+    return Cache(layers=tuple(layers), lengths=cache.lengths + num)

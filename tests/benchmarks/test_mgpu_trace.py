@@ -18,10 +18,16 @@ def _program(rng, sm, tid, t0):
     d = {k: float(rng.uniform(0.5, 3.0)) for k in ("mm", "put", "store")}
     gap = float(rng.uniform(0.0, 0.5))
     outer = d["mm"] + gap + d["put"]
-    times = [("inverse", "B", t0), ("mm", "B", t0), ("mm", "E", t0 + d["mm"]),
-             ("put", "B", t0 + d["mm"] + gap), ("put", "E", t0 + outer),
-             ("inverse", "E", t0 + outer), ("store", "B", t0 + outer),
-             ("store", "E", t0 + outer + d["store"])]
+    times = [
+        ("inverse", "B", t0),
+        ("mm", "B", t0),
+        ("mm", "E", t0 + d["mm"]),
+        ("put", "B", t0 + d["mm"] + gap),
+        ("put", "E", t0 + outer),
+        ("inverse", "E", t0 + outer),
+        ("store", "B", t0 + outer),
+        ("store", "E", t0 + outer + d["store"]),
+    ]
     evs = [dict(name=n, ph=ph, ts=t, pid=sm, tid=tid) for n, ph, t in times]
     return evs, dict(d, inverse=outer), outer + d["store"]
 

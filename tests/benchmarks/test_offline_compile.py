@@ -15,8 +15,7 @@ from bole_jax.pallas.tree_gdn import TreeGDNConfig  # noqa: E402
 
 
 def test_triton_module_text_without_locations():
-    cfg = TreeGDNConfig(block_v=64, inverse="matrix", bf16_qk=True, bf16_state=True,
-                        depth_bound=8)
+    cfg = TreeGDNConfig(block_v=64, inverse="matrix", bf16_qk=True, bf16_state=True, depth_bound=8)
     (raw,) = offline_compile.triton_modules(2, 16, cfg, pending=True)
     assert "#loc" in raw  # the debug print carries locations ...
     text = offline_compile.strip_locations(raw)
@@ -29,14 +28,27 @@ def test_triton_module_text_without_locations():
 def test_pending_path_module_has_no_gather_launch():
     """--pending path: one module (the verify reading the previous factors at the path's ids;
     no gather kernel beside it), whose launch takes the factors of N nodes and the path."""
-    cfg = TreeGDNConfig(block_v=64, inverse="matrix", bf16_qk=True, bf16_state=True,
-                        depth_bound=8, fold="unroll", prefetch_fold=True)
+    cfg = TreeGDNConfig(
+        block_v=64,
+        inverse="matrix",
+        bf16_qk=True,
+        bf16_state=True,
+        depth_bound=8,
+        fold="unroll",
+        prefetch_fold=True,
+    )
     (raw,), (launch,) = offline_compile._lower(2, 16, cfg, pending="path")
     assert offline_compile.strip_locations(raw).startswith("module @bole_tree_gdn")
     # after the verify's 9 inputs: count, sel, path, then the factors' gamma, k, k_scale, u
     assert launch["inputs"][9:] == [
-        [[2], "int32"], [[2], "int32"], [[2, 8], "int32"], [[2, 16, 32], "float32"],
-        [[2, 16, 16, 128], "bfloat16"], [[2, 16, 16], "float32"], [[2, 16, 32, 128], "float32"]]
+        [[2], "int32"],
+        [[2], "int32"],
+        [[2, 8], "int32"],
+        [[2, 16, 32], "float32"],
+        [[2, 16, 16, 128], "bfloat16"],
+        [[2, 16, 16], "float32"],
+        [[2, 16, 32, 128], "float32"],
+    ]
     assert launch["outputs"][-1] == [[2, 32, 128, 128], "float32"]  # the folded state
 
 
@@ -62,8 +74,15 @@ def test_launch_operands_match_the_lowered_kernel():
     """cubin_launch.py's contract: the operands rebuilt eagerly on the CPU
     (`kernel_operands`) have the shapes and dtypes, in order, of the lowered kernel's
     parameters (`_lower`'s launch record, written to the compile's manifest)."""
-    cfg = TreeGDNConfig(block_v=64, tiles_per_program=2, num_stages=2, inverse="matrix",
-                        bf16_qk=True, bf16_state=True, depth_bound=8)
+    cfg = TreeGDNConfig(
+        block_v=64,
+        tiles_per_program=2,
+        num_stages=2,
+        inverse="matrix",
+        bf16_qk=True,
+        bf16_state=True,
+        depth_bound=8,
+    )
     (module,), (launch,) = offline_compile._lower(2, 16, cfg, pending=False)
     operands, inputs = offline_compile.kernel_operands(2, 16, cfg)
     assert [[list(a.shape), str(a.dtype)] for a in operands] == launch["inputs"]
@@ -89,12 +108,22 @@ def test_commit_operands_match_the_lowered_commit():
     assert launch["grid"] == [2, 32, 2] and launch["outputs"] == [[[2, 32, 128, 128], "float32"]]
     state, fac, parents, accepted, path, count = inputs
     assert np.all(np.asarray(count) >= 2)  # the deepest node: a real path, not just the root
-    got = commit_state_pallas(state, fac, parents, accepted, path=path, count=count,
-                              interpret=True, **cfg)
-    want = commit_state(state, fac, parents, accepted, path=path, count=count,
-                        backend="reference", precision="highest")
+    got = commit_state_pallas(
+        state, fac, parents, accepted, path=path, count=count, interpret=True, **cfg
+    )
+    want = commit_state(
+        state,
+        fac,
+        parents,
+        accepted,
+        path=path,
+        count=count,
+        backend="reference",
+        precision="highest",
+    )
     assert float(np.max(np.abs(np.asarray(got) - np.asarray(want)))) <= 1e-5 * float(
-        np.max(np.abs(np.asarray(want))))
+        np.max(np.abs(np.asarray(want)))
+    )
     with pytest.raises(ValueError, match="inverse"):
         offline_compile.commit_config({"inverse": "matrix"})
 
@@ -104,8 +133,9 @@ def test_source_locations_are_parseable_inline_locs():
     kernel's Python source; no location aliases are left."""
     cfg = TreeGDNConfig(block_v=64, inverse="matrix", depth_bound=8)
     raw = offline_compile.triton_modules(2, 16, cfg, pending=False)[0]
-    text = offline_compile.with_source_locations(raw, root=os.path.dirname(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    text = offline_compile.with_source_locations(
+        raw, root=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     assert "#loc" not in text and text.startswith("module @bole_tree_gdn")
     locs = re.findall(r'loc\("([^"]+)":(\d+):\d+\)', text)
     assert len(locs) > 100
@@ -150,9 +180,11 @@ def test_ncu_lines_sums_per_source_line():
 
     pcs = [0x10, 0x20, 0x30, 0x40]
     lines = {0x10: 7, 0x20: 7, 0x30: 9}  # 0x40: no source line
-    metrics = {"smsp__pcsamp_sample_count": Values([3, 4, 5, 6], pcs),
-               "inst_executed": Values([1, 0, 2, 8], pcs),
-               "gpu__time_duration.sum": Values([55.0])}  # not per instruction
+    metrics = {
+        "smsp__pcsamp_sample_count": Values([3, 4, 5, 6], pcs),
+        "inst_executed": Values([1, 0, 2, 8], pcs),
+        "gpu__time_duration.sum": Values([55.0]),
+    }  # not per instruction
 
     class Action:
         def metric_names(self):
@@ -166,7 +198,7 @@ def test_ncu_lines_sums_per_source_line():
 
     totals, names = ncu_lines.line_totals(Action())
     assert names == ["smsp__pcsamp_sample_count", "inst_executed"]
-    assert totals == {("tree_gdn.py", 7): {"smsp__pcsamp_sample_count": 7.0,
-                                           "inst_executed": 1.0},
-                      ("tree_gdn.py", 9): {"smsp__pcsamp_sample_count": 5.0,
-                                           "inst_executed": 2.0}}
+    assert totals == {
+        ("tree_gdn.py", 7): {"smsp__pcsamp_sample_count": 7.0, "inst_executed": 1.0},
+        ("tree_gdn.py", 9): {"smsp__pcsamp_sample_count": 5.0, "inst_executed": 2.0},
+    }

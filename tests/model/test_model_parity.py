@@ -39,7 +39,9 @@ from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delt
 TOL = 1e-5
 
 FAMILIES = [
-    pytest.param(("qwen3_next", False, 1, dict(num_hidden_layers=8)), id="qwen3_next-dense-8layers"),
+    pytest.param(
+        ("qwen3_next", False, 1, dict(num_hidden_layers=8)), id="qwen3_next-dense-8layers"
+    ),
     pytest.param(("qwen3_next", True, 2, dict(mlp_only_layers=[1])), id="qwen3_next-moe"),
     pytest.param(("qwen3_5", False, 3, {}), id="qwen3_5-dense-tied"),
     pytest.param(("qwen3_5_moe", True, 4, {}), id="qwen3_5_moe"),
@@ -108,9 +110,11 @@ def batched_run(case):
     T = max(PROMPT_LENS)
     tokens = np.zeros((len(prompts), T), np.int32)
     for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = p
+        tokens[b, : len(p)] = p
     num_new = jnp.asarray(PROMPT_LENS, jnp.int32)
-    hidden, cache = _forward(params, cfg, jnp.asarray(tokens), init_cache(cfg, len(prompts), T + STEPS), num_new)
+    hidden, cache = _forward(
+        params, cfg, jnp.asarray(tokens), init_cache(cfg, len(prompts), T + STEPS), num_new
+    )
     prefill_cache = jax.tree.map(np.asarray, cache)
     step_logits = [_logits(params, cfg, hidden[jnp.arange(len(prompts)), num_new - 1])]
     tok = jnp.argmax(step_logits[0], axis=-1).astype(jnp.int32)
@@ -119,8 +123,13 @@ def batched_run(case):
         tok, lg, cache = _greedy_step(params, cfg, tok, cache)
         generated.append(tok)
         step_logits.append(lg)
-    ours = dict(tokens=np.stack(generated, 1), logits=np.stack(step_logits, 1), prefill_cache=prefill_cache,
-                final_lengths=np.asarray(cache.lengths), prompt_tokens=tokens)
+    ours = dict(
+        tokens=np.stack(generated, 1),
+        logits=np.stack(step_logits, 1),
+        prefill_cache=prefill_cache,
+        final_lengths=np.asarray(cache.lengths),
+        prompt_tokens=tokens,
+    )
     refs = [torch_greedy_run(model, p, STEPS) for p in prompts]
     return cfg, params, prompts, ours, refs
 
@@ -161,11 +170,18 @@ def test_conv_state_is_last_valid_inputs(batched_run):
     cfg, params, _, ours, _ = batched_run
     layer0 = params["layers"][0]
     ids = ours["prompt_tokens"]
-    x = rms_norm(params["embed"][ids], layer0["input_norm"], cfg.rms_norm_eps) @ layer0["gdn"]["w_qkv"]
+    x = (
+        rms_norm(params["embed"][ids], layer0["input_norm"], cfg.rms_norm_eps)
+        @ layer0["gdn"]["w_qkv"]
+    )
     K1 = cfg.conv_kernel - 1
     for b, n in enumerate(PROMPT_LENS):
-        expected = np.concatenate([np.zeros((K1, cfg.conv_dim), np.float32), np.asarray(x[b, :n])])[-K1:]
-        np.testing.assert_allclose(ours["prefill_cache"].layers[0].conv[b], expected, rtol=1e-6, atol=1e-6)
+        expected = np.concatenate([np.zeros((K1, cfg.conv_dim), np.float32), np.asarray(x[b, :n])])[
+            -K1:
+        ]
+        np.testing.assert_allclose(
+            ours["prefill_cache"].layers[0].conv[b], expected, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_chunked_prefill_and_idle_requests(case):
@@ -204,6 +220,7 @@ def test_gdn_chunked_matches_recurrent_and_torch(chunk):
         torch_chunk_gated_delta_rule,
         torch_recurrent_gated_delta_rule,
     )
+
     q, k, v, g, beta, s0 = _gdn_inputs(6)
     o_c, s_c = _chunk_rule(q, k, v, g, beta, s0, chunk=chunk)
     o_r, s_r = _recurrent_rule(q, k, v, g, beta, s0)
@@ -212,18 +229,44 @@ def test_gdn_chunked_matches_recurrent_and_torch(chunk):
     # Older transformers (5.17, the GPU image) expect q/k already expanded to the value heads.
     r = v.shape[2] // q.shape[2]
     qe, ke = np.repeat(q, r, axis=2), np.repeat(k, r, axis=2)
-    o_tc, s_tc = torch_chunk_gated_delta_rule(t(qe), t(ke), t(v), t(g), t(beta), chunk_size=chunk, initial_state=t(s0),
-                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_tr, s_tr = torch_recurrent_gated_delta_rule(t(qe), t(ke), t(v), t(g), t(beta), initial_state=t(s0),
-                                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_tc, s_tc = torch_chunk_gated_delta_rule(
+        t(qe),
+        t(ke),
+        t(v),
+        t(g),
+        t(beta),
+        chunk_size=chunk,
+        initial_state=t(s0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    o_tr, s_tr = torch_recurrent_gated_delta_rule(
+        t(qe),
+        t(ke),
+        t(v),
+        t(g),
+        t(beta),
+        initial_state=t(s0),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     assert rel_err(o_c, o_tc.numpy()) <= TOL and rel_err(s_c, s_tc.numpy()) <= TOL
     assert rel_err(o_r, o_tr.numpy()) <= TOL and rel_err(s_r, s_tr.numpy()) <= TOL
     # One step at a time (the decode path) threads the same state.
     s, outs = s0, []
     for i in range(20):
-        o, s = _recurrent_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], s)
+        o, s = _recurrent_rule(
+            q[:, i : i + 1],
+            k[:, i : i + 1],
+            v[:, i : i + 1],
+            g[:, i : i + 1],
+            beta[:, i : i + 1],
+            s,
+        )
         outs.append(o)
-    o20, s20 = _chunk_rule(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], s0, chunk=chunk)
+    o20, s20 = _chunk_rule(
+        q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], s0, chunk=chunk
+    )
     assert rel_err(np.concatenate(outs, 1), o20) <= TOL and rel_err(s, s20) <= TOL
 
 
@@ -244,15 +287,22 @@ def test_moe_expert_paths_agree():
     cfg = ModelConfig.tiny("qwen3_next", moe=True)
     rng = _rng(9)
     E, H, Ie = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    p = {"router": rng.normal(size=(H, E)).astype(np.float32),
-         "w_gate_up": rng.normal(size=(E, H, 2 * Ie)).astype(np.float32) * H ** -0.5,
-         "w_down": rng.normal(size=(E, Ie, H)).astype(np.float32) * Ie ** -0.5}
+    p = {
+        "router": rng.normal(size=(H, E)).astype(np.float32),
+        "w_gate_up": rng.normal(size=(E, H, 2 * Ie)).astype(np.float32) * H**-0.5,
+        "w_down": rng.normal(size=(E, Ie, H)).astype(np.float32) * Ie**-0.5,
+    }
     x = jnp.asarray(rng.normal(size=(13, H)).astype(np.float32))
 
     @jax.jit
     def run(p, x):
         w, e = moe_route(p["router"], x, cfg)
-        return w, moe_experts_dense(p, x, w, e), moe_experts_gather(p, x, w, e), moe_experts_sorted(p, x, w, e)
+        return (
+            w,
+            moe_experts_dense(p, x, w, e),
+            moe_experts_gather(p, x, w, e),
+            moe_experts_sorted(p, x, w, e),
+        )
 
     w, ref, gathered, ragged = run(p, x)
     np.testing.assert_allclose(jnp.sum(w, -1), 1.0, rtol=1e-6)
@@ -262,14 +312,24 @@ def test_moe_expert_paths_agree():
 def test_qwen3_5_mrope_text_positions_equal_1d_rope():
     from hf_tiny import tiny_hf_config
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
-    hf_cfg = tiny_hf_config("qwen3_5", rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                        "partial_rotary_factor": 0.5, "mrope_section": [2, 3, 3],
-                                                        "mrope_interleaved": True})
+
+    hf_cfg = tiny_hf_config(
+        "qwen3_5",
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+    )
     cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
     assert cfg.rotary_dim == 16 and cfg.rope_theta == 1e6
     pos = np.array([[0, 1, 2, 3, 500], [7, 8, 9, 10, 11]])
     rot = Qwen3_5TextRotaryEmbedding(hf_cfg)
-    cos_ref, sin_ref = rot(torch.zeros(1, dtype=torch.float32), torch.as_tensor(pos)[None].expand(3, -1, -1))
+    cos_ref, sin_ref = rot(
+        torch.zeros(1, dtype=torch.float32), torch.as_tensor(pos)[None].expand(3, -1, -1)
+    )
     cos, sin = rope_cos_sin(jnp.asarray(pos), cfg, jnp.float32)
     np.testing.assert_allclose(cos, cos_ref.numpy(), atol=1e-6)
     np.testing.assert_allclose(sin, sin_ref.numpy(), atol=1e-6)
@@ -280,10 +340,16 @@ def test_bf16_params_forward(tiny_checkpoint):
     cfg, p32 = load_hf_checkpoint(path)
     _, p16 = load_hf_checkpoint(path, dtype=jnp.bfloat16)
     # bf16 except the GDN A_log and norm weights, kept fp32 (model/weights.py FP32_GDN_LEAVES)
-    gdn32 = [p16["layers"][i]["gdn"][n] for i, t in enumerate(cfg.layer_types)
-             if t == "linear_attention" for n in ("A_log", "norm_w")]
+    gdn32 = [
+        p16["layers"][i]["gdn"][n]
+        for i, t in enumerate(cfg.layer_types)
+        if t == "linear_attention"
+        for n in ("A_log", "norm_w")
+    ]
     assert gdn32 and all(x.dtype == jnp.float32 for x in gdn32)
-    assert sum(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16)) == len(jax.tree.leaves(p16)) - len(gdn32)
+    assert sum(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16)) == len(
+        jax.tree.leaves(p16)
+    ) - len(gdn32)
     ids = jnp.asarray(_rng(8).integers(0, cfg.vocab_size, (2, 70)))
     h32, _ = _forward(p32, cfg, ids, init_cache(cfg, 2, 80))
     h16, c16 = _forward(p16, cfg, ids, init_cache(cfg, 2, 80, jnp.bfloat16))
@@ -295,7 +361,9 @@ def test_bf16_params_forward(tiny_checkpoint):
 
 def test_init_params_layout_and_forward():
     """init_params produces exactly the documented layout (incl. the MTP subtree) and runs."""
-    cfg = ModelConfig.tiny("qwen3_next", moe=True, mlp_only_layers=(1,))  # == the tiny HF qwen3_next-moe
+    cfg = ModelConfig.tiny(
+        "qwen3_next", moe=True, mlp_only_layers=(1,)
+    )  # == the tiny HF qwen3_next-moe
     cfg_mtp = dataclasses.replace(cfg, mtp_num_layers=1)
     params = init_params(cfg_mtp, jax.random.key(0))
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype), params)
@@ -304,7 +372,9 @@ def test_init_params_layout_and_forward():
     assert "attn" in params["mtp"]["layers"][0] and "router" in params["mtp"]["layers"][0]["mlp"]
     assert params["mtp"]["fc"].shape == (2 * cfg.hidden_size, cfg.hidden_size)
     cache = init_cache(cfg, 2, 80)
-    assert isinstance(cache, Cache) and isinstance(cache.layers[3], AttnCache) and cache.capacity == 80
+    assert (
+        isinstance(cache, Cache) and isinstance(cache.layers[3], AttnCache) and cache.capacity == 80
+    )
     target = {k: v for k, v in params.items() if k != "mtp"}  # forward never reads the MTP head
     hidden, cache = _forward(target, cfg, jnp.zeros((2, 70), jnp.int32), cache)
     assert bool(jnp.all(jnp.isfinite(hidden)))
@@ -324,11 +394,13 @@ def test_init_params_big_groups_drawn_leaf_by_leaf():
     finally:
         params_mod.GROUP_DRAW_LIMIT = old
     assert jax.tree.map(lambda a: (a.shape, a.dtype), big) == jax.tree.map(
-        lambda a: (a.shape, a.dtype), ref)
+        lambda a: (a.shape, a.dtype), ref
+    )
     a, b = big["layers"][0]["mlp"]["w_gate_up"], big["layers"][1]["mlp"]["w_gate_up"]
     assert not np.array_equal(np.asarray(a), np.asarray(experts))
     assert not np.array_equal(np.asarray(a), np.asarray(b))  # every leaf its own draw
-    bound = 3.0 ** 0.5 * a.shape[-2] ** -0.5  # uniform with std 1/sqrt(fan_in)
-    assert float(jnp.abs(a).max()) <= bound and float(jnp.std(a)) > 0.8 * bound / 3.0 ** 0.5
-    np.testing.assert_array_equal(np.asarray(big["layers"][0]["mlp"]["router"]),
-                                  np.asarray(ref["layers"][0]["mlp"]["router"]))
+    bound = 3.0**0.5 * a.shape[-2] ** -0.5  # uniform with std 1/sqrt(fan_in)
+    assert float(jnp.abs(a).max()) <= bound and float(jnp.std(a)) > 0.8 * bound / 3.0**0.5
+    np.testing.assert_array_equal(
+        np.asarray(big["layers"][0]["mlp"]["router"]), np.asarray(ref["layers"][0]["mlp"]["router"])
+    )

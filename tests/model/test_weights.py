@@ -50,8 +50,11 @@ def _rewrite(src, dst, tensors, config=None):
 
 # ----------------------------------------------------------------------------- round trips
 
-ROUND_TRIP = [("qwen3_next", True, 2, dict(mlp_only_layers=[1])), ("qwen3_5", False, 3, {}),
-              ("qwen3_5_moe", True, 4, {})]
+ROUND_TRIP = [
+    ("qwen3_next", True, 2, dict(mlp_only_layers=[1])),
+    ("qwen3_5", False, 3, {}),
+    ("qwen3_5_moe", True, 4, {}),
+]
 
 
 @pytest.mark.parametrize("family,moe,seed,overrides", ROUND_TRIP, ids=[r[0] for r in ROUND_TRIP])
@@ -101,9 +104,13 @@ def test_bf16_checkpoint_loads(tmp_path):
     assert all(d == jnp.bfloat16 for p, d in dtypes.items() if p not in _fp32_gdn_paths(cfg))
     sd = model.state_dict()
     as_np = lambda t: t.float().numpy()
-    np.testing.assert_array_equal(np.asarray(params["embed"], np.float32), as_np(sd["model.embed_tokens.weight"]))
-    np.testing.assert_array_equal(np.asarray(params["layers"][3]["attn"]["w_k"], np.float32),
-                                  as_np(sd["model.layers.3.self_attn.k_proj.weight"]).T)
+    np.testing.assert_array_equal(
+        np.asarray(params["embed"], np.float32), as_np(sd["model.embed_tokens.weight"])
+    )
+    np.testing.assert_array_equal(
+        np.asarray(params["layers"][3]["attn"]["w_k"], np.float32),
+        as_np(sd["model.layers.3.self_attn.k_proj.weight"]).T,
+    )
     _, p32 = load_hf_checkpoint(path, dtype=jnp.float32)
     assert p32["embed"].dtype == jnp.float32
     hidden, _ = _forward(params, cfg, jnp.zeros((1, 4), jnp.int32), init_cache(cfg, 1, 8))
@@ -112,12 +119,18 @@ def test_bf16_checkpoint_loads(tmp_path):
 
 def _leaf_dtypes(params) -> dict:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): x.dtype for path, x in flat}
+    return {
+        tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): x.dtype for path, x in flat
+    }
 
 
 def _fp32_gdn_paths(cfg) -> set:
-    return {("layers", i, "gdn", n) for i, t in enumerate(cfg.layer_types) if t == "linear_attention"
-            for n in ("A_log", "norm_w")}
+    return {
+        ("layers", i, "gdn", n)
+        for i, t in enumerate(cfg.layer_types)
+        if t == "linear_attention"
+        for n in ("A_log", "norm_w")
+    }
 
 
 def test_bf16_checkpoint_keeps_fp32_gdn_leaves(tiny_checkpoint, tmp_path):
@@ -126,8 +139,10 @@ def test_bf16_checkpoint_keeps_fp32_gdn_leaves(tiny_checkpoint, tmp_path):
     the decay rate), and the forward reads them unrounded: its logits are those of the same
     model with the two leaves rounded to bf16 only when the checkpoint rounds them."""
     path, _ = tiny_checkpoint("qwen3_5", seed=3)
-    tensors = {k: v if k.endswith(("A_log", "linear_attn.norm.weight"))
-               else v.astype(jnp.bfloat16) for k, v in _read_all(path).items()}
+    tensors = {
+        k: v if k.endswith(("A_log", "linear_attn.norm.weight")) else v.astype(jnp.bfloat16)
+        for k, v in _read_all(path).items()
+    }
     assert all(tensors[k].dtype == np.float32 for k in tensors if k.endswith("A_log"))
     with open(os.path.join(path, "config.json")) as f:
         config = {**json.load(f), "torch_dtype": "bfloat16", "dtype": "bfloat16"}
@@ -140,20 +155,28 @@ def test_bf16_checkpoint_keeps_fp32_gdn_leaves(tiny_checkpoint, tmp_path):
             continue
         gdn = params["layers"][i]["gdn"]
         assert gdn["A_log"].dtype == jnp.float32 and gdn["norm_w"].dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(gdn["A_log"]),
-                                      stored32[f"model.layers.{i}.linear_attn.A_log"])
-        np.testing.assert_array_equal(np.asarray(gdn["norm_w"]),
-                                      stored32[f"model.layers.{i}.linear_attn.norm.weight"])
-        assert not np.array_equal(np.asarray(gdn["A_log"].astype(jnp.bfloat16).astype(jnp.float32)),
-                                  stored32[f"model.layers.{i}.linear_attn.A_log"])
+        np.testing.assert_array_equal(
+            np.asarray(gdn["A_log"]), stored32[f"model.layers.{i}.linear_attn.A_log"]
+        )
+        np.testing.assert_array_equal(
+            np.asarray(gdn["norm_w"]), stored32[f"model.layers.{i}.linear_attn.norm.weight"]
+        )
+        assert not np.array_equal(
+            np.asarray(gdn["A_log"].astype(jnp.bfloat16).astype(jnp.float32)),
+            stored32[f"model.layers.{i}.linear_attn.A_log"],
+        )
     # The forward uses the fp32 leaves: rounding them to bf16 changes the logits.
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 12)))
     rounded = jax.tree_util.tree_map_with_path(
-        lambda p, x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
-    out = [logits(q, cfg, _forward(q, cfg, ids, init_cache(cfg, 1, 16, jnp.bfloat16))[0])
-           for q in (params, rounded)]
-    assert bool(jnp.all(jnp.isfinite(out[0]))) and not np.array_equal(np.asarray(out[0]),
-                                                                       np.asarray(out[1]))
+        lambda p, x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params
+    )
+    out = [
+        logits(q, cfg, _forward(q, cfg, ids, init_cache(cfg, 1, 16, jnp.bfloat16))[0])
+        for q in (params, rounded)
+    ]
+    assert bool(jnp.all(jnp.isfinite(out[0]))) and not np.array_equal(
+        np.asarray(out[0]), np.asarray(out[1])
+    )
     # Resaved, the mixed dtypes survive.
     save_hf_checkpoint(tmp_path / "resaved", cfg, params)
     again = _read_all(tmp_path / "resaved")
@@ -215,7 +238,9 @@ def test_reader_without_the_library_reads_the_same(tiny_checkpoint, monkeypatch)
     f = SafetensorsFile(fn)
     assert f.dtypes == {"a": "F8_E4M3", "b": "F32"}
     for k in t:
-        np.testing.assert_array_equal(np.asarray(f.get(k)).astype(np.float32), t[k].astype(np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(f.get(k)).astype(np.float32), t[k].astype(np.float32)
+        )
     os.remove(fn)
 
 
@@ -240,8 +265,11 @@ def test_error_shard_path_outside_the_folder(tiny_checkpoint, tmp_path, kind):
         new = victim
     index["weight_map"] = {k: new if v == victim else v for k, v in index["weight_map"].items()}
     index_file.write_text(json.dumps(index))
-    why = {"absolute": "is absolute", "dotdot": r"leaves the folder \('\.\.'\)",
-           "symlink": "resolves outside the folder"}[kind]
+    why = {
+        "absolute": "is absolute",
+        "dotdot": r"leaves the folder \('\.\.'\)",
+        "symlink": "resolves outside the folder",
+    }[kind]
     with pytest.raises(CheckpointError, match=f"shard path .*{why}.*inside the model folder"):
         load_hf_checkpoint(folder)
     # A symlink that stays inside the folder is fine.
@@ -261,8 +289,12 @@ def test_multimodal_prefix_fused_experts_and_mtp(tiny_checkpoint, tmp_path):
     mtp = init_params(cfg_mtp, jax.random.key(1))["mtp"]
     tensors = {}
     for k, v in hf_state_dict(cfg_mtp, {**params, "mtp": mtp}).items():
-        tensors[k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k] = v
-    for pre in [f"model.language_model.layers.{i}.mlp." for i in range(cfg.num_layers)] + ["mtp.layers.0.mlp."]:
+        tensors[
+            k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k
+        ] = v
+    for pre in [f"model.language_model.layers.{i}.mlp." for i in range(cfg.num_layers)] + [
+        "mtp.layers.0.mlp."
+    ]:
         E = cfg.num_experts
         g = [tensors.pop(f"{pre}experts.{e}.gate_proj.weight") for e in range(E)]
         u = [tensors.pop(f"{pre}experts.{e}.up_proj.weight") for e in range(E)]
@@ -273,9 +305,13 @@ def test_multimodal_prefix_fused_experts_and_mtp(tiny_checkpoint, tmp_path):
     with open(os.path.join(path, "config.json")) as f:
         text = json.load(f)
     text["mtp_num_hidden_layers"] = 1
-    config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-              "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 1},
-              "tie_word_embeddings": False}
+    config = {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+        "vision_config": {"depth": 1},
+        "tie_word_embeddings": False,
+    }
     folder = _rewrite(path, str(tmp_path / "released"), tensors, config)
     cfg2, params2 = load_hf_checkpoint(folder)
     assert cfg2 == cfg_mtp
@@ -330,19 +366,31 @@ def _edit_tensors(folder, edit):
 
 def test_error_missing_tensor(tiny_folder):
     _edit_tensors(tiny_folder, lambda t: t.pop("model.layers.2.linear_attn.in_proj_z.weight"))
-    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing: model.layers.2.linear_attn.in_proj_z.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"1 tensor\(s\) missing: model.layers.2.linear_attn.in_proj_z.weight"
+    ):
         load_hf_checkpoint(tiny_folder)
 
 
 def test_error_unexpected_tensor(tiny_folder):
-    _edit_tensors(tiny_folder, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((4, 4))}))
-    with pytest.raises(CheckpointError, match="unexpected tensor.*model.layers.0.self_attn.q_proj.weight"):
+    _edit_tensors(
+        tiny_folder,
+        lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((4, 4))}),
+    )
+    with pytest.raises(
+        CheckpointError, match="unexpected tensor.*model.layers.0.self_attn.q_proj.weight"
+    ):
         load_hf_checkpoint(tiny_folder)
 
 
 def test_error_misshaped_tensor(tiny_folder):
-    _edit_tensors(tiny_folder, lambda t: t.update({"model.layers.1.linear_attn.A_log": np.zeros(5, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"model.layers.1.linear_attn.A_log has shape \(5,\), expected \(4,\)"):
+    _edit_tensors(
+        tiny_folder,
+        lambda t: t.update({"model.layers.1.linear_attn.A_log": np.zeros(5, np.float32)}),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.1.linear_attn.A_log has shape \(5,\), expected \(4,\)"
+    ):
         load_hf_checkpoint(tiny_folder)
 
 
@@ -363,11 +411,22 @@ def test_config_variants():
     base = tiny_hf_config("qwen3_next", moe=True).to_dict()
     # layer_types derived from full_attention_interval; legacy top-level RoPE keys; eos list.
     d = {k: v for k, v in base.items() if k not in ("layer_types", "rope_parameters")}
-    d.update(num_hidden_layers=6, full_attention_interval=3, rope_theta=5e5, partial_rotary_factor=0.5,
-             eos_token_id=[7, 9], torch_dtype="bfloat16")
+    d.update(
+        num_hidden_layers=6,
+        full_attention_interval=3,
+        rope_theta=5e5,
+        partial_rotary_factor=0.5,
+        eos_token_id=[7, 9],
+        torch_dtype="bfloat16",
+    )
     cfg = ModelConfig.from_hf_dict(d)
     assert cfg.layer_types == ("linear_attention", "linear_attention", "full_attention") * 2
-    assert (cfg.rope_theta, cfg.rotary_dim, cfg.eos_token_ids, cfg.dtype) == (5e5, 16, (7, 9), "bfloat16")
+    assert (cfg.rope_theta, cfg.rotary_dim, cfg.eos_token_ids, cfg.dtype) == (
+        5e5,
+        16,
+        (7, 9),
+        "bfloat16",
+    )
     assert cfg == ModelConfig.from_hf_dict(cfg.to_hf_dict())
     assert hash(cfg) == hash(ModelConfig.from_hf_dict(cfg.to_hf_dict()))
     with pytest.raises(ValueError, match="unsupported model_type 'mamba'"):
@@ -380,11 +439,25 @@ def test_config_variants():
 
 def test_config_moe_layers_match_transformers():
     from transformers import Qwen3NextForCausalLM
-    hf_cfg = tiny_hf_config("qwen3_next", moe=True, num_hidden_layers=8, decoder_sparse_step=2, mlp_only_layers=[3])
+
+    hf_cfg = tiny_hf_config(
+        "qwen3_next", moe=True, num_hidden_layers=8, decoder_sparse_step=2, mlp_only_layers=[3]
+    )
     cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
     model = Qwen3NextForCausalLM(hf_cfg)
-    assert [cfg.is_moe_layer(i) for i in range(8)] == [hasattr(l.mlp, "experts") for l in model.model.layers]
-    assert [cfg.is_moe_layer(i) for i in range(8)] == [False, True, False, False, False, True, False, True]
+    assert [cfg.is_moe_layer(i) for i in range(8)] == [
+        hasattr(l.mlp, "experts") for l in model.model.layers
+    ]
+    assert [cfg.is_moe_layer(i) for i in range(8)] == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
 
 
 def test_config_generation_eos_merged(tiny_folder):

@@ -41,13 +41,16 @@ def _inputs(seed, b, hk, hv, dk, dv, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("b,hk,hv,dk,dv,block_v", [
-    (1, 2, 2, 16, 16, 32),    # ratio 1, one tile
-    (3, 1, 2, 32, 32, 16),    # ratio 2, two value tiles
-    (3, 2, 6, 48, 32, 32),    # ratio 3, dk padded 48 -> 64
-    (1, 1, 2, 128, 128, 32),  # real head dims, four value tiles
-    (3, 2, 4, 128, 40, 32),   # dv padded 40 -> 64
-])
+@pytest.mark.parametrize(
+    "b,hk,hv,dk,dv,block_v",
+    [
+        (1, 2, 2, 16, 16, 32),  # ratio 1, one tile
+        (3, 1, 2, 32, 32, 16),  # ratio 2, two value tiles
+        (3, 2, 6, 48, 32, 32),  # ratio 3, dk padded 48 -> 64
+        (1, 1, 2, 128, 128, 32),  # real head dims, four value tiles
+        (3, 2, 4, 128, 40, 32),  # dv padded 40 -> 64
+    ],
+)
 def test_kernel_matches_rule(seed, b, hk, hv, dk, dv, block_v):
     args = _inputs(seed, b, hk, hv, dk, dv)
     o_ref, s_ref = gdn_decode_reference(*args)
@@ -98,8 +101,7 @@ def test_kernel_lowers_to_triton_in_place():
     v = jnp.zeros((b, hv, d), jnp.bfloat16)
     gate = jnp.zeros((b, hv), jnp.float32)
     state = jnp.zeros((b, hv, d, d), jnp.float32)
-    fn = jax.jit(lambda *a: gdn_decode(*a, backend="pallas", interpret=False),
-                 donate_argnums=5)
+    fn = jax.jit(lambda *a: gdn_decode(*a, backend="pallas", interpret=False), donate_argnums=5)
     text = fn.trace(q, q, v, gate, gate, state).lower(lowering_platforms=("cuda",)).as_text()
     assert "bole_gdn_decode" in text and "output_operand_alias" in text
     assert "tf.aliasing_output = 1" in text  # outputs: o, state
@@ -118,13 +120,17 @@ def test_gdn_core_recurrent_kernel_path(hk, hv):
     beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((b, 1, hv)))), jnp.float32)
     cache = GDNCache(
         conv=jnp.asarray(rng.standard_normal((b, kk - 1, c)), jnp.float32),
-        state=jnp.asarray(rng.standard_normal((b, hv, cfg.gdn_key_dim, cfg.gdn_value_dim)),
-                          jnp.float32))
+        state=jnp.asarray(
+            rng.standard_normal((b, hv, cfg.gdn_key_dim, cfg.gdn_value_dim)), jnp.float32
+        ),
+    )
     num_new = jnp.asarray([1, 0, 1], jnp.int32)
-    o_ref, c_ref = layers.gdn_core_recurrent(p, qkv, g, beta, cache, num_new, cfg,
-                                             backend="reference")
-    o, c_new = layers.gdn_core_recurrent(p, qkv, g, beta, cache, num_new, cfg,
-                                         backend="pallas", interpret=True)
+    o_ref, c_ref = layers.gdn_core_recurrent(
+        p, qkv, g, beta, cache, num_new, cfg, backend="reference"
+    )
+    o, c_new = layers.gdn_core_recurrent(
+        p, qkv, g, beta, cache, num_new, cfg, backend="pallas", interpret=True
+    )
     assert rel(o, o_ref) <= 1e-5, (RUN_SEED, rel(o, o_ref))
     assert rel(c_new.state, c_ref.state) <= 1e-5, (RUN_SEED, rel(c_new.state, c_ref.state))
     np.testing.assert_array_equal(c_new.state[1], cache.state[1])

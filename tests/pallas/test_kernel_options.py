@@ -22,25 +22,41 @@ def test_defaults_validation_and_hashing():
     d = KernelOptions()
     assert PublicKernelOptions is KernelOptions
     assert (d.tree_gdn_bf16, d.mosaic, d.commit_fold, d.lazy_rows, d.gdn_decode_backend) == (
-        True, True, "auto", "path", "auto")
+        True,
+        True,
+        "auto",
+        "path",
+        "auto",
+    )
     assert hash(d) == hash(KernelOptions()) and d != KernelOptions(mosaic=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.mosaic = False
-    for bad, match in ((dict(commit_fold="fast"), "commit_fold must be one of"),
-                       (dict(lazy_rows="rows"), "lazy_rows must be one of"),
-                       (dict(gdn_decode_backend="gpu"), "gdn_decode_backend must be one of"),
-                       (dict(tree_gdn_bf16=1), "tree_gdn_bf16 must be a bool")):
+    for bad, match in (
+        (dict(commit_fold="fast"), "commit_fold must be one of"),
+        (dict(lazy_rows="rows"), "lazy_rows must be one of"),
+        (dict(gdn_decode_backend="gpu"), "gdn_decode_backend must be one of"),
+        (dict(tree_gdn_bf16=1), "tree_gdn_bf16 must be a bool"),
+    ):
         with pytest.raises(ValueError, match=match):
             KernelOptions(**bad)
 
 
 def test_from_env_reads_the_old_variables():
     assert KernelOptions.from_env({}) == KernelOptions()
-    env = {"BOLE_TREE_GDN_BF16": "0", "BOLE_TREE_GDN_MOSAIC": "0", "BOLE_COMMIT_FOLD": "dot",
-           "BOLE_LAZY_ROWS": "gather", "BOLE_GDN_DECODE_BACKEND": "reference"}
+    env = {
+        "BOLE_TREE_GDN_BF16": "0",
+        "BOLE_TREE_GDN_MOSAIC": "0",
+        "BOLE_COMMIT_FOLD": "dot",
+        "BOLE_LAZY_ROWS": "gather",
+        "BOLE_GDN_DECODE_BACKEND": "reference",
+    }
     assert KernelOptions.from_env(env) == KernelOptions(
-        tree_gdn_bf16=False, mosaic=False, commit_fold="dot", lazy_rows="gather",
-        gdn_decode_backend="reference")
+        tree_gdn_bf16=False,
+        mosaic=False,
+        commit_fold="dot",
+        lazy_rows="gather",
+        gdn_decode_backend="reference",
+    )
     assert KernelOptions.from_env({"BOLE_TREE_GDN_BF16": "1"}).tree_gdn_bf16
     with pytest.raises(ValueError, match="BOLE_LAZY_ROWS"):
         KernelOptions.from_env({"BOLE_LAZY_ROWS": "rows"})
@@ -62,8 +78,18 @@ def test_two_settings_in_one_process_give_two_verifies():
     for c in (cfg, cfg_fp32):
         launch = TreeGDNConfig.auto(b, n, 9, c.kernels)
         assert launch.bf16_qk is c.kernels.tree_gdn_bf16
-        runs = [tree_gdn_verify(*args, parents, num_nodes, backend="pallas", interpret=True,
-                                config=launch, depth_bound=9) for _ in range(2)]
+        runs = [
+            tree_gdn_verify(
+                *args,
+                parents,
+                num_nodes,
+                backend="pallas",
+                interpret=True,
+                config=launch,
+                depth_bound=9,
+            )
+            for _ in range(2)
+        ]
         (o1, f1), (o2, f2) = runs
         np.testing.assert_array_equal(o1, o2)
         np.testing.assert_array_equal(f1.u, f2.u)
@@ -82,7 +108,8 @@ def test_llm_carries_the_options(monkeypatch):
     lazy = dataclasses.replace(spec, lazy_commit=True)
     assert lazy.pending_length and lazy.pending_nodes is None  # gathered rows: no factors kept
     assert dataclasses.replace(lazy, kernels=KernelOptions()).pending_nodes == (
-        spec.shape.num_nodes)
+        spec.shape.num_nodes
+    )
     # no options: the environment's, as defaults
     monkeypatch.setenv("BOLE_COMMIT_FOLD", "dot")
     assert LLM(cfg).cfg.kernels == KernelOptions(commit_fold="dot")

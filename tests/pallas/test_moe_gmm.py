@@ -81,8 +81,9 @@ def test_group_layout(seed, kind, pairs, num_experts, bm):
     assert np.sum(lay.row_pair < pairs) == kept.sum(), f"seed {seed}"
     sizes = np.bincount(e[kept], minlength=num_experts)
     used = int(np.sum(-(-sizes // bm)))
-    want = np.concatenate([np.repeat(np.arange(num_experts), -(-sizes // bm)),
-                           np.full(tiles - used, num_experts)])
+    want = np.concatenate(
+        [np.repeat(np.arange(num_experts), -(-sizes // bm)), np.full(tiles - used, num_experts)]
+    )
     np.testing.assert_array_equal(lay.tile_expert, want, f"seed {seed}")
 
 
@@ -105,7 +106,8 @@ KERNEL_CASES = [
 
 def _kernel_case_id(c):
     return f"E{c[0]}-K{c[1]}-N{c[2]}-P{c[3]}-bm{c[4]}-{c[5]}-{jnp.dtype(c[6]).name}" + (
-        "-swiglu" if c[7] else "")
+        "-swiglu" if c[7] else ""
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -116,11 +118,10 @@ def test_gmm_kernel_matches_reference(seed, case):
     rng = np.random.default_rng(seed)
     e = _routing(rng, kind, pairs, num_experts).astype(np.int32)
     x = jnp.asarray(rng.normal(size=(pairs, k)), dtype)
-    w = jnp.asarray(rng.normal(size=(num_experts, k, n)) * k ** -0.5, dtype)
+    w = jnp.asarray(rng.normal(size=(num_experts, k, n)) * k**-0.5, dtype)
     lay = group_layout(jnp.asarray(e), num_experts, bm)
     xs = jnp.take(x, lay.row_pair, axis=0, mode="fill", fill_value=0)
-    got = gmm(xs, w, lay.tile_expert, swiglu=swiglu, config=cfg, backend="pallas",
-              interpret=True)
+    got = gmm(xs, w, lay.tile_expert, swiglu=swiglu, config=cfg, backend="pallas", interpret=True)
     ref = gmm_ref(xs, w, lay.tile_expert, swiglu=swiglu)
     assert got.shape == ref.shape == (xs.shape[0], n // 2 if swiglu else n)
     assert got.dtype == ref.dtype == x.dtype
@@ -157,8 +158,7 @@ def test_gmm_lowers_to_triton(swiglu, bm):
     x = jax.ShapeDtypeStruct((tiles * bm, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16)
     te = jax.ShapeDtypeStruct((tiles,), jnp.int32)
-    fn = jax.jit(lambda x, w, te: gmm(x, w, te, swiglu=swiglu, backend="pallas",
-                                      interpret=False))
+    fn = jax.jit(lambda x, w, te: gmm(x, w, te, swiglu=swiglu, backend="pallas", interpret=False))
     text = fn.trace(x, w, te).lower(lowering_platforms=("cuda",)).as_text()
     assert "bole_moe_gmm" in text
 
@@ -167,23 +167,26 @@ def test_gmm_lowers_to_triton(swiglu, bm):
 
 
 def _moe_params(rng, num_experts, h, inter, dtype):
-    return {"router": jnp.asarray(rng.normal(size=(h, num_experts)), jnp.float32),
-            "w_gate_up": jnp.asarray(rng.normal(size=(num_experts, h, 2 * inter)) * h ** -0.5,
-                                     dtype),
-            "w_down": jnp.asarray(rng.normal(size=(num_experts, inter, h)) * inter ** -0.5,
-                                  dtype)}
+    return {
+        "router": jnp.asarray(rng.normal(size=(h, num_experts)), jnp.float32),
+        "w_gate_up": jnp.asarray(rng.normal(size=(num_experts, h, 2 * inter)) * h**-0.5, dtype),
+        "w_down": jnp.asarray(rng.normal(size=(num_experts, inter, h)) * inter**-0.5, dtype),
+    }
 
 
 # One jitted function per backend for all cases (the shapes differ, the seeds share compilations).
-_EXPERTS = {b: jax.jit(functools.partial(layers.moe_experts_gmm, backend=b))
-            for b in ("pallas", "reference")}
+_EXPERTS = {
+    b: jax.jit(functools.partial(layers.moe_experts_gmm, backend=b))
+    for b in ("pallas", "reference")
+}
 _DENSE = jax.jit(layers.moe_experts_dense)
 
 
 def _routed(seed, tokens, num_experts, topk, dtype):
     rng = np.random.default_rng(seed)
-    cfg = ModelConfig.tiny("qwen3_next", moe=True, num_experts=num_experts,
-                           num_experts_per_tok=topk)
+    cfg = ModelConfig.tiny(
+        "qwen3_next", moe=True, num_experts=num_experts, num_experts_per_tok=topk
+    )
     p = _moe_params(rng, num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
     x = jnp.asarray(rng.normal(size=(tokens, cfg.hidden_size)), dtype)
     w, e = layers.moe_route(p["router"], x, cfg)
@@ -191,9 +194,14 @@ def _routed(seed, tokens, num_experts, topk, dtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("tokens,num_experts,topk,dtype,backends", [
-    (1, 8, 2, F32, ("pallas", "reference")), (64, 16, 4, BF16, ("pallas",)),
-    (40, 64, 8, F32, ("pallas",))])
+@pytest.mark.parametrize(
+    "tokens,num_experts,topk,dtype,backends",
+    [
+        (1, 8, 2, F32, ("pallas", "reference")),
+        (64, 16, 4, BF16, ("pallas",)),
+        (40, 64, 8, F32, ("pallas",)),
+    ],
+)
 def test_moe_experts_gmm_matches_dense(seed, tokens, num_experts, topk, dtype, backends):
     """The grouped-matmul experts path vs every expert on every token (moe_experts_dense, fp32),
     on softmax top-k routing of random tokens: one token (fewer pairs than experts), many rows
@@ -223,7 +231,7 @@ def test_moe_experts_local_drops_foreign_pairs(seed, monkeypatch):
         return real(p, x, top_w, top_e)
 
     monkeypatch.setattr(layers, "moe_experts_gmm", spy)  # the identity moe_experts_local tests
-    p_local = {k: v[first:first + local] for k, v in p.items() if k != "router"}
+    p_local = {k: v[first : first + local] for k, v in p.items() if k != "router"}
     got = layers.moe_experts_local(functools.partial(spy), p_local, x, w, e, first)
     mine = (e >= first) & (e < first + local)
     np.testing.assert_array_equal(seen[0], np.where(mine, e - first, local))
@@ -250,12 +258,32 @@ def test_moe_picks_gmm_on_gpu(monkeypatch):
 def test_bench_moe_tiny(tmp_path):
     """benchmarks/bench_moe.py --tiny on CPU: checks pass, every implementation timed, JSON.
     fp32: the gather is then one program for the check and the timing (compiles are the time)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks"))
+    sys.path.insert(
+        0,
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            "benchmarks",
+        ),
+    )
     import bench_moe
 
-    bench_moe.main(["--tiny", "--tokens", "8", "--dtype", "float32", "--out", str(tmp_path),
-                    "--timer", "wall", "--reps", "1", "--warmup", "1"])
+    bench_moe.main(
+        [
+            "--tiny",
+            "--tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--out",
+            str(tmp_path),
+            "--timer",
+            "wall",
+            "--reps",
+            "1",
+            "--warmup",
+            "1",
+        ]
+    )
     res = json.loads((tmp_path / "bench_moe.json").read_text())
     assert res["checks"] and all(c["ok"] for c in res["checks"]), res["checks"]
     assert {"command", "git_commit", "device", "jax"} <= set(res)

@@ -35,23 +35,62 @@ CASES = [  # N, Hk, HV, dk, dv, kinds, dtype, config
     (16, 2, 4, 16, 64, ("bushy", "random"), jnp.bfloat16, PernodeConfig(block_v=32)),
     (64, 1, 2, 16, 16, ("random", "deep", "forest"), np.float32, PernodeConfig(block_v=16)),
     (20, 1, 1, 24, 40, ("forest", "random"), np.float32, PernodeConfig(block_v=16)),
-    (12, 1, 2, 16, 32, ("deep", "bushy"), np.float32,
-     PernodeConfig(block_v=8, num_warps=1, num_stages=3)),  # SGLang-like launch
+    (
+        12,
+        1,
+        2,
+        16,
+        32,
+        ("deep", "bushy"),
+        np.float32,
+        PernodeConfig(block_v=8, num_warps=1, num_stages=3),
+    ),  # SGLang-like launch
     (16, 1, 2, 32, 16, ("bushy", "forest"), np.float32, PernodeConfig(block_v=8, layout="kv")),
     (7, 2, 2, 24, 40, ("random",), jnp.bfloat16, PernodeConfig(block_v=8, layout="kv")),
     # the committed tile reloaded (masked) per node instead of held: both layouts
     (13, 1, 2, 16, 32, ("star", "random"), np.float32, PernodeConfig(block_v=16, hold_root=0)),
-    (9, 1, 1, 32, 16, ("forest",), np.float32,
-     PernodeConfig(block_v=8, layout="kv", hold_root=0)),
-    (11, 1, 2, 16, 16, ("bushy", "deep"), np.float32,
-     PernodeConfig(block_v=8, num_warps=1, num_stages=2, scratch_eviction="evict_first")),
+    (9, 1, 1, 32, 16, ("forest",), np.float32, PernodeConfig(block_v=8, layout="kv", hold_root=0)),
+    (
+        11,
+        1,
+        2,
+        16,
+        16,
+        ("bushy", "deep"),
+        np.float32,
+        PernodeConfig(block_v=8, num_warps=1, num_stages=2, scratch_eviction="evict_first"),
+    ),
     # the walk in depth-first order (ragged requests, forests, both layouts, root held or not)
-    (16, 1, 2, 16, 32, ("random", "forest", "bushy"), np.float32,
-     PernodeConfig(block_v=16, order="dfs")),
-    (33, 2, 4, 16, 16, ("deep", "star", "random"), jnp.bfloat16,
-     PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs")),
-    (12, 1, 1, 32, 16, ("forest", "bushy"), np.float32,
-     PernodeConfig(block_v=8, layout="kv", hold_root=0, order="dfs")),
+    (
+        16,
+        1,
+        2,
+        16,
+        32,
+        ("random", "forest", "bushy"),
+        np.float32,
+        PernodeConfig(block_v=16, order="dfs"),
+    ),
+    (
+        33,
+        2,
+        4,
+        16,
+        16,
+        ("deep", "star", "random"),
+        jnp.bfloat16,
+        PernodeConfig(block_v=8, num_warps=1, num_stages=3, order="dfs"),
+    ),
+    (
+        12,
+        1,
+        1,
+        32,
+        16,
+        ("forest", "bushy"),
+        np.float32,
+        PernodeConfig(block_v=8, layout="kv", hold_root=0, order="dfs"),
+    ),
 ]
 
 
@@ -60,16 +99,21 @@ def _in_layout(states, layout):
     return np.swapaxes(np.asarray(states), -1, -2) if layout == "vk" else np.asarray(states)
 
 
-@pytest.mark.parametrize("case", CASES,
-                         ids=lambda c: (f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}"
-                                        f"-root{c[7].hold_root}-{c[7].order}"))
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"N{c[0]}-r{c[2] // c[1]}-{c[3]}x{c[4]}-{c[7].layout}-root{c[7].hold_root}-{c[7].order}"
+    ),
+)
 def test_pernode_matches_sequential(case):
     n, hk, hv, dk, dv, kinds, dtype, cfg = case
     seed = RUN_SEED
     args, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, kinds, dtype)
     o_want, s_want = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
-    o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="pallas",
-                                                 interpret=True, config=cfg)
+    o, states = tree_pernode.tree_pernode_verify(
+        *args, parents, num_nodes, backend="pallas", interpret=True, config=cfg
+    )
     m = np.arange(n)[None, :] < num_nodes[:, None]
     msg = f"seed {seed}"
     s_lay = _in_layout(s_want, cfg.layout)
@@ -95,8 +139,14 @@ def test_chain_matches_sequential(n, dtype):
     args, _, num_nodes = _inputs(seed, 2, n, 1, 2, 16, 32, ("chain",), dtype)
     parents = np.broadcast_to(np.arange(n) - 1, (2, n)).astype(np.int32)
     o_want, s_want = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
-    o, snaps = tree_pernode.chain_verify(*args, parents, num_nodes, backend="pallas",
-                                         interpret=True, config=PernodeConfig(block_v=16))
+    o, snaps = tree_pernode.chain_verify(
+        *args,
+        parents,
+        num_nodes,
+        backend="pallas",
+        interpret=True,
+        config=PernodeConfig(block_v=16),
+    )
     m = np.arange(n)[None, :] < num_nodes[:, None]
     assert rel(o, o_want) <= (1e-5 if dtype == np.float32 else 1e-2), f"seed {seed}"
     assert rel(np.asarray(snaps)[m], _in_layout(s_want, "vk")[m]) <= 1e-5, f"seed {seed}"
@@ -124,8 +174,11 @@ def test_dfs_order_is_the_preorder(n):
     kinds = ("random", "forest", "chain", "star", "bushy", "deep")
     parents, num_nodes = random_trees(rng, 6, n, kinds, ragged=True)
     order = np.asarray(dfs_order(jnp.asarray(parents), jnp.asarray(num_nodes)))
-    given = np.asarray(dfs_order(jnp.asarray(parents), jnp.asarray(num_nodes),
-                                 tree_structure(parents, num_nodes).anc))
+    given = np.asarray(
+        dfs_order(
+            jnp.asarray(parents), jnp.asarray(num_nodes), tree_structure(parents, num_nodes).anc
+        )
+    )
     for b in range(6):
         want = _preorder(parents[b], num_nodes[b])
         assert list(order[b]) == want, f"seed {RUN_SEED + n} request {b}"
@@ -143,9 +196,9 @@ def test_reference_backend_is_sequential():
     o, states = tree_pernode.tree_pernode_verify(*args, parents, num_nodes, backend="reference")
     o2, s2 = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
     assert rel(o, o2) == 0.0 and rel(states, _in_layout(s2, "vk")) == 0.0
-    _, states_kv = tree_pernode.tree_pernode_verify(*args, parents, num_nodes,
-                                                    backend="reference",
-                                                    config=PernodeConfig(layout="kv"))
+    _, states_kv = tree_pernode.tree_pernode_verify(
+        *args, parents, num_nodes, backend="reference", config=PernodeConfig(layout="kv")
+    )
     assert rel(states_kv, s2) == 0.0
 
 
@@ -160,8 +213,12 @@ def test_layout_is_checked():
     with pytest.raises(ValueError, match="order"):
         PernodeConfig(order="bfs")
     with pytest.raises(ValueError, match="layout"):
-        tree_pernode.commit_pernode_state(jnp.zeros((1, 1, 2, 2)), jnp.zeros((1, 3, 1, 2, 2)),
-                                          jnp.zeros((1,), jnp.int32), layout="kk")
+        tree_pernode.commit_pernode_state(
+            jnp.zeros((1, 1, 2, 2)),
+            jnp.zeros((1, 3, 1, 2, 2)),
+            jnp.zeros((1,), jnp.int32),
+            layout="kk",
+        )
 
 
 @pytest.mark.parametrize("n,c,block_c", [(1, 16, 16), (13, 48, 16), (64, 32, 32)])
@@ -172,8 +229,9 @@ def test_pernode_conv_matches_reference(n, c, block_c):
     x = rng.standard_normal((3, n, c)).astype(np.float32)
     cs = rng.standard_normal((3, 3, c)).astype(np.float32)
     w = (rng.standard_normal((4, c)) * 0.5).astype(np.float32)
-    y, windows = tree_pernode.tree_pernode_conv(x, cs, w, parents, num_nodes, backend="pallas",
-                                                interpret=True, block_c=block_c)
+    y, windows = tree_pernode.tree_pernode_conv(
+        x, cs, w, parents, num_nodes, backend="pallas", interpret=True, block_c=block_c
+    )
     y_ref = tree_conv.tree_causal_conv_ref(x, cs, w, parents, num_nodes)
     win_ref = tree_conv.node_conv_states_ref(x, cs, parents)
     m = np.arange(n)[None, :] < num_nodes[:, None]
@@ -187,18 +245,21 @@ def test_pernode_conv_matches_reference(n, c, block_c):
             assert rel(new[b], want) == 0.0, f"seed {seed} accepted {acc[b]}"
 
 
-@pytest.mark.parametrize("fn,cfg", [("tree_pernode_verify", None), ("chain_verify", None),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=8, num_warps=1, num_stages=3)),
-                                    ("tree_pernode_verify", PernodeConfig(layout="kv")),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=8, num_warps=1, hold_root=0)),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=16, num_warps=1, num_stages=2,
-                                                   scratch_eviction="evict_first")),
-                                    ("tree_pernode_verify",
-                                     PernodeConfig(block_v=16, num_warps=1, num_stages=2,
-                                                   order="dfs"))])
+@pytest.mark.parametrize(
+    "fn,cfg",
+    [
+        ("tree_pernode_verify", None),
+        ("chain_verify", None),
+        ("tree_pernode_verify", PernodeConfig(block_v=8, num_warps=1, num_stages=3)),
+        ("tree_pernode_verify", PernodeConfig(layout="kv")),
+        ("tree_pernode_verify", PernodeConfig(block_v=8, num_warps=1, hold_root=0)),
+        (
+            "tree_pernode_verify",
+            PernodeConfig(block_v=16, num_warps=1, num_stages=2, scratch_eviction="evict_first"),
+        ),
+        ("tree_pernode_verify", PernodeConfig(block_v=16, num_warps=1, num_stages=2, order="dfs")),
+    ],
+)
 def test_baselines_lower_to_triton(fn, cfg):
     b, n, hk, hv, d = 2, 8, 2, 4, 128
     q = jnp.zeros((b, n, hk, d), jnp.bfloat16)
@@ -208,12 +269,17 @@ def test_baselines_lower_to_triton(fn, cfg):
     parents = jnp.zeros((b, n), jnp.int32)
     verify = getattr(tree_pernode, fn)
     f = jax.jit(lambda *a: verify(*a, backend="pallas", interpret=False, config=cfg))
-    assert "custom_call" in f.trace(q, q, v, gate, gate, state, parents).lower(
-        lowering_platforms=("cuda",)).as_text()
+    assert (
+        "custom_call"
+        in f.trace(q, q, v, gate, gate, state, parents)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
 
 
-@pytest.mark.parametrize("b,n,hv,dk,dv,block_rows", [(3, 5, 2, 16, 32, 8), (2, 1, 3, 32, 16, 16),
-                                                     (4, 9, 1, 64, 64, 32)])
+@pytest.mark.parametrize(
+    "b,n,hv,dk,dv,block_rows", [(3, 5, 2, 16, 32, 8), (2, 1, 3, 32, 16, 16), (4, 9, 1, 64, 64, 32)]
+)
 def test_transposed_commit_kernel(b, n, hv, dk, dv, block_rows):
     """The Pallas "vk" commit (in place, transposed in registers) against XLA's gather +
     transpose, for accepted nodes anywhere in the scratch and -1 (keep)."""
@@ -223,11 +289,15 @@ def test_transposed_commit_kernel(b, n, hv, dk, dv, block_rows):
     acc = rng.integers(-1, n, size=b).astype(np.int32)
     acc[0] = -1
     want = tree_pernode.commit_pernode(old, scr, acc, transpose=True)
-    got = tree_pernode.commit_pernode_state(old, scr, acc, backend="pallas", interpret=True,
-                                            block_rows=block_rows)
+    got = tree_pernode.commit_pernode_state(
+        old, scr, acc, backend="pallas", interpret=True, block_rows=block_rows
+    )
     for i in range(b):
         ref = old[i] if acc[i] < 0 else np.swapaxes(scr[i, acc[i]], -1, -2)
         assert rel(want[i], ref) == 0.0 and rel(got[i], ref) == 0.0, f"seed {RUN_SEED} b {i}"
-    f = jax.jit(lambda o, s, a: tree_pernode.commit_pernode_state(o, s, a, backend="pallas",
-                                                                  interpret=False))
+    f = jax.jit(
+        lambda o, s, a: tree_pernode.commit_pernode_state(
+            o, s, a, backend="pallas", interpret=False
+        )
+    )
     assert "custom_call" in f.trace(old, scr, acc).lower(lowering_platforms=("cuda",)).as_text()

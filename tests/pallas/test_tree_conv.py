@@ -62,12 +62,18 @@ def test_tree_conv_matches_naive(case):
     n, c, width, kinds, dtype, block_c = case
     seed = RUN_SEED
     x, cs, w, parents, num_nodes = _inputs(seed, 3, n, c, width, kinds, dtype)
-    want = naive_tree_conv(np.asarray(x, np.float32), np.asarray(cs, np.float32),
-                           np.asarray(w, np.float32), parents, num_nodes)
+    want = naive_tree_conv(
+        np.asarray(x, np.float32),
+        np.asarray(cs, np.float32),
+        np.asarray(w, np.float32),
+        parents,
+        num_nodes,
+    )
     tol = 1e-5 if dtype == np.float32 else 1e-2  # bf16 output rounding
     y_ref = tree_conv.tree_causal_conv(x, cs, w, parents, num_nodes, backend="reference")
-    y = tree_conv.tree_causal_conv(x, cs, w, parents, num_nodes, backend="pallas",
-                                   interpret=True, block_c=block_c)
+    y = tree_conv.tree_causal_conv(
+        x, cs, w, parents, num_nodes, backend="pallas", interpret=True, block_c=block_c
+    )
     assert y.dtype == x.dtype and y.shape == x.shape
     assert rel(y_ref, want) <= tol, f"seed {seed}"
     assert rel(y, want) <= tol, f"seed {seed}"
@@ -82,12 +88,20 @@ def test_padding_nodes_change_nothing():
     m = np.arange(20)[None, :] < num_nodes[:, None]
     dirty = np.array(x)
     dirty[~m] = np.nan
-    y = tree_conv.tree_causal_conv(dirty, cs, w, parents, num_nodes, backend="pallas",
-                                   interpret=True, block_c=32)
+    y = tree_conv.tree_causal_conv(
+        dirty, cs, w, parents, num_nodes, backend="pallas", interpret=True, block_c=32
+    )
     for b in range(2):
         nb = int(num_nodes[b])
-        y1 = tree_conv.tree_causal_conv(x[b:b + 1, :nb], cs[b:b + 1], w, parents[b:b + 1, :nb],
-                                        backend="pallas", interpret=True, block_c=32)
+        y1 = tree_conv.tree_causal_conv(
+            x[b : b + 1, :nb],
+            cs[b : b + 1],
+            w,
+            parents[b : b + 1, :nb],
+            backend="pallas",
+            interpret=True,
+            block_c=32,
+        )
         assert rel(y[b, :nb], y1[0]) <= 1e-6, f"seed {seed} request {b}"
 
 
@@ -98,5 +112,7 @@ def test_conv_lowers_to_triton():
     w = jnp.zeros((4, c), jnp.bfloat16)
     parents = jnp.zeros((b, n), jnp.int32)
     fn = jax.jit(lambda *a: tree_conv.tree_causal_conv(*a, backend="pallas", interpret=False))
-    assert "bole_tree_conv" in fn.trace(x, cs, w, parents).lower(
-        lowering_platforms=("cuda",)).as_text()
+    assert (
+        "bole_tree_conv"
+        in fn.trace(x, cs, w, parents).lower(lowering_platforms=("cuda",)).as_text()
+    )

@@ -36,7 +36,7 @@ def _inputs(seed, batch, n, hk, hv, dk, dv, kinds, ragged=True, dtype=np.float32
     rng = np.random.default_rng(seed)
     parents, num_nodes = random_trees(rng, batch, n, kinds, ragged=ragged)
     x = random_gdn_inputs(rng, batch, n, hk, hv, dk, dv, dtype)
-    s = dk ** -0.25
+    s = dk**-0.25
     q, k = (np.asarray(jnp.asarray(x[c], jnp.float32) * s).astype(x[c].dtype) for c in "qk")
     return (q, k, x["v"], x["g"], x["state"]), parents, num_nodes
 
@@ -100,14 +100,22 @@ def test_commit_every_accepted_node():
     acc = np.minimum(np.tile(sel, 3), rep(num_nodes) - 1).astype(np.int32)
     fr = jax.tree_util.tree_map(rep, f)
     states, s_pre = np.asarray(states), args[4]
-    want = np.where((acc >= 0)[:, None, None, None],
-                    rep(states)[np.arange(len(acc)), np.maximum(acc, 0)], rep(s_pre))
+    want = np.where(
+        (acc >= 0)[:, None, None, None],
+        rep(states)[np.arange(len(acc)), np.maximum(acc, 0)],
+        rep(s_pre),
+    )
     q, k, v, a, _ = args
     ratio = SHAPE_16[2] // SHAPE_16[1]
     for name, new in (
-            ("commit", ref.commit(rep(s_pre), fr, rep(parents), acc)),
-            ("pallas commit", commit_state(rep(s_pre), fr, rep(parents), acc, backend="pallas",
-                                           interpret=True, block_v=64))):
+        ("commit", ref.commit(rep(s_pre), fr, rep(parents), acc)),
+        (
+            "pallas commit",
+            commit_state(
+                rep(s_pre), fr, rep(parents), acc, backend="pallas", interpret=True, block_v=64
+            ),
+        ),
+    ):
         new = np.asarray(new)
         for r in range(len(acc)):
             b = r // len(sel)
@@ -117,8 +125,9 @@ def test_commit_every_accepted_node():
                 np.testing.assert_array_equal(new[r], s_pre[b], err_msg=msg)
             if acc[r] == 0:  # the root only (node 0 always hangs off S_pre)
                 for h in range(SHAPE_16[2]):
-                    root = (np.exp(a[b, 0, h]) * s_pre[b, h]
-                            + np.outer(k[b, 0, h // ratio], v[b, 0, h]))
+                    root = np.exp(a[b, 0, h]) * s_pre[b, h] + np.outer(
+                        k[b, 0, h // ratio], v[b, 0, h]
+                    )
                     assert rel(new[r, h], root) <= 1e-6, msg
 
 
@@ -127,11 +136,18 @@ def test_commit_every_accepted_node():
 KERNEL_CASES = [
     # N, Hk, HV, dk, dv, kinds, dtype, config
     (1, 1, 2, 16, 16, ("random",), np.float32, TreeSSDConfig(block_v=16)),
-    (7, 1, 3, 64, 16, ("star", "deep", "random"), jnp.bfloat16,
-     TreeSSDConfig(heads_per_program=3)),
+    (7, 1, 3, 64, 16, ("star", "deep", "random"), jnp.bfloat16, TreeSSDConfig(heads_per_program=3)),
     SHAPE_16 + (("bushy", "forest"), np.float32, TreeSSDConfig(block_v=32)),
-    (20, 1, 2, 24, 40, ("random", "forest", "chain"), np.float32,  # padded dk, dv
-     TreeSSDConfig(heads_per_program=2)),
+    (
+        20,
+        1,
+        2,
+        24,
+        40,
+        ("random", "forest", "chain"),
+        np.float32,  # padded dk, dv
+        TreeSSDConfig(heads_per_program=2),
+    ),
     SHAPE_64 + (("random", "deep"), np.float32, TreeSSDConfig(block_v=32)),
 ]
 PADDED_CASE = KERNEL_CASES[3]
@@ -144,8 +160,9 @@ def test_kernel_matches_reference(case):
     args, parents, num_nodes = _inputs(seed, 3, n, hk, hv, dk, dv, kinds, dtype=dtype)
     tree = tree_structure(parents, num_nodes)
     o_ref, f_ref = tree_ssd_verify(*args, parents, num_nodes, tree=tree, backend="reference")
-    o, f = tree_ssd_verify(*args, parents, num_nodes, tree=tree, backend="pallas",
-                           interpret=True, config=cfg)
+    o, f = tree_ssd_verify(
+        *args, parents, num_nodes, tree=tree, backend="pallas", interpret=True, config=cfg
+    )
     msg = f"seed {seed} cfg {cfg}"
     assert o.dtype == args[2].dtype and o.shape == o_ref.shape, msg
     assert rel(o, o_ref) <= (1e-5 if dtype == np.float32 else 1e-2), msg  # bf16: o is rounded
@@ -168,16 +185,16 @@ def test_padding_nodes_change_nothing():
     dirty = [np.array(x) for x in args]
     for x in dirty[:4]:
         x[~m] = np.nan
-    o, f = tree_ssd_verify(*dirty, parents, num_nodes, backend="pallas", interpret=True,
-                           config=cfg)
-    o_clean, _ = tree_ssd_verify(*args, parents, num_nodes, backend="pallas", interpret=True,
-                                 config=cfg)
+    o, f = tree_ssd_verify(*dirty, parents, num_nodes, backend="pallas", interpret=True, config=cfg)
+    o_clean, _ = tree_ssd_verify(
+        *args, parents, num_nodes, backend="pallas", interpret=True, config=cfg
+    )
     assert all(np.all(np.isfinite(np.asarray(x))) for x in (o, f.k, f.u, f.gamma)), seed
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_clean), err_msg=f"seed {seed}")
     b = int(np.argmin(num_nodes))  # the most padded request, alone and unpadded
     nb = int(num_nodes[b])
-    one = [x[b:b + 1, :nb] for x in args[:4]] + [args[4][b:b + 1]]
-    o1, f1 = ref.tree_ssd_closed_form(*one, parents[b:b + 1, :nb])
+    one = [x[b : b + 1, :nb] for x in args[:4]] + [args[4][b : b + 1]]
+    o1, f1 = ref.tree_ssd_closed_form(*one, parents[b : b + 1, :nb])
     msg = f"seed {seed} request {b} num_nodes {nb}"
     assert rel(o[b, :nb], o1[0]) <= 1e-5, msg
     assert rel(f.gamma[b, :nb], f1.gamma[0]) <= 1e-6, msg
@@ -195,8 +212,14 @@ def test_auto_backend_and_bad_inputs():
     with pytest.raises(ValueError, match=r"a \("):
         tree_ssd_verify(q, k, v, a[:, :, :1], s, parents)
     with pytest.raises(ValueError, match="heads_per_program"):  # HV / Hk = 3
-        tree_ssd_verify(*args, parents, num_nodes, tree=tree, backend="pallas",
-                        config=TreeSSDConfig(heads_per_program=2))
+        tree_ssd_verify(
+            *args,
+            parents,
+            num_nodes,
+            tree=tree,
+            backend="pallas",
+            config=TreeSSDConfig(heads_per_program=2),
+        )
     with pytest.raises(ValueError, match="N <= 128"):
         big, bp, _ = _inputs(0, 1, 129, 1, 1, 16, 16, ("chain",), ragged=False)
         tree_ssd_verify(*big, bp, backend="pallas")
@@ -222,8 +245,18 @@ def test_mamba2_mapping_per_branch():
 
     q, k, v, a = ref.from_mamba2(x, dt, A, B, C)
     state = np.swapaxes(h0, -1, -2)  # Mamba2's h is S^T
-    o, f = tree_ssd_verify(q, k, v, a, state, parents, num_nodes, backend="pallas",
-                           interpret=True, config=KERNEL_CASES[2][-1])
+    o, f = tree_ssd_verify(
+        q,
+        k,
+        v,
+        a,
+        state,
+        parents,
+        num_nodes,
+        backend="pallas",
+        interpret=True,
+        config=KERNEL_CASES[2][-1],
+    )
     y = np.asarray(o) + D[:, None] * x
     grp = np.arange(heads) // (heads // groups)
 
@@ -254,10 +287,13 @@ def test_mamba2_mapping_per_branch():
 # ------------------------------------------------------------------- Triton lowering (GPU IR)
 
 
-@pytest.mark.parametrize("n,hg,cfg", [
-    (8, 1, TreeSSDConfig(num_warps=4)),
-    (64, 2, TreeSSDConfig(block_v=32, heads_per_program=2, precision="tf32x3", num_warps=8)),
-])
+@pytest.mark.parametrize(
+    "n,hg,cfg",
+    [
+        (8, 1, TreeSSDConfig(num_warps=4)),
+        (64, 2, TreeSSDConfig(block_v=32, heads_per_program=2, precision="tf32x3", num_warps=8)),
+    ],
+)
 def test_kernel_lowers_to_triton(n, hg, cfg):
     """The kernel traces through the Pallas->Triton lowering (unsupported ops, non power-of-two
     blocks, non 2-D dots). Does not run Triton's own compiler. Mamba2 dims: dk 128, dv 64."""

@@ -26,119 +26,133 @@ from bole_jax.spec_decode.step import SpecConfig
 
 
 def random_pool(rng, b, topk=3, depth=4, tie_step=0.5, dead=0.0):
-  """Pools laid out as drafter.expand lays them out: depth 1 = topk children of the root, then
-  topk^2 candidates per depth whose parents are the previous depth's topk best (stable).
-  log q is quantised (many exact ties, within and across requests); `dead` = fraction of
-  subtrees with rho = -inf."""
-  scores, parents = [], []
-  for _ in range(b):
-    sc = list(-tie_step * rng.integers(0, 3, topk))
-    par = [-1] * topk
-    prev = list(range(topk))
-    for _ in range(1, depth):
-      prev_sc = np.array([sc[i] for i in prev])
-      new_sc, new_par = [], []
-      for f, p in enumerate(prev):
-        for _ in range(topk):
-          lq = -tie_step * rng.integers(0, 3)
-          new_sc.append(-np.inf if rng.random() < dead else prev_sc[f] + lq)
-          new_par.append(p)
-      base = len(sc)
-      order = np.argsort(-np.array(new_sc), kind="stable")[:topk]
-      sc += new_sc
-      par += new_par
-      prev = [base + int(o) for o in order]
-    scores.append(sc)
-    parents.append(par)
-  scores = np.array(scores, np.float32)
-  parents = np.array(parents, np.int32)
-  # rho never increases down a path (and -inf propagates)
-  for i in range(b):
-    for j, p in enumerate(parents[i]):
-      if p >= 0:
-        scores[i, j] = min(scores[i, j], scores[i, p])
-  return scores, parents
+    """Pools laid out as drafter.expand lays them out: depth 1 = topk children of the root, then
+    topk^2 candidates per depth whose parents are the previous depth's topk best (stable).
+    log q is quantised (many exact ties, within and across requests); `dead` = fraction of
+    subtrees with rho = -inf."""
+    scores, parents = [], []
+    for _ in range(b):
+        sc = list(-tie_step * rng.integers(0, 3, topk))
+        par = [-1] * topk
+        prev = list(range(topk))
+        for _ in range(1, depth):
+            prev_sc = np.array([sc[i] for i in prev])
+            new_sc, new_par = [], []
+            for f, p in enumerate(prev):
+                for _ in range(topk):
+                    lq = -tie_step * rng.integers(0, 3)
+                    new_sc.append(-np.inf if rng.random() < dead else prev_sc[f] + lq)
+                    new_par.append(p)
+            base = len(sc)
+            order = np.argsort(-np.array(new_sc), kind="stable")[:topk]
+            sc += new_sc
+            par += new_par
+            prev = [base + int(o) for o in order]
+        scores.append(sc)
+        parents.append(par)
+    scores = np.array(scores, np.float32)
+    parents = np.array(parents, np.int32)
+    # rho never increases down a path (and -inf propagates)
+    for i in range(b):
+        for j, p in enumerate(parents[i]):
+            if p >= 0:
+                scores[i, j] = min(scores[i, j], scores[i, p])
+    return scores, parents
 
 
 def reference_counts(scores, active, k, cap):
-  """Global sort by (-rho, request, pool index), then take greedily respecting the caps."""
-  b, m = scores.shape
-  items = sorted((-float(scores[r, i]), r, i) for r in range(b) for i in range(m)
-                 if active[r] and np.isfinite(scores[r, i]))
-  spare = max(k - int(np.sum(active)), 0)
-  counts, taken = np.zeros(b, np.int32), set()
-  for _, r, i in items:
-    if len(taken) == spare:
-      break
-    if counts[r] < cap[r]:
-      counts[r] += 1
-      taken.add((r, i))
-  return counts, taken
+    """Global sort by (-rho, request, pool index), then take greedily respecting the caps."""
+    b, m = scores.shape
+    items = sorted(
+        (-float(scores[r, i]), r, i)
+        for r in range(b)
+        for i in range(m)
+        if active[r] and np.isfinite(scores[r, i])
+    )
+    spare = max(k - int(np.sum(active)), 0)
+    counts, taken = np.zeros(b, np.int32), set()
+    for _, r, i in items:
+        if len(taken) == spare:
+            break
+        if counts[r] < cap[r]:
+            counts[r] += 1
+            taken.add((r, i))
+    return counts, taken
 
 
 SELECT = jax.jit(budget.select_counts, static_argnums=2)
 FROM_POOL = jax.jit(tree_mod.select_from_pool, static_argnums=5)
 CASES = [  # (batch, budget, topk, depth, inactive fraction, dead fraction, cap)
-    (1, 5, 3, 4, 0.0, 0.0, 8), (4, 20, 3, 4, 0.0, 0.0, 8), (4, 20, 3, 4, 0.5, 0.0, 8),
-    (6, 40, 4, 3, 0.3, 0.1, 15), (5, 3, 2, 5, 0.0, 0.0, 6), (8, 200, 3, 4, 0.2, 0.0, 7),
+    (1, 5, 3, 4, 0.0, 0.0, 8),
+    (4, 20, 3, 4, 0.0, 0.0, 8),
+    (4, 20, 3, 4, 0.5, 0.0, 8),
+    (6, 40, 4, 3, 0.3, 0.1, 15),
+    (5, 3, 2, 5, 0.0, 0.0, 6),
+    (8, 200, 3, 4, 0.2, 0.0, 7),
     (3, 9, 2, 4, 0.0, 0.3, "room"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_selector_matches_reference_and_is_prefix_connected(case):
-  b, k, topk, depth, p_off, dead, cap = case
-  rng = np.random.default_rng(hash(case) % 2**32)
-  scores, parents = random_pool(rng, b, topk, depth, dead=dead)
-  m = scores.shape[1]
-  n = 1 + (cap if cap != "room" else 6)
-  active = rng.random(b) >= p_off
-  active[0] = True
-  caps = (np.full(b, cap, np.int32) if cap != "room" else rng.integers(0, 6, b).astype(np.int32))
-  args = (jnp.asarray(scores), jnp.asarray(active), k, jnp.asarray(caps))
-  got = np.asarray(SELECT(*args))
-  want, taken = reference_counts(scores, active, k, caps)
-  np.testing.assert_array_equal(got, want)
-  # Invariants: budget (roots included), per-request cap, inactive requests get nothing.
-  assert got.sum() <= max(k - active.sum(), 0)
-  assert np.all(got <= caps) and np.all(got[~active] == 0)
-  # Greedy: the budget is filled as far as the pools and caps allow.
-  avail = sum(min(c, int(np.isfinite(s).sum())) for c, s, a in zip(caps, scores, active) if a)
-  assert got.sum() == min(max(k - active.sum(), 0), avail)
-  np.testing.assert_array_equal(np.asarray(SELECT(*args)), got)  # deterministic
-  # The tree select_from_pool builds from the counts holds exactly the reference's nodes, and
-  # every node's parent is in the tree (prefix-connected).
-  tokens = np.broadcast_to(np.arange(1, m + 1, dtype=np.int32), (b, m))  # token = pool idx + 1
-  t = FROM_POOL(jnp.zeros(b, jnp.int32), jnp.asarray(tokens), jnp.asarray(parents),
-                jnp.asarray(scores), jnp.asarray(got), n)
-  tok, par, num = np.asarray(t.tokens), np.asarray(t.parents), np.asarray(t.num_nodes)
-  np.testing.assert_array_equal(num, 1 + got)
-  for r in range(b):
-    pool_idx = tok[r, 1:num[r]] - 1
-    assert {(r, int(i)) for i in pool_idx} == {x for x in taken if x[0] == r}
-    for j in range(1, num[r]):
-      pp = parents[r, tok[r, j] - 1]
-      assert 0 <= par[r, j] < j
-      assert (pp < 0 and par[r, j] == 0) or (pp >= 0 and tok[r, par[r, j]] - 1 == pp)
+    b, k, topk, depth, p_off, dead, cap = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    scores, parents = random_pool(rng, b, topk, depth, dead=dead)
+    m = scores.shape[1]
+    n = 1 + (cap if cap != "room" else 6)
+    active = rng.random(b) >= p_off
+    active[0] = True
+    caps = np.full(b, cap, np.int32) if cap != "room" else rng.integers(0, 6, b).astype(np.int32)
+    args = (jnp.asarray(scores), jnp.asarray(active), k, jnp.asarray(caps))
+    got = np.asarray(SELECT(*args))
+    want, taken = reference_counts(scores, active, k, caps)
+    np.testing.assert_array_equal(got, want)
+    # Invariants: budget (roots included), per-request cap, inactive requests get nothing.
+    assert got.sum() <= max(k - active.sum(), 0)
+    assert np.all(got <= caps) and np.all(got[~active] == 0)
+    # Greedy: the budget is filled as far as the pools and caps allow.
+    avail = sum(min(c, int(np.isfinite(s).sum())) for c, s, a in zip(caps, scores, active) if a)
+    assert got.sum() == min(max(k - active.sum(), 0), avail)
+    np.testing.assert_array_equal(np.asarray(SELECT(*args)), got)  # deterministic
+    # The tree select_from_pool builds from the counts holds exactly the reference's nodes, and
+    # every node's parent is in the tree (prefix-connected).
+    tokens = np.broadcast_to(np.arange(1, m + 1, dtype=np.int32), (b, m))  # token = pool idx + 1
+    t = FROM_POOL(
+        jnp.zeros(b, jnp.int32),
+        jnp.asarray(tokens),
+        jnp.asarray(parents),
+        jnp.asarray(scores),
+        jnp.asarray(got),
+        n,
+    )
+    tok, par, num = np.asarray(t.tokens), np.asarray(t.parents), np.asarray(t.num_nodes)
+    np.testing.assert_array_equal(num, 1 + got)
+    for r in range(b):
+        pool_idx = tok[r, 1 : num[r]] - 1
+        assert {(r, int(i)) for i in pool_idx} == {x for x in taken if x[0] == r}
+        for j in range(1, num[r]):
+            pp = parents[r, tok[r, j] - 1]
+            assert 0 <= par[r, j] < j
+            assert (pp < 0 and par[r, j] == 0) or (pp >= 0 and tok[r, par[r, j]] - 1 == pp)
 
 
 def test_selector_budget_below_active_keeps_roots_only():
-  scores, _ = random_pool(np.random.default_rng(0), 4)
-  got = SELECT(jnp.asarray(scores), jnp.ones(4, bool), 3, 10)
-  np.testing.assert_array_equal(np.asarray(got), 0)
+    scores, _ = random_pool(np.random.default_rng(0), 4)
+    got = SELECT(jnp.asarray(scores), jnp.ones(4, bool), 3, 10)
+    np.testing.assert_array_equal(np.asarray(got), 0)
 
 
 def test_confident_request_gets_the_bigger_tree():
-  scores = np.array([[-0.1, -0.2, -0.3, -0.4], [-3.0, -4.0, -5.0, -6.0]], np.float32)
-  got = np.asarray(SELECT(jnp.asarray(scores), jnp.ones(2, bool), 6, 3))
-  np.testing.assert_array_equal(got, [3, 1])
+    scores = np.array([[-0.1, -0.2, -0.3, -0.4], [-3.0, -4.0, -5.0, -6.0]], np.float32)
+    got = np.asarray(SELECT(jnp.asarray(scores), jnp.ones(2, bool), 6, 3))
+    np.testing.assert_array_equal(got, [3, 1])
 
 
 def test_spec_config_budget_validation():
-  assert SpecConfig.for_mode("bole", budget=32).budget == 32
-  for bad in (0, -1, 2.5, True):
-    with pytest.raises(ValueError, match="budget"):
-      SpecConfig.for_mode("bole", budget=bad)
+    assert SpecConfig.for_mode("bole", budget=32).budget == 32
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="budget"):
+            SpecConfig.for_mode("bole", budget=bad)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -146,459 +160,601 @@ def test_spec_config_budget_validation():
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = ModelConfig.tiny("qwen3_next", mtp_num_layers=1)
-  return cfg, init_params(cfg, jax.random.key(0), "float32")
+    cfg = ModelConfig.tiny("qwen3_next", mtp_num_layers=1)
+    return cfg, init_params(cfg, jax.random.key(0), "float32")
 
 
 def cand(mode, nodes, step_ms, tokens_per_step=None, depth=8, topk=4):
-  c = dict(mode=mode, nodes=nodes, depth=0 if mode == "ar" else depth,
-           topk=1 if mode in ("ar", "chain") else topk, step_ms=step_ms)
-  if tokens_per_step is not None:
-    c["tokens_per_step"] = tokens_per_step
-  return c
+    c = dict(
+        mode=mode,
+        nodes=nodes,
+        depth=0 if mode == "ar" else depth,
+        topk=1 if mode in ("ar", "chain") else topk,
+        step_ms=step_ms,
+    )
+    if tokens_per_step is not None:
+        c["tokens_per_step"] = tokens_per_step
+    return c
 
 
 def hand_table(cfg, dtype, entries, acceptance=None, identity=None, **kw):
-  """A calibration table with made-up step times and acceptance (format 2)."""
-  identity = identity or budget.model_identity(cfg, dtype)
-  return dict(format=budget.TABLE_FORMAT, device=budget.device_name(), jax=jax.__version__,
-              model=budget.model_signature(cfg, dtype), identity=identity, drafter="mtp",
-              acceptance=acceptance or {}, entries=entries, **kw)
+    """A calibration table with made-up step times and acceptance (format 2)."""
+    identity = identity or budget.model_identity(cfg, dtype)
+    return dict(
+        format=budget.TABLE_FORMAT,
+        device=budget.device_name(),
+        jax=jax.__version__,
+        model=budget.model_signature(cfg, dtype),
+        identity=identity,
+        drafter="mtp",
+        acceptance=acceptance or {},
+        entries=entries,
+        **kw,
+    )
 
 
 # Measured-looking numbers: at B = 1 the tree wins; at B = 16 the tree's step grows faster than
 # its acceptance (chain wins); at B = 64 every speculative step loses to AR.
-ACCEPT = {"chain d=8": dict(tokens_per_step=2.9), "bole N=8 d=8 k=4": dict(tokens_per_step=3.6),
-          "bole N=32 d=8 k=4": dict(tokens_per_step=4.2)}
+ACCEPT = {
+    "chain d=8": dict(tokens_per_step=2.9),
+    "bole N=8 d=8 k=4": dict(tokens_per_step=3.6),
+    "bole N=32 d=8 k=4": dict(tokens_per_step=4.2),
+}
 ENTRIES = [
-    dict(batch=1, kv=1024, candidates=[cand("ar", 1, 0.30), cand("chain", 9, 0.60),
-                                       cand("bole", 8, 0.62), cand("bole", 32, 0.70)]),
-    dict(batch=16, kv=1024, candidates=[cand("ar", 1, 0.33), cand("chain", 9, 0.75),
-                                        cand("bole", 8, 1.20), cand("bole", 32, 1.90)]),
-    dict(batch=64, kv=1024, candidates=[cand("ar", 1, 0.39), cand("chain", 9, 1.30),
-                                        cand("bole", 8, 1.67), cand("bole", 32, 4.00)]),
+    dict(
+        batch=1,
+        kv=1024,
+        candidates=[
+            cand("ar", 1, 0.30),
+            cand("chain", 9, 0.60),
+            cand("bole", 8, 0.62),
+            cand("bole", 32, 0.70),
+        ],
+    ),
+    dict(
+        batch=16,
+        kv=1024,
+        candidates=[
+            cand("ar", 1, 0.33),
+            cand("chain", 9, 0.75),
+            cand("bole", 8, 1.20),
+            cand("bole", 32, 1.90),
+        ],
+    ),
+    dict(
+        batch=64,
+        kv=1024,
+        candidates=[
+            cand("ar", 1, 0.39),
+            cand("chain", 9, 1.30),
+            cand("bole", 8, 1.67),
+            cand("bole", 32, 4.00),
+        ],
+    ),
 ]
 
 
 def test_choice_never_loses_on_a_hand_made_table(tiny):
-  cfg, params = tiny
-  t = hand_table(cfg, jnp.float32, ENTRIES, ACCEPT)
-  # B = 1: bole N = 32 expects 4.2 / 0.70 = 6.0 tok/ms, the best of ar 3.3, chain 4.8, N = 8 5.8
-  c = budget.choose(t, 1)
-  assert (c.mode, c.num_nodes, c.depth, c.topk, c.budget) == ("bole", 32, 8, 4, 32)
-  assert c.spec_options() == dict(num_nodes=32, budget=32, depth=8, topk=4)
-  # B = 16: chain 2.9 / 0.75 = 3.87 beats bole 3.0 (N = 8) and ar 3.03: the tree loses -> chain
-  assert budget.choose(t, 16).mode == "chain" and budget.choose(t, 9).mode == "chain"
-  # B = 64: every speculative step loses (chain 2.23, bole 2.16 < ar 2.56) -> ar
-  c = budget.choose(t, 64)
-  assert c.mode == "ar" and c.spec_options() == {} and c.budget is None
-  assert budget.choose(t, 200).mode == "ar"  # beyond the last bucket: the last
-  # For every bucket the choice is the measured best of ar / chain / bole.
-  for e in ENTRIES:
-    ranked = budget.rank_candidates(t, e)
-    best = max(ranked, key=lambda r: r["tokens_per_ms"])
-    assert budget.choose(t, e["batch"]).tokens_per_ms == pytest.approx(best["tokens_per_ms"])
-  # An explicit spec keeps its mode and takes that mode's best shape from the table.
-  assert budget.choose(t, 64, mode="bole").num_nodes == 8
-  assert budget.choose(t, 64, mode="pernode").mode == "pernode"
-  assert budget.choose(t, 1, mode="chain").depth == 8
-  # Untimed candidates are never chosen (time budget / out of memory).
-  e = dict(batch=1, kv=1024, candidates=[cand("ar", 1, 0.30), dict(cand("bole", 8, None),
-                                                                   note="skipped")])
-  t2 = hand_table(cfg, jnp.float32, [e], ACCEPT)
-  assert budget.choose(t2, 1).mode == "ar" and budget.choose(t2, 1, mode="bole") is None
+    cfg, params = tiny
+    t = hand_table(cfg, jnp.float32, ENTRIES, ACCEPT)
+    # B = 1: bole N = 32 expects 4.2 / 0.70 = 6.0 tok/ms, the best of ar 3.3, chain 4.8, N = 8 5.8
+    c = budget.choose(t, 1)
+    assert (c.mode, c.num_nodes, c.depth, c.topk, c.budget) == ("bole", 32, 8, 4, 32)
+    assert c.spec_options() == dict(num_nodes=32, budget=32, depth=8, topk=4)
+    # B = 16: chain 2.9 / 0.75 = 3.87 beats bole 3.0 (N = 8) and ar 3.03: the tree loses -> chain
+    assert budget.choose(t, 16).mode == "chain" and budget.choose(t, 9).mode == "chain"
+    # B = 64: every speculative step loses (chain 2.23, bole 2.16 < ar 2.56) -> ar
+    c = budget.choose(t, 64)
+    assert c.mode == "ar" and c.spec_options() == {} and c.budget is None
+    assert budget.choose(t, 200).mode == "ar"  # beyond the last bucket: the last
+    # For every bucket the choice is the measured best of ar / chain / bole.
+    for e in ENTRIES:
+        ranked = budget.rank_candidates(t, e)
+        best = max(ranked, key=lambda r: r["tokens_per_ms"])
+        assert budget.choose(t, e["batch"]).tokens_per_ms == pytest.approx(best["tokens_per_ms"])
+    # An explicit spec keeps its mode and takes that mode's best shape from the table.
+    assert budget.choose(t, 64, mode="bole").num_nodes == 8
+    assert budget.choose(t, 64, mode="pernode").mode == "pernode"
+    assert budget.choose(t, 1, mode="chain").depth == 8
+    # Untimed candidates are never chosen (time budget / out of memory).
+    e = dict(
+        batch=1,
+        kv=1024,
+        candidates=[cand("ar", 1, 0.30), dict(cand("bole", 8, None), note="skipped")],
+    )
+    t2 = hand_table(cfg, jnp.float32, [e], ACCEPT)
+    assert budget.choose(t2, 1).mode == "ar" and budget.choose(t2, 1, mode="bole") is None
 
 
 def test_acceptance_weighting():
-  """Expected throughput = acceptance / step time: a faster step loses to a slower one that
-  emits proportionally more tokens; the table-level (pooled) acceptance wins over a candidate's
-  own; ar's acceptance is 1 whatever is stored."""
-  e = dict(batch=4, kv=512, candidates=[cand("ar", 1, 1.0, tokens_per_step=9.0),
-                                        cand("chain", 5, 2.0, 2.4, depth=4),
-                                        cand("bole", 8, 3.0, 3.3, depth=4)])
-  t = dict(entries=[e], acceptance={})
-  # ar 1.0, chain 1.2, bole 1.1 tokens per ms
-  assert [r["mode"] for r in budget.rank_candidates(t, e)] == ["chain", "bole", "ar"]
-  assert budget.choose(t, 4).mode == "chain"
-  assert budget.rank_candidates(t, e)[-1]["tokens_per_step"] == 1.0
-  # The pooled estimate raises bole's acceptance to 3.9 (1.3 per ms): bole.
-  t["acceptance"] = {"bole N=8 d=4 k=4": dict(tokens_per_step=3.9)}
-  c = budget.choose(t, 4)
-  assert (c.mode, c.tokens_per_step, c.step_ms) == ("bole", 3.9, 3.0)
-  # Below one token per ms gained over the extra step time: ar again.
-  t["acceptance"] = {"bole N=8 d=4 k=4": 2.9, "chain d=4": 1.9}
-  assert budget.choose(t, 4).mode == "ar"
-  # Ties go to the cheaper configuration (ar before chain before bole).
-  e2 = dict(batch=1, kv=512, candidates=[cand("bole", 4, 2.0, 2.0), cand("ar", 1, 1.0)])
-  assert budget.choose(dict(entries=[e2], acceptance={}), 1).mode == "ar"
+    """Expected throughput = acceptance / step time: a faster step loses to a slower one that
+    emits proportionally more tokens; the table-level (pooled) acceptance wins over a candidate's
+    own; ar's acceptance is 1 whatever is stored."""
+    e = dict(
+        batch=4,
+        kv=512,
+        candidates=[
+            cand("ar", 1, 1.0, tokens_per_step=9.0),
+            cand("chain", 5, 2.0, 2.4, depth=4),
+            cand("bole", 8, 3.0, 3.3, depth=4),
+        ],
+    )
+    t = dict(entries=[e], acceptance={})
+    # ar 1.0, chain 1.2, bole 1.1 tokens per ms
+    assert [r["mode"] for r in budget.rank_candidates(t, e)] == ["chain", "bole", "ar"]
+    assert budget.choose(t, 4).mode == "chain"
+    assert budget.rank_candidates(t, e)[-1]["tokens_per_step"] == 1.0
+    # The pooled estimate raises bole's acceptance to 3.9 (1.3 per ms): bole.
+    t["acceptance"] = {"bole N=8 d=4 k=4": dict(tokens_per_step=3.9)}
+    c = budget.choose(t, 4)
+    assert (c.mode, c.tokens_per_step, c.step_ms) == ("bole", 3.9, 3.0)
+    # Below one token per ms gained over the extra step time: ar again.
+    t["acceptance"] = {"bole N=8 d=4 k=4": 2.9, "chain d=4": 1.9}
+    assert budget.choose(t, 4).mode == "ar"
+    # Ties go to the cheaper configuration (ar before chain before bole).
+    e2 = dict(batch=1, kv=512, candidates=[cand("bole", 4, 2.0, 2.0), cand("ar", 1, 1.0)])
+    assert budget.choose(dict(entries=[e2], acceptance={}), 1).mode == "ar"
 
 
 def test_synthetic_acceptance():
-  p = calibrate.synthetic_accept_prob(3.5, 8)
-  assert calibrate.expected_tokens_per_step(p, 8) == pytest.approx(3.5, abs=1e-6)
-  assert calibrate.expected_tokens_per_step(0.5, 2) == 1.75
-  assert bench.expected_tokens_per_step is calibrate.expected_tokens_per_step
+    p = calibrate.synthetic_accept_prob(3.5, 8)
+    assert calibrate.expected_tokens_per_step(p, 8) == pytest.approx(3.5, abs=1e-6)
+    assert calibrate.expected_tokens_per_step(0.5, 2) == 1.75
+    assert bench.expected_tokens_per_step is calibrate.expected_tokens_per_step
 
 
 def test_table_is_keyed_by_model_device_and_jax(tiny, tmp_path, monkeypatch):
-  cfg, params = tiny
-  dtype = params["embed"].dtype
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  assert budget.default_table_dir() == tmp_path / "cache" / "calibration"
-  monkeypatch.delenv("BOLE_JAX_CACHE")
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  assert budget.default_table_dir() == tmp_path / "xdg" / "bole_jax" / "calibration"
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  # Model identity: a checkpoint folder's config and weight files (name, size, mtime).
-  m = tmp_path / "model"
-  m.mkdir()
-  (m / "config.json").write_text('{"a": 1}')
-  (m / "model.safetensors").write_bytes(b"x" * 10)
-  ident = budget.model_identity(cfg, dtype, m)
-  assert budget.model_identity(cfg, dtype, m) == ident
-  key = budget.table_key(ident)
-  assert key != budget.table_key(ident, device="NVIDIA H200")
-  assert key != budget.table_key(ident, jax_version="0.0.1")
-  assert key != budget.table_key(budget.model_identity(cfg, dtype, m, draft_vocab=64))
-  assert key != budget.table_key(budget.model_identity(cfg, jnp.bfloat16, m))
-  (m / "model.safetensors").write_bytes(b"y" * 11)  # retrained weights: another model
-  assert budget.table_key(budget.model_identity(cfg, dtype, m)) != key
-  ident = budget.model_identity(cfg, dtype, m)
-  # Written to the user cache under its key, found there by the same model only.
-  t = hand_table(cfg, dtype, ENTRIES, ACCEPT, identity=ident)
-  path = calibrate.store(t)
-  assert path == budget.table_path(ident) and path.parent == tmp_path / "cache" / "calibration"
-  assert path.name.startswith("model-") and budget.table_key(ident) in path.name
-  found, where = budget.find_table(cfg, dtype, model_dir=m)
-  assert found == json.loads(json.dumps(t)) and where == str(path)
-  other = tmp_path / "other"
-  other.mkdir()
-  (other / "config.json").write_text('{"a": 2}')
-  assert budget.find_table(cfg, dtype, model_dir=other)[0] is None
-  # Another jax version's table lives under another key: not found.
-  path.rename(budget.table_path(ident, jax_version="0.0.1"))
-  table, why = budget.find_table(cfg, dtype, model_dir=m)
-  assert table is None and "no table at" in why
-  # A table shipped inside a model folder is read (never written there) if it matches.
-  calibrate.save_table(t, m / budget.CALIBRATION_FILE)
-  assert budget.find_table(cfg, dtype, model_dir=m)[1] == str(m / budget.CALIBRATION_FILE)
-  assert budget.find_table(dataclasses.replace(cfg, hidden_size=32), dtype, model_dir=m)[0] is None
-  # Explicit paths must exist and match the device / dims.
-  with pytest.raises(FileNotFoundError, match="calibration table not found"):
-    budget.find_table(cfg, dtype, path=tmp_path / "missing.json")
-  assert budget.find_table(cfg, dtype, path=m / budget.CALIBRATION_FILE)[0] is not None
-  (tmp_path / "bad.json").write_text("{}")
-  with pytest.raises(ValueError, match="not a calibration table"):
-    budget.load_table(tmp_path / "bad.json")
-  (tmp_path / "old.json").write_text(json.dumps(dict(format="bole_jax.calibration/1",
-                                                     entries=[{}])))
-  with pytest.raises(ValueError, match="old format.*bole-jax calibrate"):
-    budget.load_table(tmp_path / "old.json")
+    cfg, params = tiny
+    dtype = params["embed"].dtype
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    assert budget.default_table_dir() == tmp_path / "cache" / "calibration"
+    monkeypatch.delenv("BOLE_JAX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert budget.default_table_dir() == tmp_path / "xdg" / "bole_jax" / "calibration"
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    # Model identity: a checkpoint folder's config and weight files (name, size, mtime).
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text('{"a": 1}')
+    (m / "model.safetensors").write_bytes(b"x" * 10)
+    ident = budget.model_identity(cfg, dtype, m)
+    assert budget.model_identity(cfg, dtype, m) == ident
+    key = budget.table_key(ident)
+    assert key != budget.table_key(ident, device="NVIDIA H200")
+    assert key != budget.table_key(ident, jax_version="0.0.1")
+    assert key != budget.table_key(budget.model_identity(cfg, dtype, m, draft_vocab=64))
+    assert key != budget.table_key(budget.model_identity(cfg, jnp.bfloat16, m))
+    (m / "model.safetensors").write_bytes(b"y" * 11)  # retrained weights: another model
+    assert budget.table_key(budget.model_identity(cfg, dtype, m)) != key
+    ident = budget.model_identity(cfg, dtype, m)
+    # Written to the user cache under its key, found there by the same model only.
+    t = hand_table(cfg, dtype, ENTRIES, ACCEPT, identity=ident)
+    path = calibrate.store(t)
+    assert path == budget.table_path(ident) and path.parent == tmp_path / "cache" / "calibration"
+    assert path.name.startswith("model-") and budget.table_key(ident) in path.name
+    found, where = budget.find_table(cfg, dtype, model_dir=m)
+    assert found == json.loads(json.dumps(t)) and where == str(path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"a": 2}')
+    assert budget.find_table(cfg, dtype, model_dir=other)[0] is None
+    # Another jax version's table lives under another key: not found.
+    path.rename(budget.table_path(ident, jax_version="0.0.1"))
+    table, why = budget.find_table(cfg, dtype, model_dir=m)
+    assert table is None and "no table at" in why
+    # A table shipped inside a model folder is read (never written there) if it matches.
+    calibrate.save_table(t, m / budget.CALIBRATION_FILE)
+    assert budget.find_table(cfg, dtype, model_dir=m)[1] == str(m / budget.CALIBRATION_FILE)
+    assert (
+        budget.find_table(dataclasses.replace(cfg, hidden_size=32), dtype, model_dir=m)[0] is None
+    )
+    # Explicit paths must exist and match the device / dims.
+    with pytest.raises(FileNotFoundError, match="calibration table not found"):
+        budget.find_table(cfg, dtype, path=tmp_path / "missing.json")
+    assert budget.find_table(cfg, dtype, path=m / budget.CALIBRATION_FILE)[0] is not None
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a calibration table"):
+        budget.load_table(tmp_path / "bad.json")
+    (tmp_path / "old.json").write_text(
+        json.dumps(dict(format="bole_jax.calibration/1", entries=[{}]))
+    )
+    with pytest.raises(ValueError, match="old format.*bole-jax calibrate"):
+        budget.load_table(tmp_path / "old.json")
 
 
 def test_tables_never_go_into_the_package(tiny, tmp_path, monkeypatch, capsys):
-  import bole_jax
+    import bole_jax
 
-  cfg, params = tiny
-  pkg = Path(bole_jax.__file__).resolve().parent
-  t = hand_table(cfg, jnp.float32, ENTRIES, ACCEPT)
-  for bad in (pkg / "default_model" / budget.CALIBRATION_FILE, pkg / "t.json"):
-    with pytest.raises(ValueError, match="inside the installed bole_jax package"):
-      calibrate.save_table(t, bad)
-    assert not bad.exists()
-  # The CLI refuses before measuring anything.
-  assert cli.main(["calibrate", "--out", str(pkg / "x.json"), "--no-progress"]) == 2
-  assert "inside the installed bole_jax package" in capsys.readouterr().err
-  # Merging: the stored table's other buckets and acceptance are kept.
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  first = hand_table(cfg, jnp.float32, ENTRIES[:1], {"chain d=8": 2.0})
-  second = hand_table(cfg, jnp.float32, ENTRIES[2:], {"bole N=8 d=8 k=4": 3.0})
-  calibrate.store(first)
-  merged = budget.load_table(calibrate.store(second))
-  assert [e["batch"] for e in merged["entries"]] == [1, 64]
-  assert merged["acceptance"] == {"chain d=8": 2.0, "bole N=8 d=8 k=4": 3.0}
-  assert list((tmp_path / "cache" / "calibration").iterdir()) == [
-      budget.table_path(first["identity"])]
-  with pytest.raises(ValueError, match="differ in device"):
-    calibrate.merge_tables(dict(first, device="other"), second)
+    cfg, params = tiny
+    pkg = Path(bole_jax.__file__).resolve().parent
+    t = hand_table(cfg, jnp.float32, ENTRIES, ACCEPT)
+    for bad in (pkg / "default_model" / budget.CALIBRATION_FILE, pkg / "t.json"):
+        with pytest.raises(ValueError, match="inside the installed bole_jax package"):
+            calibrate.save_table(t, bad)
+        assert not bad.exists()
+    # The CLI refuses before measuring anything.
+    assert cli.main(["calibrate", "--out", str(pkg / "x.json"), "--no-progress"]) == 2
+    assert "inside the installed bole_jax package" in capsys.readouterr().err
+    # Merging: the stored table's other buckets and acceptance are kept.
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    first = hand_table(cfg, jnp.float32, ENTRIES[:1], {"chain d=8": 2.0})
+    second = hand_table(cfg, jnp.float32, ENTRIES[2:], {"bole N=8 d=8 k=4": 3.0})
+    calibrate.store(first)
+    merged = budget.load_table(calibrate.store(second))
+    assert [e["batch"] for e in merged["entries"]] == [1, 64]
+    assert merged["acceptance"] == {"chain d=8": 2.0, "bole N=8 d=8 k=4": 3.0}
+    assert list((tmp_path / "cache" / "calibration").iterdir()) == [
+        budget.table_path(first["identity"])
+    ]
+    with pytest.raises(ValueError, match="differ in device"):
+        calibrate.merge_tables(dict(first, device="other"), second)
 
 
 def test_notice_names_the_exact_command(tiny, tmp_path, monkeypatch, caplog):
-  import bole_jax
-  from bole_jax.llm import DEFAULT_MODEL_DIR
+    import bole_jax
+    from bole_jax.llm import DEFAULT_MODEL_DIR
 
-  cfg, params = tiny
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  m = tmp_path / "my model"
-  m.mkdir()
-  (m / "config.json").write_text("{}")
-  want = f"bole-jax calibrate --model '{m.resolve()}'"
-  assert budget.calibrate_command(m) == want
-  assert budget.calibrate_command(None, embedded=True) == "bole-jax calibrate"
-  assert budget.calibrate_command(None, preset="tiny") == "bole-jax calibrate --preset tiny"
-  assert budget.is_embedded_model(DEFAULT_MODEL_DIR)
-  assert budget.is_embedded_model(Path(bole_jax.__file__).parent / "default_model")
-  assert not budget.is_embedded_model(m)
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    m = tmp_path / "my model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    want = f"bole-jax calibrate --model '{m.resolve()}'"
+    assert budget.calibrate_command(m) == want
+    assert budget.calibrate_command(None, embedded=True) == "bole-jax calibrate"
+    assert budget.calibrate_command(None, preset="tiny") == "bole-jax calibrate --preset tiny"
+    assert budget.is_embedded_model(DEFAULT_MODEL_DIR)
+    assert budget.is_embedded_model(Path(bole_jax.__file__).parent / "default_model")
+    assert not budget.is_embedded_model(m)
 
-  class Fake:  # what the engine passes: an LLM's cfg, params, path and options
-    def __init__(self, path):
-      self.cfg, self.params, self.path, self.spec_options = cfg, params, path, {}
+    class Fake:  # what the engine passes: an LLM's cfg, params, path and options
+        def __init__(self, path):
+            self.cfg, self.params, self.path, self.spec_options = cfg, params, path, {}
 
-  assert budget.llm_command(Fake(DEFAULT_MODEL_DIR)) == "bole-jax calibrate"
-  assert budget.llm_command(Fake(m)) == want
-  budget._warned.clear()
-  with caplog.at_level(logging.WARNING, logger="bole_jax"):
-    for _ in range(3):
-      opts = budget.spec_options_for(Fake(m), "bole", 16)
-      assert calibrate.decode_mode(Fake(m), None, 16) == "ar"
-  assert opts == budget.default_choice(16).spec_options()
-  notes = [r.message for r in caplog.records if "no calibration table" in r.message]
-  assert len(notes) == 2  # once for the explicit bole width, once for the mode choice
-  assert all(f"`{want}`" in n for n in notes), notes
-  assert "decoding with ar" in notes[1] and "tree width 16" in notes[0]
+    assert budget.llm_command(Fake(DEFAULT_MODEL_DIR)) == "bole-jax calibrate"
+    assert budget.llm_command(Fake(m)) == want
+    budget._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="bole_jax"):
+        for _ in range(3):
+            opts = budget.spec_options_for(Fake(m), "bole", 16)
+            assert calibrate.decode_mode(Fake(m), None, 16) == "ar"
+    assert opts == budget.default_choice(16).spec_options()
+    notes = [r.message for r in caplog.records if "no calibration table" in r.message]
+    assert len(notes) == 2  # once for the explicit bole width, once for the mode choice
+    assert all(f"`{want}`" in n for n in notes), notes
+    assert "decoding with ar" in notes[1] and "tree width 16" in notes[0]
 
 
 def test_engine_decodes_with_the_table_choice(tiny, tmp_path, monkeypatch):
-  """LLM(spec=None) takes the table's mode per batch bucket (here: chain at B = 1, ar at B = 2
-  and above); spec="bole" keeps bole at the table's width; without a table on CPU: ar."""
-  from bole_jax.llm import LLM
+    """LLM(spec=None) takes the table's mode per batch bucket (here: chain at B = 1, ar at B = 2
+    and above); spec="bole" keeps bole at the table's width; without a table on CPU: ar."""
+    from bole_jax.llm import LLM
 
-  cfg, params = tiny
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  llm = LLM(cfg, params=params, max_batch_size=4)
-  prompts = [[3, 5, 7, 9], [2, 4, 6], [1, 2, 3], [9, 8]]
-  assert calibrate.decode_mode(llm, None, 1) == "ar"  # no table (and no auto-calibration on CPU)
-  ar = llm.generate(prompts, max_new_tokens=6)
-  assert all(o.stats["mode"] == "ar" for o in ar)
-  entries = [dict(batch=1, kv=64, candidates=[cand("ar", 1, 1.0), cand("chain", 3, 1.5, depth=2),
-                                              cand("bole", 4, 3.0, depth=2, topk=2),
-                                              cand("bole", 8, 2.5, depth=2, topk=2)]),
-             dict(batch=2, kv=64, candidates=[cand("ar", 1, 1.0), cand("chain", 3, 3.0, depth=2),
-                                              cand("bole", 8, 3.0, depth=2, topk=2)])]
-  acc = {"chain d=2": 2.0, "bole N=4 d=2 k=2": 2.5, "bole N=8 d=2 k=2": 2.6}
-  calibrate.store(hand_table(cfg, params["embed"].dtype, entries, acc,
-                             identity=budget.llm_identity(llm)))
-  llm = LLM(cfg, params=params, max_batch_size=4)
-  assert calibrate.decode_mode(llm, None, 1) == "chain"
-  assert calibrate.decode_mode(llm, None, 2) == "ar" and calibrate.decode_mode(llm, None, 4) == "ar"
-  (one,) = llm.generate(prompts[:1], max_new_tokens=6)
-  assert one.stats["mode"] == "chain" and one.token_ids == ar[0].token_ids  # greedy: lossless
-  assert llm._spec_config("chain", 1).shape.depth == 2
-  assert [o.stats["mode"] for o in llm.generate(prompts, max_new_tokens=6)] == ["ar"] * 4
-  spec = llm._spec_config("bole", 1)  # explicit bole: the table's best bole tree at B = 1
-  assert (spec.shape.num_nodes, spec.shape.depth, spec.shape.topk, spec.budget) == (8, 2, 2, 8)
-  # Explicit options still win over the table.
-  llm2 = LLM(cfg, params=params, max_batch_size=4, spec_options=dict(num_nodes=4, depth=3))
-  assert calibrate.decode_mode(llm2, None, 1) == "bole"
-  assert llm2._spec_config("bole", 1).shape.num_nodes == 4
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    llm = LLM(cfg, params=params, max_batch_size=4)
+    prompts = [[3, 5, 7, 9], [2, 4, 6], [1, 2, 3], [9, 8]]
+    assert calibrate.decode_mode(llm, None, 1) == "ar"  # no table (and no auto-calibration on CPU)
+    ar = llm.generate(prompts, max_new_tokens=6)
+    assert all(o.stats["mode"] == "ar" for o in ar)
+    entries = [
+        dict(
+            batch=1,
+            kv=64,
+            candidates=[
+                cand("ar", 1, 1.0),
+                cand("chain", 3, 1.5, depth=2),
+                cand("bole", 4, 3.0, depth=2, topk=2),
+                cand("bole", 8, 2.5, depth=2, topk=2),
+            ],
+        ),
+        dict(
+            batch=2,
+            kv=64,
+            candidates=[
+                cand("ar", 1, 1.0),
+                cand("chain", 3, 3.0, depth=2),
+                cand("bole", 8, 3.0, depth=2, topk=2),
+            ],
+        ),
+    ]
+    acc = {"chain d=2": 2.0, "bole N=4 d=2 k=2": 2.5, "bole N=8 d=2 k=2": 2.6}
+    calibrate.store(
+        hand_table(cfg, params["embed"].dtype, entries, acc, identity=budget.llm_identity(llm))
+    )
+    llm = LLM(cfg, params=params, max_batch_size=4)
+    assert calibrate.decode_mode(llm, None, 1) == "chain"
+    assert (
+        calibrate.decode_mode(llm, None, 2) == "ar" and calibrate.decode_mode(llm, None, 4) == "ar"
+    )
+    (one,) = llm.generate(prompts[:1], max_new_tokens=6)
+    assert one.stats["mode"] == "chain" and one.token_ids == ar[0].token_ids  # greedy: lossless
+    assert llm._spec_config("chain", 1).shape.depth == 2
+    assert [o.stats["mode"] for o in llm.generate(prompts, max_new_tokens=6)] == ["ar"] * 4
+    spec = llm._spec_config("bole", 1)  # explicit bole: the table's best bole tree at B = 1
+    assert (spec.shape.num_nodes, spec.shape.depth, spec.shape.topk, spec.budget) == (8, 2, 2, 8)
+    # Explicit options still win over the table.
+    llm2 = LLM(cfg, params=params, max_batch_size=4, spec_options=dict(num_nodes=4, depth=3))
+    assert calibrate.decode_mode(llm2, None, 1) == "bole"
+    assert llm2._spec_config("bole", 1).shape.num_nodes == 4
 
 
 def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
-  """First use with automatic calibration (forced on here; off by default on CPU): the bucket in
-  use is measured within the time budget and stored in the user cache; the choice comes from
-  it and the output equals AR's."""
-  from bole_jax.llm import LLM
+    """First use with automatic calibration (forced on here; off by default on CPU): the bucket in
+    use is measured within the time budget and stored in the user cache; the choice comes from
+    it and the output equals AR's."""
+    from bole_jax.llm import LLM
 
-  cfg, params = tiny
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  monkeypatch.setattr(calibrate, "AUTO_SECONDS", 45.0)
-  monkeypatch.setattr(calibrate, "CPU_NODES", (4,))
-  monkeypatch.setattr(calibrate, "DEFAULT_DEPTHS", (2,))
-  llm = LLM(cfg, params=params, max_batch_size=2, spec_options=dict(auto_calibrate=True))
-  prompts = [[3, 5, 7, 9], [2, 4, 6]]
-  t = time.perf_counter()
-  table, where = calibrate.ensure_table(llm, 2)
-  took = time.perf_counter() - t
-  assert table is not None and where == str(budget.table_path(budget.llm_identity(llm)))
-  assert took < 45.0 + 60.0, took  # the budget, plus the candidate in flight when it ran out
-  assert Path(where).parent == tmp_path / "cache" / "calibration"
-  (e,) = table["entries"]
-  assert e["batch"] == 2 and [budget.candidate_id(c) for c in e["candidates"]] == [
-      "ar", "chain d=2", "bole N=4 d=2 k=4"]
-  timed = [c for c in e["candidates"] if "step_ms" in c]
-  assert timed[0]["mode"] == "ar" and all(c["step_ms"] > 0 for c in timed)
-  for c in timed[1:]:  # measured acceptance of random weights: between 1 and depth + 1
-    assert 1.0 <= table["acceptance"][budget.candidate_id(c)]["tokens_per_step"] <= 3.0
-  assert e["choice"]["mode"] == budget.choose(table, 2).mode
-  print(calibrate.format_table(table))
-  assert "<- chosen" in calibrate.format_table(table)
-  out = llm.generate(prompts, max_new_tokens=5)
-  assert {o.stats["mode"] for o in out} == {e["choice"]["mode"]}
-  ar = llm.generate(prompts, max_new_tokens=5, spec="ar")
-  assert [o.token_ids for o in out] == [o.token_ids for o in ar]
-  # Found again, not re-measured.
-  t = time.perf_counter()
-  assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "AUTO_SECONDS", 45.0)
+    monkeypatch.setattr(calibrate, "CPU_NODES", (4,))
+    monkeypatch.setattr(calibrate, "DEFAULT_DEPTHS", (2,))
+    llm = LLM(cfg, params=params, max_batch_size=2, spec_options=dict(auto_calibrate=True))
+    prompts = [[3, 5, 7, 9], [2, 4, 6]]
+    t = time.perf_counter()
+    table, where = calibrate.ensure_table(llm, 2)
+    took = time.perf_counter() - t
+    assert table is not None and where == str(budget.table_path(budget.llm_identity(llm)))
+    assert took < 45.0 + 60.0, took  # the budget, plus the candidate in flight when it ran out
+    assert Path(where).parent == tmp_path / "cache" / "calibration"
+    (e,) = table["entries"]
+    assert e["batch"] == 2 and [budget.candidate_id(c) for c in e["candidates"]] == [
+        "ar",
+        "chain d=2",
+        "bole N=4 d=2 k=4",
+    ]
+    timed = [c for c in e["candidates"] if "step_ms" in c]
+    assert timed[0]["mode"] == "ar" and all(c["step_ms"] > 0 for c in timed)
+    for c in timed[1:]:  # measured acceptance of random weights: between 1 and depth + 1
+        assert 1.0 <= table["acceptance"][budget.candidate_id(c)]["tokens_per_step"] <= 3.0
+    assert e["choice"]["mode"] == budget.choose(table, 2).mode
+    print(calibrate.format_table(table))
+    assert "<- chosen" in calibrate.format_table(table)
+    out = llm.generate(prompts, max_new_tokens=5)
+    assert {o.stats["mode"] for o in out} == {e["choice"]["mode"]}
+    ar = llm.generate(prompts, max_new_tokens=5, spec="ar")
+    assert [o.token_ids for o in out] == [o.token_ids for o in ar]
+    # Found again, not re-measured.
+    t = time.perf_counter()
+    assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
 
 
 def test_cli_calibrate_model_writes_the_user_cache(model_dir, tmp_path, monkeypatch, capsys):
-  """`bole-jax calibrate --model DIR` measures that checkpoint and stores the table under its
-  key in the user cache, where the engine loading DIR finds it."""
-  from bole_jax.llm import LLM
+    """`bole-jax calibrate --model DIR` measures that checkpoint and stores the table under its
+    key in the user cache, where the engine loading DIR finds it."""
+    from bole_jax.llm import LLM
 
-  monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
-  rc = cli.main(["calibrate", "--model", str(model_dir), "--batch", "1", "--depth", "2",
-                 "--nodes", "4", "--steps", "2", "--warm", "1", "--modes", "ar", "chain",
-                 "--compile-cache", "none", "--no-progress"])
-  out = capsys.readouterr().out
-  assert rc == 0, out
-  llm = LLM(model_dir)
-  path = budget.table_path(budget.llm_identity(llm))
-  assert f"wrote {path}" in out and "<- chosen" in out and path.is_file()
-  assert not (Path(model_dir) / budget.CALIBRATION_FILE).exists()
-  assert table_prompts_measured(budget.load_table(path))
-  table = budget.load_table(path)
-  assert [budget.candidate_id(c) for c in table["entries"][0]["candidates"]] == ["ar",
-                                                                               "chain d=2"]
-  assert calibrate.decode_mode(llm, None, 1) == table["entries"][0]["choice"]["mode"]
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    rc = cli.main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--batch",
+            "1",
+            "--depth",
+            "2",
+            "--nodes",
+            "4",
+            "--steps",
+            "2",
+            "--warm",
+            "1",
+            "--modes",
+            "ar",
+            "chain",
+            "--compile-cache",
+            "none",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    llm = LLM(model_dir)
+    path = budget.table_path(budget.llm_identity(llm))
+    assert f"wrote {path}" in out and "<- chosen" in out and path.is_file()
+    assert not (Path(model_dir) / budget.CALIBRATION_FILE).exists()
+    assert table_prompts_measured(budget.load_table(path))
+    table = budget.load_table(path)
+    assert [budget.candidate_id(c) for c in table["entries"][0]["candidates"]] == [
+        "ar",
+        "chain d=2",
+    ]
+    assert calibrate.decode_mode(llm, None, 1) == table["entries"][0]["choice"]["mode"]
 
 
 def table_prompts_measured(table):
-  return table["prompts"].startswith("built-in") and all(
-      a["source"] == "measured" for a in table["acceptance"].values())
+    return table["prompts"].startswith("built-in") and all(
+        a["source"] == "measured" for a in table["acceptance"].values()
+    )
 
 
 def test_bench_quick_defaults():
-  a = cli.build_parser().parse_args(["bench", "--preset", "tiny", "--quick"])
-  bench._check_e2e_args(a)
-  assert (a.batch, a.breakdown_batch, a.time_budget, a.steps) == ([1], 0, 75.0, 8)
-  assert a.dtype == "float32"  # this test runs on CPU
-  a = cli.build_parser().parse_args(["bench", "--preset", "tiny"])
-  bench._check_e2e_args(a)
-  assert (a.batch, a.breakdown_batch, a.time_budget) == ([1, 4, 16, 32, 64], 16, 480.0)
-  assert "not GPU-representative" in bench.CPU_NOTE and "interpret" in bench.CPU_NOTE
+    a = cli.build_parser().parse_args(["bench", "--preset", "tiny", "--quick"])
+    bench._check_e2e_args(a)
+    assert (a.batch, a.breakdown_batch, a.time_budget, a.steps) == ([1], 0, 75.0, 8)
+    assert a.dtype == "float32"  # this test runs on CPU
+    a = cli.build_parser().parse_args(["bench", "--preset", "tiny"])
+    bench._check_e2e_args(a)
+    assert (a.batch, a.breakdown_batch, a.time_budget) == ([1, 4, 16, 32, 64], 16, 480.0)
+    assert "not GPU-representative" in bench.CPU_NOTE and "interpret" in bench.CPU_NOTE
 
 
 def test_calibrate_rejects_bad_buckets():
-  with pytest.raises(ValueError, match="positive integers"):
-    calibrate.check_calibration_args([0, 2], [4], [8])
-  with pytest.raises(ValueError, match="at most 128 nodes"):
-    calibrate.check_calibration_args([1], [256], [8])
-  with pytest.raises(ValueError, match="at least one"):
-    calibrate.check_calibration_args([], [4], [8])
-  with pytest.raises(ValueError, match="--steps"):
-    calibrate.check_calibration_args([1], [4], [8], steps=0)
+    with pytest.raises(ValueError, match="positive integers"):
+        calibrate.check_calibration_args([0, 2], [4], [8])
+    with pytest.raises(ValueError, match="at most 128 nodes"):
+        calibrate.check_calibration_args([1], [256], [8])
+    with pytest.raises(ValueError, match="at least one"):
+        calibrate.check_calibration_args([], [4], [8])
+    with pytest.raises(ValueError, match="--steps"):
+        calibrate.check_calibration_args([1], [4], [8], steps=0)
 
 
 # ----------------------------------------------------------------------------- end to end
 
 
 def test_synthetic_accept_prob():
-  p = bench.synthetic_accept_prob(6.4, 8)
-  assert bench.expected_tokens_per_step(p, 8) == pytest.approx(6.4, abs=1e-6)
-  with pytest.raises(ValueError, match="mean tokens per step"):
-    bench.synthetic_accept_prob(9.5, 8)
+    p = bench.synthetic_accept_prob(6.4, 8)
+    assert bench.expected_tokens_per_step(p, 8) == pytest.approx(6.4, abs=1e-6)
+    with pytest.raises(ValueError, match="mean tokens per step"):
+        bench.synthetic_accept_prob(9.5, 8)
 
 
 def test_memory_per_request_matches_verify_shapes(tiny):
-  from bole_jax.model import init_cache
-  from bole_jax.spec_decode import verify
+    from bole_jax.model import init_cache
+    from bole_jax.spec_decode import verify
 
-  cfg, params = tiny
-  n = 5
-  tree = tree_mod.Tree(tokens=jnp.zeros((1, n), jnp.int32), parents=jnp.arange(n)[None] - 1,
-                       depth=jnp.arange(n)[None], num_nodes=jnp.full((1,), n),
-                       score=jnp.zeros((1, n)))
-  for mode in ("bole", "pernode", "chain"):
-    auxs = jax.eval_shape(lambda p, c: verify.verify_forward(p, cfg, tree, c, mode=mode)[2],
-                          params, init_cache(cfg, 1, 64, jnp.float32))
-    m = bench.memory_per_request(cfg, mode, n, 64, jnp.float32)
-    assert bench.tree_bytes(auxs) == pytest.approx((m["verify_state_mib"] + m["verify_conv_mib"])
-                                                   * bench.MiB)
+    cfg, params = tiny
+    n = 5
+    tree = tree_mod.Tree(
+        tokens=jnp.zeros((1, n), jnp.int32),
+        parents=jnp.arange(n)[None] - 1,
+        depth=jnp.arange(n)[None],
+        num_nodes=jnp.full((1,), n),
+        score=jnp.zeros((1, n)),
+    )
+    for mode in ("bole", "pernode", "chain"):
+        auxs = jax.eval_shape(
+            lambda p, c: verify.verify_forward(p, cfg, tree, c, mode=mode)[2],
+            params,
+            init_cache(cfg, 1, 64, jnp.float32),
+        )
+        m = bench.memory_per_request(cfg, mode, n, 64, jnp.float32)
+        assert bench.tree_bytes(auxs) == pytest.approx(
+            (m["verify_state_mib"] + m["verify_conv_mib"]) * bench.MiB
+        )
 
 
 def test_load_prompts(tmp_path):
-  import gzip
+    import gzip
 
-  (tmp_path / "a.jsonl").write_text('{"prompt": "def f():"}\n\n{"turns": ["Hi", "more"]}\n')
-  assert bench.load_prompts(tmp_path / "a.jsonl") == ["def f():", "Hi"]
-  with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
-    f.write('{"prompt": "x"}\n')
-  assert bench.load_prompts(tmp_path / "b.jsonl.gz") == ["x"]
-  (tmp_path / "c.txt").write_text("one\n\ntwo\n")
-  assert bench.load_prompts(tmp_path / "c.txt") == ["one", "two"]
-  (tmp_path / "d.jsonl").write_text('{"text": 1}\n')
-  with pytest.raises(ValueError, match="d.jsonl:1"):
-    bench.load_prompts(tmp_path / "d.jsonl")
-  with pytest.raises(FileNotFoundError):
-    bench.load_prompts(tmp_path / "nope.jsonl")
+    (tmp_path / "a.jsonl").write_text('{"prompt": "def f():"}\n\n{"turns": ["Hi", "more"]}\n')
+    assert bench.load_prompts(tmp_path / "a.jsonl") == ["def f():", "Hi"]
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write('{"prompt": "x"}\n')
+    assert bench.load_prompts(tmp_path / "b.jsonl.gz") == ["x"]
+    (tmp_path / "c.txt").write_text("one\n\ntwo\n")
+    assert bench.load_prompts(tmp_path / "c.txt") == ["one", "two"]
+    (tmp_path / "d.jsonl").write_text('{"text": 1}\n')
+    with pytest.raises(ValueError, match="d.jsonl:1"):
+        bench.load_prompts(tmp_path / "d.jsonl")
+    with pytest.raises(FileNotFoundError):
+        bench.load_prompts(tmp_path / "nope.jsonl")
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--preset", "nope"], "unknown preset"),
-    (["--preset", "tiny", "--batch", "0"], "--batch"),
-    (["--preset", "tiny", "--nodes", "500"], "at most|above 128"),
-    (["--preset", "tiny", "--budget", "lots"], "--budget"),
-    (["--model", "/nonexistent"], "--prompts-file"),
-    (["--model", "/nonexistent", "--prompts-file", "p.jsonl"], "not found"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--preset", "nope"], "unknown preset"),
+        (["--preset", "tiny", "--batch", "0"], "--batch"),
+        (["--preset", "tiny", "--nodes", "500"], "at most|above 128"),
+        (["--preset", "tiny", "--budget", "lots"], "--budget"),
+        (["--model", "/nonexistent"], "--prompts-file"),
+        (["--model", "/nonexistent", "--prompts-file", "p.jsonl"], "not found"),
+    ],
+)
 def test_bench_cli_errors(argv, msg, capsys):
-  assert cli.main(["bench", "--compile-cache", "none", *argv]) == 2
-  assert re.search(msg, capsys.readouterr().err)
+    assert cli.main(["bench", "--compile-cache", "none", *argv]) == 2
+    assert re.search(msg, capsys.readouterr().err)
 
 
 def test_bench_e2e_tiny(tmp_path):
-  """The whole benchmark on CPU: 4 modes side by side, a binding budget, the breakdown."""
-  args = cli.build_parser().parse_args([
-      "bench", "--preset", "tiny", "--dtype", "float32", "--batch", "2", "--quick",
-      "--compile-cache", "none", "--compile-workers", "2", "--depth", "2", "--topk", "2",
-      "--nodes", "4", "--budget", "5", "--accept-mean", "2.5", "--breakdown-batch", "2",
-      "--breakdown-modes", "bole", "--time-budget", "900", "--out", str(tmp_path)])
-  res = bench.run_e2e(args)
-  assert res["errors"] == [] and res["skipped"] == []
-  rows = {r["mode"]: r for r in res["rows"]}
-  assert set(rows) == {"ar", "bole", "pernode", "chain"}
-  for m, r in rows.items():
-    assert r["ar_agreement"] == 1.0, m  # greedy fp32: lossless, also with the budget binding
-    assert r["ar_first_divergence"] == [None, None], m
-    assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
-  assert rows["bole"]["budget"] == 5 and rows["chain"]["budget"] == "-"
-  assert rows["bole"]["tokens_per_step"] > 1.3 and rows["ar"]["tokens_per_step"] == 1.0
-  assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["pernode"]["speedup_vs_pernode"] == 1.0
-  assert rows["pernode"]["verify_state_mib"] > 10 * rows["bole"]["verify_state_mib"]
-  (bd,) = res["breakdown"]
-  assert bd["mode"] == "bole" and all(bd[f"{s}_ms"] > 0 for s in bench.STAGES)
-  assert bd["commit_kind"] == "eager"  # SpecConfig.lazy_commit is off by default (--lazy-commit)
-  saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
-  assert {"device", "jax", "git_commit"} <= set(saved["env"]) and saved["command"]
-  assert len(saved["rows"]) == 4
+    """The whole benchmark on CPU: 4 modes side by side, a binding budget, the breakdown."""
+    args = cli.build_parser().parse_args(
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--batch",
+            "2",
+            "--quick",
+            "--compile-cache",
+            "none",
+            "--compile-workers",
+            "2",
+            "--depth",
+            "2",
+            "--topk",
+            "2",
+            "--nodes",
+            "4",
+            "--budget",
+            "5",
+            "--accept-mean",
+            "2.5",
+            "--breakdown-batch",
+            "2",
+            "--breakdown-modes",
+            "bole",
+            "--time-budget",
+            "900",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    res = bench.run_e2e(args)
+    assert res["errors"] == [] and res["skipped"] == []
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert set(rows) == {"ar", "bole", "pernode", "chain"}
+    for m, r in rows.items():
+        assert r["ar_agreement"] == 1.0, m  # greedy fp32: lossless, also with the budget binding
+        assert r["ar_first_divergence"] == [None, None], m
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    assert rows["bole"]["budget"] == 5 and rows["chain"]["budget"] == "-"
+    assert rows["bole"]["tokens_per_step"] > 1.3 and rows["ar"]["tokens_per_step"] == 1.0
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["pernode"]["speedup_vs_pernode"] == 1.0
+    assert rows["pernode"]["verify_state_mib"] > 10 * rows["bole"]["verify_state_mib"]
+    (bd,) = res["breakdown"]
+    assert bd["mode"] == "bole" and all(bd[f"{s}_ms"] > 0 for s in bench.STAGES)
+    assert bd["commit_kind"] == "eager"  # SpecConfig.lazy_commit is off by default (--lazy-commit)
+    saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
+    assert {"device", "jax", "git_commit"} <= set(saved["env"]) and saved["command"]
+    assert len(saved["rows"]) == 4
 
 
 def test_park_on_host_round_trip():
-  """bench parks the prefilled states of later batches in host memory and puts them back with
-  their shardings: values (typed PRNG keys included) and placements unchanged."""
-  tree = dict(a=jnp.arange(6.0).reshape(2, 3), key=jax.random.key(3), n=jnp.int32(5))
-  assert bench.park_on_host({}) == {} and bench.park_on_host({1: tree}) == {}  # CPU: nothing
-  parked = bench.park_on_host({1: tree}, force=True)
-  back = bench.unpark(parked[1])
-  for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x, y = jax.random.key_data(x), jax.random.key_data(y)
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  assert [x.sharding for x in jax.tree.leaves(back)] == [x.sharding for x in jax.tree.leaves(tree)]
-  assert bench.unpark(tree) is tree
+    """bench parks the prefilled states of later batches in host memory and puts them back with
+    their shardings: values (typed PRNG keys included) and placements unchanged."""
+    tree = dict(a=jnp.arange(6.0).reshape(2, 3), key=jax.random.key(3), n=jnp.int32(5))
+    assert bench.park_on_host({}) == {} and bench.park_on_host({1: tree}) == {}  # CPU: nothing
+    parked = bench.park_on_host({1: tree}, force=True)
+    back = bench.unpark(parked[1])
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert [x.sharding for x in jax.tree.leaves(back)] == [
+        x.sharding for x in jax.tree.leaves(tree)
+    ]
+    assert bench.unpark(tree) is tree
 
 
 def test_ar_logits_teacher_forcing_matches_greedy():
-  """bench.ar_logits (the divergence report's yardstick): the teacher-forced forward's argmax
-  at each generated position is the token greedy AR generated there."""
-  from bole_jax.llm import LLM
-  from bole_jax.model.presets import preset
-  cfg = preset("tiny")
-  llm = LLM(cfg, params=init_params(cfg, jax.random.key(1), "float32"))
-  prompt = [3, 5, 7, 11, 13]
-  out = llm.generate([prompt], max_new_tokens=4, spec="ar")[0].token_ids
-  for pos in (1, 3):
-    lg = bench.ar_logits(llm, prompt, out, pos)
-    assert int(np.argmax(lg)) == out[pos]
-    assert bench.ar_top2_gap(llm, prompt, out, pos) == pytest.approx(
-        float(np.sort(lg)[-1] - np.sort(lg)[-2]))
+    """bench.ar_logits (the divergence report's yardstick): the teacher-forced forward's argmax
+    at each generated position is the token greedy AR generated there."""
+    from bole_jax.llm import LLM
+    from bole_jax.model.presets import preset
+
+    cfg = preset("tiny")
+    llm = LLM(cfg, params=init_params(cfg, jax.random.key(1), "float32"))
+    prompt = [3, 5, 7, 11, 13]
+    out = llm.generate([prompt], max_new_tokens=4, spec="ar")[0].token_ids
+    for pos in (1, 3):
+        lg = bench.ar_logits(llm, prompt, out, pos)
+        assert int(np.argmax(lg)) == out[pos]
+        assert bench.ar_top2_gap(llm, prompt, out, pos) == pytest.approx(
+            float(np.sort(lg)[-1] - np.sort(lg)[-2])
+        )
 
 
 def test_divergence_info_ranks_both_tokens():
-  lg = np.asarray([0.5, 3.0, 2.2, -1.0, 2.9], np.float32)
-  info = bench.divergence_info(lg, ar_token=4, token=1)
-  assert info["token_rank"] == 0 and info["token_deficit"] == 0.0
-  assert info["ar_token_rank"] == 1 and info["ar_token_deficit"] == pytest.approx(0.1)
-  assert info["top2_gap"] == pytest.approx(0.1)
-  assert bench.divergence_info(lg, ar_token=1, token=3)["token_rank"] == 4
+    lg = np.asarray([0.5, 3.0, 2.2, -1.0, 2.9], np.float32)
+    info = bench.divergence_info(lg, ar_token=4, token=1)
+    assert info["token_rank"] == 0 and info["token_deficit"] == 0.0
+    assert info["ar_token_rank"] == 1 and info["ar_token_deficit"] == pytest.approx(0.1)
+    assert info["top2_gap"] == pytest.approx(0.1)
+    assert bench.divergence_info(lg, ar_token=1, token=3)["token_rank"] == 4

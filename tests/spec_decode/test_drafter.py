@@ -22,181 +22,208 @@ CAN_GAIN = jax.jit(drafter.can_gain)
 
 
 def _expansion(rng, topk, depth, forced, tie_step=0.5):
-  """Pool of one request laid out level by level as drafter.expand lays it out (quantised log q:
-  many exact ties; `forced`: the synthetic chain, score 0, as child 0 of the best frontier).
-  Returns (scores [M], frontier scores per level [depth, topk])."""
-  m = topk + (depth - 1) * topk ** 2
-  sc = np.full(m, -np.inf, np.float32)
-  lq = lambda n: (-tie_step * rng.choice(4, n, p=[0.1, 0.3, 0.3, 0.3])).astype(np.float32)  # noqa: E731
-  sc[:topk] = np.sort(lq(topk))[::-1]
-  if forced:
-    sc[0] = 0.0
-  front = [sc[:topk].copy()]
-  for s in range(1, depth):
-    c = (front[-1][:, None] + lq(topk * topk).reshape(topk, topk)).reshape(-1)
+    """Pool of one request laid out level by level as drafter.expand lays it out (quantised log q:
+    many exact ties; `forced`: the synthetic chain, score 0, as child 0 of the best frontier).
+    Returns (scores [M], frontier scores per level [depth, topk])."""
+    m = topk + (depth - 1) * topk**2
+    sc = np.full(m, -np.inf, np.float32)
+    lq = lambda n: (-tie_step * rng.choice(4, n, p=[0.1, 0.3, 0.3, 0.3])).astype(np.float32)  # noqa: E731
+    sc[:topk] = np.sort(lq(topk))[::-1]
     if forced:
-      c[0] = 0.0
-    base = topk + (s - 1) * topk ** 2
-    sc[base:base + topk ** 2] = c
-    front.append(c[np.argsort(-c, kind="stable")[:topk]])
-  return sc, np.stack(front)
+        sc[0] = 0.0
+    front = [sc[:topk].copy()]
+    for s in range(1, depth):
+        c = (front[-1][:, None] + lq(topk * topk).reshape(topk, topk)).reshape(-1)
+        if forced:
+            c[0] = 0.0
+        base = topk + (s - 1) * topk**2
+        sc[base : base + topk**2] = c
+        front.append(c[np.argsort(-c, kind="stable")[:topk]])
+    return sc, np.stack(front)
 
 
-@pytest.mark.parametrize("n, topk, depth, bud", [(4, 3, 5, None), (8, 2, 6, None),
-                                                  (6, 3, 4, 14), (16, 4, 4, 8), (3, 1, 6, 5)])
+@pytest.mark.parametrize(
+    "n, topk, depth, bud",
+    [(4, 3, 5, None), (8, 2, 6, None), (6, 3, 4, 14), (16, 4, 4, 8), (3, 1, 6, 5)],
+)
 @pytest.mark.parametrize("forced", [False, True])
 def test_rule_never_changes_the_selection(n, topk, depth, bud, forced):
-  """Random pools: at every level where can_gain is False for every active request, the
-  selection (per-request top N-1, or the budget's counts) from the pool so far equals the one
-  from the fully expanded pool."""
-  rng = np.random.default_rng(n * 100 + topk * 10 + depth + forced)
-  b, stops, trials = 5, 0, 40
-  m = topk + (depth - 1) * topk ** 2
-  parents = np.full((b, m), -1, np.int32)  # parents do not enter the selected set's choice
-  for _ in range(trials):
-    pools = [_expansion(rng, topk, depth, forced and rng.random() < 0.5) for _ in range(b)]
-    full = np.stack([p[0] for p in pools])
-    active = rng.random(b) < 0.8
-    cap = rng.integers(0, n, b).astype(np.int32)
-    rule = drafter.StopRule(n - 1, bud, jnp.asarray(cap) if bud else None, jnp.asarray(active))
-    for s in range(1, depth):
-      part = full.copy()
-      part[:, topk + (s - 1) * topk ** 2:] = -np.inf  # levels 0 .. s-1 drafted
-      front = np.stack([p[1][s - 1] for p in pools])
-      if np.any(CAN_GAIN(rule, jnp.asarray(part), jnp.asarray(front))):
-        continue
-      stops += 1
-      if bud is None:
-        num = np.full(b, n - 1, np.int32)
-      else:
-        num = np.asarray(COUNTS(jnp.asarray(part), jnp.asarray(active), bud, jnp.asarray(cap)))
-        np.testing.assert_array_equal(
-            num, COUNTS(jnp.asarray(full), jnp.asarray(active), bud, jnp.asarray(cap)))
-      tok = jnp.asarray(rng.integers(0, 50, (b, m)), jnp.int32)
-      t_part = SELECT(jnp.zeros(b, jnp.int32), tok, jnp.asarray(parents), jnp.asarray(part),
-                      jnp.asarray(num), n)
-      t_full = SELECT(jnp.zeros(b, jnp.int32), tok, jnp.asarray(parents), jnp.asarray(full),
-                      jnp.asarray(num), n)
-      for f in ("tokens", "num_nodes", "score"):
-        a, c = np.asarray(getattr(t_part, f)), np.asarray(getattr(t_full, f))
-        np.testing.assert_array_equal(a[active], c[active], err_msg=f)
-      break
-  if topk > 1 and not forced:
-    assert stops > 0  # the rule does fire on these pools
+    """Random pools: at every level where can_gain is False for every active request, the
+    selection (per-request top N-1, or the budget's counts) from the pool so far equals the one
+    from the fully expanded pool."""
+    rng = np.random.default_rng(n * 100 + topk * 10 + depth + forced)
+    b, stops, trials = 5, 0, 40
+    m = topk + (depth - 1) * topk**2
+    parents = np.full((b, m), -1, np.int32)  # parents do not enter the selected set's choice
+    for _ in range(trials):
+        pools = [_expansion(rng, topk, depth, forced and rng.random() < 0.5) for _ in range(b)]
+        full = np.stack([p[0] for p in pools])
+        active = rng.random(b) < 0.8
+        cap = rng.integers(0, n, b).astype(np.int32)
+        rule = drafter.StopRule(n - 1, bud, jnp.asarray(cap) if bud else None, jnp.asarray(active))
+        for s in range(1, depth):
+            part = full.copy()
+            part[:, topk + (s - 1) * topk**2 :] = -np.inf  # levels 0 .. s-1 drafted
+            front = np.stack([p[1][s - 1] for p in pools])
+            if np.any(CAN_GAIN(rule, jnp.asarray(part), jnp.asarray(front))):
+                continue
+            stops += 1
+            if bud is None:
+                num = np.full(b, n - 1, np.int32)
+            else:
+                num = np.asarray(
+                    COUNTS(jnp.asarray(part), jnp.asarray(active), bud, jnp.asarray(cap))
+                )
+                np.testing.assert_array_equal(
+                    num, COUNTS(jnp.asarray(full), jnp.asarray(active), bud, jnp.asarray(cap))
+                )
+            tok = jnp.asarray(rng.integers(0, 50, (b, m)), jnp.int32)
+            t_part = SELECT(
+                jnp.zeros(b, jnp.int32),
+                tok,
+                jnp.asarray(parents),
+                jnp.asarray(part),
+                jnp.asarray(num),
+                n,
+            )
+            t_full = SELECT(
+                jnp.zeros(b, jnp.int32),
+                tok,
+                jnp.asarray(parents),
+                jnp.asarray(full),
+                jnp.asarray(num),
+                n,
+            )
+            for f in ("tokens", "num_nodes", "score"):
+                a, c = np.asarray(getattr(t_part, f)), np.asarray(getattr(t_full, f))
+                np.testing.assert_array_equal(a[active], c[active], err_msg=f)
+            break
+    if topk > 1 and not forced:
+        assert stops > 0  # the rule does fire on these pools
 
 
 def _cfg():
-  return ModelConfig.tiny("qwen3_next", vocab_size=96, mtp_num_layers=1)
+    return ModelConfig.tiny("qwen3_next", vocab_size=96, mtp_num_layers=1)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-  cfg = _cfg()
-  params = init_params(cfg, jax.random.key(1), "float32")
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 17, 33, 9)]
-  return cfg, params, prompts
+    cfg = _cfg()
+    params = init_params(cfg, jax.random.key(1), "float32")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 17, 33, 9)]
+    return cfg, params, prompts
 
 
 def _draft_and_select(llm, state, early_stop):
-  spec = llm._spec_config("bole")
-  old = step_mod.EARLY_STOP
-  step_mod.EARLY_STOP = early_stop
-  try:
-    def f(params, state):
-      pool, _ = step_mod.draft(params, llm.cfg, spec, state, jax.random.key(3))
-      return pool, step_mod.select(spec, state, pool)
-    return jax.jit(f)(llm.params, state)
-  finally:
-    step_mod.EARLY_STOP = old
+    spec = llm._spec_config("bole")
+    old = step_mod.EARLY_STOP
+    step_mod.EARLY_STOP = early_stop
+    try:
+
+        def f(params, state):
+            pool, _ = step_mod.draft(params, llm.cfg, spec, state, jax.random.key(3))
+            return pool, step_mod.select(spec, state, pool)
+
+        return jax.jit(f)(llm.params, state)
+    finally:
+        step_mod.EARLY_STOP = old
 
 
-@pytest.mark.parametrize("opts", [dict(num_nodes=4, topk=3, depth=5),
-                                  dict(num_nodes=6, topk=3, depth=4, budget=10)],
-                         ids=["per-request", "budget"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(num_nodes=4, topk=3, depth=5), dict(num_nodes=6, topk=3, depth=4, budget=10)],
+    ids=["per-request", "budget"],
+)
 def test_model_drafts_same_tree_and_stop_early(tiny, opts):
-  """A tiny random model's drafter (flat draft distributions: a deep candidate is never among
-  the few best): the expansion stops before the last level and selects the tree of the full
-  expansion."""
-  cfg, params, prompts = tiny
-  llm = LLM(cfg, params=params, spec_options=opts)
-  state = llm.start_batch(prompts, 16, mode="bole")
-  state = dataclasses.replace(state, done=state.done.at[1].set(True))  # an inactive row
-  (pool_a, t_a), (pool_b, t_b) = (_draft_and_select(llm, state, e) for e in (True, False))
-  assert int(pool_b.levels) == opts["depth"]
-  assert 1 <= int(pool_a.levels) < opts["depth"]
-  act = ~np.asarray(state.done)
-  for f in ("tokens", "parents", "depth", "num_nodes", "score"):
-    np.testing.assert_array_equal(np.asarray(getattr(t_a, f))[act],
-                                  np.asarray(getattr(t_b, f))[act], err_msg=f)
+    """A tiny random model's drafter (flat draft distributions: a deep candidate is never among
+    the few best): the expansion stops before the last level and selects the tree of the full
+    expansion."""
+    cfg, params, prompts = tiny
+    llm = LLM(cfg, params=params, spec_options=opts)
+    state = llm.start_batch(prompts, 16, mode="bole")
+    state = dataclasses.replace(state, done=state.done.at[1].set(True))  # an inactive row
+    (pool_a, t_a), (pool_b, t_b) = (_draft_and_select(llm, state, e) for e in (True, False))
+    assert int(pool_b.levels) == opts["depth"]
+    assert 1 <= int(pool_a.levels) < opts["depth"]
+    act = ~np.asarray(state.done)
+    for f in ("tokens", "parents", "depth", "num_nodes", "score"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(t_a, f))[act], np.asarray(getattr(t_b, f))[act], err_msg=f
+        )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_generation_identical_with_and_without_early_stop(tiny, temperature):
-  cfg, params, prompts = tiny
-  outs = []
-  for early in (True, False):
-    old = step_mod.EARLY_STOP
-    step_mod.EARLY_STOP = early
-    try:
-      llm = LLM(cfg, params=params, spec_options=dict(num_nodes=4, topk=3, depth=5))
-      outs.append(llm.generate(prompts, max_new_tokens=24, spec="bole",
-                               temperature=temperature, seed=5))
-    finally:
-      step_mod.EARLY_STOP = old
-  for a, b in zip(*outs):
-    assert a.token_ids == b.token_ids
+    cfg, params, prompts = tiny
+    outs = []
+    for early in (True, False):
+        old = step_mod.EARLY_STOP
+        step_mod.EARLY_STOP = early
+        try:
+            llm = LLM(cfg, params=params, spec_options=dict(num_nodes=4, topk=3, depth=5))
+            outs.append(
+                llm.generate(
+                    prompts, max_new_tokens=24, spec="bole", temperature=temperature, seed=5
+                )
+            )
+        finally:
+            step_mod.EARLY_STOP = old
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
 
 
 def _dots(eqns, shape):
-  """dot_generals whose rhs has `shape`, also inside pjit / named scopes, not inside while
-  loops (counted per body)."""
-  n = 0
-  for e in eqns:
-    if e.primitive.name == "dot_general" and tuple(e.invars[1].aval.shape) == shape:
-      n += 1
-    if e.primitive.name == "while":
-      continue
-    for p in e.params.values():
-      sub = getattr(p, "jaxpr", None)
-      if sub is not None and hasattr(sub, "eqns"):
-        n += _dots(sub.eqns, shape)
-  return n
+    """dot_generals whose rhs has `shape`, also inside pjit / named scopes, not inside while
+    loops (counted per body)."""
+    n = 0
+    for e in eqns:
+        if e.primitive.name == "dot_general" and tuple(e.invars[1].aval.shape) == shape:
+            n += 1
+        if e.primitive.name == "while":
+            continue
+        for p in e.params.values():
+            sub = getattr(p, "jaxpr", None)
+            if sub is not None and hasattr(sub, "eqns"):
+                n += _dots(sub.eqns, shape)
+    return n
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40])
 def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch):
-  """Catch-up + root top-k outside the loop, then one level per loop iteration: the draft
-  traces mtp_forward and draft_top_k once each outside and once in the level body (one while
-  loop), and the draft head [H, V or V_d] is read by one dot outside and one in the body. So a
-  step makes `levels` MTP calls and `levels` head reads; without the early stop levels = depth."""
-  cfg, params, prompts = tiny
-  llm = LLM(cfg, params=params, spec_options=dict(num_nodes=8, topk=3, depth=5),
-            draft_vocab=draft_vocab)
-  state = llm.start_batch(prompts, 16, mode="bole")
-  spec = llm._spec_config("bole")
-  calls = dict(mtp=0, head=0)
+    """Catch-up + root top-k outside the loop, then one level per loop iteration: the draft
+    traces mtp_forward and draft_top_k once each outside and once in the level body (one while
+    loop), and the draft head [H, V or V_d] is read by one dot outside and one in the body. So a
+    step makes `levels` MTP calls and `levels` head reads; without the early stop levels = depth."""
+    cfg, params, prompts = tiny
+    llm = LLM(
+        cfg, params=params, spec_options=dict(num_nodes=8, topk=3, depth=5), draft_vocab=draft_vocab
+    )
+    state = llm.start_batch(prompts, 16, mode="bole")
+    spec = llm._spec_config("bole")
+    calls = dict(mtp=0, head=0)
 
-  def counted(name, fn):
-    def wrapped(*a, **kw):
-      calls[name] += 1
-      return fn(*a, **kw)
-    return wrapped
+    def counted(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
 
-  monkeypatch.setattr(drafter, "mtp_forward", counted("mtp", drafter.mtp_forward))
-  monkeypatch.setattr(drafter, "draft_top_k", counted("head", drafter.draft_top_k))
-  monkeypatch.setattr(step_mod, "EARLY_STOP", False)
-  fn = lambda p, s: step_mod.draft(p, cfg, spec, s, jax.random.key(0))  # noqa: E731
-  jaxpr = jax.make_jaxpr(fn)(llm.params, state).jaxpr
-  assert calls == dict(mtp=2, head=2)
-  loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
-  assert len(loops) == 1
-  h = cfg.hidden_size
-  if draft_vocab:
-    head = (h, draft_vocab)
-  else:
-    head = (cfg.vocab_size, h) if cfg.tie_word_embeddings else (h, cfg.vocab_size)
-  assert _dots(jaxpr.eqns, head) == 1
-  assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
-  pool, _ = jax.jit(fn)(llm.params, state)
-  assert int(pool.levels) == spec.shape.depth
+        return wrapped
+
+    monkeypatch.setattr(drafter, "mtp_forward", counted("mtp", drafter.mtp_forward))
+    monkeypatch.setattr(drafter, "draft_top_k", counted("head", drafter.draft_top_k))
+    monkeypatch.setattr(step_mod, "EARLY_STOP", False)
+    fn = lambda p, s: step_mod.draft(p, cfg, spec, s, jax.random.key(0))  # noqa: E731
+    jaxpr = jax.make_jaxpr(fn)(llm.params, state).jaxpr
+    assert calls == dict(mtp=2, head=2)
+    loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    assert len(loops) == 1
+    h = cfg.hidden_size
+    if draft_vocab:
+        head = (h, draft_vocab)
+    else:
+        head = (cfg.vocab_size, h) if cfg.tie_word_embeddings else (h, cfg.vocab_size)
+    assert _dots(jaxpr.eqns, head) == 1
+    assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
+    pool, _ = jax.jit(fn)(llm.params, state)
+    assert int(pool.levels) == spec.shape.depth

@@ -19,11 +19,11 @@ from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import (
-  GDNCache,
-  committed_state,
-  pending_nodes,
-  pending_rows,
-  with_pending,
+    GDNCache,
+    committed_state,
+    pending_nodes,
+    pending_rows,
+    with_pending,
 )
 from bole_jax.pallas.factors import PendingCommit, PendingPath
 from bole_jax.spec_decode import tree as tree_mod
@@ -36,24 +36,27 @@ NEW = 64
 
 
 def _prompts(vocab, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(1, vocab, n).tolist() for n in PROMPT_LENS]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, n).tolist() for n in PROMPT_LENS]
 
 
 def _cfg(family, moe=False):
-  # Small vocab so the target is peaky enough for some random-MTP drafts to be right.
-  return ModelConfig.tiny(family, moe=moe, vocab_size=96, mtp_num_layers=1)
+    # Small vocab so the target is peaky enough for some random-MTP drafts to be right.
+    return ModelConfig.tiny(family, moe=moe, vocab_size=96, mtp_num_layers=1)
 
 
-@pytest.fixture(scope="module", params=[("qwen3_next", False), ("qwen3_next", True),
-                                        ("qwen3_5", False)], ids=["next", "next-moe", "q35"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3_next", False), ("qwen3_next", True), ("qwen3_5", False)],
+    ids=["next", "next-moe", "q35"],
+)
 def model(request):
-  family, moe = request.param
-  cfg = _cfg(family, moe)
-  params = init_params(cfg, jax.random.key(1), "float32")
-  prompts = _prompts(cfg.vocab_size)
-  ar = LLM(cfg, params=params).generate(prompts, max_new_tokens=NEW, spec="ar")
-  return cfg, params, prompts, ar
+    family, moe = request.param
+    cfg = _cfg(family, moe)
+    params = init_params(cfg, jax.random.key(1), "float32")
+    prompts = _prompts(cfg.vocab_size)
+    ar = LLM(cfg, params=params).generate(prompts, max_new_tokens=NEW, spec="ar")
+    return cfg, params, prompts, ar
 
 
 SYNTHETIC = dict(synthetic_accept=0.8, num_nodes=16, depth=6)
@@ -61,144 +64,156 @@ SYNTHETIC = dict(synthetic_accept=0.8, num_nodes=16, depth=6)
 
 @pytest.fixture(scope="module")
 def bole_llms(model):
-  """{lazy_commit: LLM} with the synthetic drafter, shared so that each compiles its decode
-  segment once (generate below, then the step-by-step comparison)."""
-  cfg, params, _, _ = model
-  return {lazy: LLM(cfg, params=params, spec_options=dict(SYNTHETIC, lazy_commit=lazy))
-          for lazy in (True, False)}
+    """{lazy_commit: LLM} with the synthetic drafter, shared so that each compiles its decode
+    segment once (generate below, then the step-by-step comparison)."""
+    cfg, params, _, _ = model
+    return {
+        lazy: LLM(cfg, params=params, spec_options=dict(SYNTHETIC, lazy_commit=lazy))
+        for lazy in (True, False)
+    }
 
 
 @pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode", "chain"])
 def test_greedy_spec_equals_ar_synthetic(model, bole_llms, mode):
-  cfg, params, prompts, ar = model
-  if mode != "bole" and (cfg.num_experts or cfg.family != "qwen3_next"):
-    pytest.skip("baselines and the lazy commit differ only in GDN state handling: one family "
-                "covers them")
-  if mode.startswith("bole"):
-    llm, mode = bole_llms[mode == "bole-lazy"], "bole"
-  else:
-    llm = LLM(cfg, params=params, spec_options=SYNTHETIC)
-  out = llm.generate(prompts, max_new_tokens=NEW, spec=mode, oracle=[o.token_ids for o in ar])
-  for a, o in zip(ar, out):
-    assert o.token_ids == a.token_ids
-    assert o.stats["drafter"].startswith("synthetic acceptance")
-  mean_acc = np.mean([o.stats["tokens_per_step"] for o in out])
-  assert mean_acc > 2.0, mean_acc  # deep acceptance really happened
+    cfg, params, prompts, ar = model
+    if mode != "bole" and (cfg.num_experts or cfg.family != "qwen3_next"):
+        pytest.skip(
+            "baselines and the lazy commit differ only in GDN state handling: one family "
+            "covers them"
+        )
+    if mode.startswith("bole"):
+        llm, mode = bole_llms[mode == "bole-lazy"], "bole"
+    else:
+        llm = LLM(cfg, params=params, spec_options=SYNTHETIC)
+    out = llm.generate(prompts, max_new_tokens=NEW, spec=mode, oracle=[o.token_ids for o in ar])
+    for a, o in zip(ar, out):
+        assert o.token_ids == a.token_ids
+        assert o.stats["drafter"].startswith("synthetic acceptance")
+    mean_acc = np.mean([o.stats["tokens_per_step"] for o in out])
+    assert mean_acc > 2.0, mean_acc  # deep acceptance really happened
 
 
 def test_greedy_spec_equals_ar_mtp(model):
-  cfg, params, prompts, ar = model
-  if cfg.num_experts or cfg.family != "qwen3_next":
-    pytest.skip("the synthetic drafter runs this family's MTP head too (catch-up and every "
-                "expansion level; it only overrides one candidate per level): "
-                "test_greedy_spec_equals_ar_synthetic covers it, the unforced drafts are "
-                "family-independent")
-  out = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4)).generate(
-      prompts, max_new_tokens=NEW, spec="bole")
-  for a, o in zip(ar, out):
-    assert o.token_ids == a.token_ids
-    assert o.stats["drafter"] == "mtp"
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip(
+            "the synthetic drafter runs this family's MTP head too (catch-up and every "
+            "expansion level; it only overrides one candidate per level): "
+            "test_greedy_spec_equals_ar_synthetic covers it, the unforced drafts are "
+            "family-independent"
+        )
+    out = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4)).generate(
+        prompts, max_new_tokens=NEW, spec="bole"
+    )
+    for a, o in zip(ar, out):
+        assert o.token_ids == a.token_ids
+        assert o.stats["drafter"] == "mtp"
 
 
 def test_greedy_bole_with_draft_vocab_equals_ar(model):
-  cfg, params, prompts, ar = model
-  if cfg.num_experts or cfg.family != "qwen3_next":
-    pytest.skip("the draft vocabulary only changes the drafter's head: one family covers it")
-  llm = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4), draft_vocab=24)
-  out = llm.generate(prompts, max_new_tokens=NEW, spec="bole")
-  for a, o in zip(ar, out):
-    assert o.token_ids == a.token_ids
-    assert o.stats["drafter"] == "mtp, 24-token draft vocabulary"
-  assert llm.params["mtp"]["draft_head"].shape == (cfg.hidden_size, 24)
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip("the draft vocabulary only changes the drafter's head: one family covers it")
+    llm = LLM(cfg, params=params, spec_options=dict(num_nodes=16, depth=4), draft_vocab=24)
+    out = llm.generate(prompts, max_new_tokens=NEW, spec="bole")
+    for a, o in zip(ar, out):
+        assert o.token_ids == a.token_ids
+        assert o.stats["drafter"] == "mtp, 24-token draft vocabulary"
+    assert llm.params["mtp"]["draft_head"].shape == (cfg.hidden_size, 24)
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_greedy_bole_with_pallas_kernels_equals_ar(model, lazy):
-  """The engine on the Pallas kernels (interpret mode here; the GPU default): the tree verify
-  with the step's static depth bound (tree depth + 1; a request past it would get NaN), the
-  dot-fold commit kernel (eager) or the verify's fold (lazy), the tree conv kernel."""
-  cfg, params, prompts, ar = model
-  if cfg.num_experts or cfg.family != "qwen3_next":
-    pytest.skip("kernel plumbing, not model family: one family covers it")
-  llm = LLM(cfg, params=params, spec_options=dict(SYNTHETIC, backend="pallas", lazy_commit=lazy))
-  out = llm.generate(prompts[:2], max_new_tokens=24, spec="bole",
-                     oracle=[o.token_ids for o in ar[:2]])
-  for a, o in zip(ar, out):
-    assert o.token_ids == a.token_ids[:24]
-  assert np.mean([o.stats["tokens_per_step"] for o in out]) > 2.0
+    """The engine on the Pallas kernels (interpret mode here; the GPU default): the tree verify
+    with the step's static depth bound (tree depth + 1; a request past it would get NaN), the
+    dot-fold commit kernel (eager) or the verify's fold (lazy), the tree conv kernel."""
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip("kernel plumbing, not model family: one family covers it")
+    llm = LLM(cfg, params=params, spec_options=dict(SYNTHETIC, backend="pallas", lazy_commit=lazy))
+    out = llm.generate(
+        prompts[:2], max_new_tokens=24, spec="bole", oracle=[o.token_ids for o in ar[:2]]
+    )
+    for a, o in zip(ar, out):
+        assert o.token_ids == a.token_ids[:24]
+    assert np.mean([o.stats["tokens_per_step"] for o in out]) > 2.0
 
 
 def test_default_mode_is_bole_with_mtp_else_ar():
-  cfg = _cfg("qwen3_next")
-  assert LLM(cfg).default_spec == "bole"
-  cfg0 = ModelConfig.tiny("qwen3_next", vocab_size=96)
-  llm = LLM(cfg0)
-  assert llm.default_spec == "ar"
-  with pytest.raises(ValueError, match="no MTP head"):
-    llm.generate([[1, 2, 3]], max_new_tokens=4, spec="bole")
-  with pytest.raises(ValueError, match="unknown spec mode"):
-    llm.generate([[1, 2, 3]], max_new_tokens=4, spec="medusa")
+    cfg = _cfg("qwen3_next")
+    assert LLM(cfg).default_spec == "bole"
+    cfg0 = ModelConfig.tiny("qwen3_next", vocab_size=96)
+    llm = LLM(cfg0)
+    assert llm.default_spec == "ar"
+    with pytest.raises(ValueError, match="no MTP head"):
+        llm.generate([[1, 2, 3]], max_new_tokens=4, spec="bole")
+    with pytest.raises(ValueError, match="unknown spec mode"):
+        llm.generate([[1, 2, 3]], max_new_tokens=4, spec="medusa")
 
 
 def test_lazy_commit_matches_eager_each_step(model, bole_llms):
-  """Lazy and eager bole commits, stepped side by side from the same prefill (one step per
-  segment: the programs generate compiled above): after every step the lazy cache's committed
-  GDN states apply_pending(state, pending) equal the eager states (fp32, tight), conv states,
-  KV lengths and outputs agree, and both end on AR's tokens."""
-  cfg, params, prompts, ar = model
-  if cfg.num_experts or cfg.family != "qwen3_next":
-    pytest.skip("the commit is the same code for every family: one covers it")
-  oracle = [o.token_ids for o in ar]
-  b = len(prompts)
-  runs = {}
-  for lazy, llm in bole_llms.items():
-    spec = llm._spec_config("bole", b)
-    assert spec.lazy_commit is lazy and spec.pending_length == (7 if lazy else None)
-    state = llm.start_batch(prompts, NEW, mode="bole", oracle=oracle, spec_batch=b)
-    runs[lazy] = [llm.segment_fn("bole", b), state]
-  pending_seen = 0
-  for _ in range(NEW):
-    for run in runs.values():
-      run[1] = run[0](params, run[1], jnp.int32(1))
-    lazy_st, eager_st = runs[True][1], runs[False][1]
-    np.testing.assert_array_equal(lazy_st.out, eager_st.out)
-    np.testing.assert_array_equal(lazy_st.cache.lengths, eager_st.cache.lengths)
-    for c_l, c_e in zip(lazy_st.cache.layers, eager_st.cache.layers):
-      if isinstance(c_l, GDNCache):
-        assert c_e.pending is None and pending_rows(c_l.pending) == 7
-        assert pending_nodes(c_l.pending) == (spec.shape.num_nodes
-                                              if spec.kernels.lazy_rows == "path" else None)
-        pending_seen += int(np.sum(c_l.pending.count))
-        np.testing.assert_allclose(committed_state(c_l), c_e.state, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(c_l.conv, c_e.conv, rtol=1e-5, atol=1e-6)
-    if bool(jnp.all(eager_st.done)):
-      break
-  assert bool(jnp.all(lazy_st.done)) and pending_seen > 0
-  for i, want in enumerate(oracle):
-    assert np.asarray(lazy_st.out[i, :len(want)]).tolist() == want
-  with pytest.raises(ValueError, match="pending commits of"):  # layouts do not mix
-    jax.eval_shape(functools.partial(spec_step, cfg=cfg, spec=bole_llms[False]._spec_config(
-        "bole", b)), params, lazy_st)
+    """Lazy and eager bole commits, stepped side by side from the same prefill (one step per
+    segment: the programs generate compiled above): after every step the lazy cache's committed
+    GDN states apply_pending(state, pending) equal the eager states (fp32, tight), conv states,
+    KV lengths and outputs agree, and both end on AR's tokens."""
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip("the commit is the same code for every family: one covers it")
+    oracle = [o.token_ids for o in ar]
+    b = len(prompts)
+    runs = {}
+    for lazy, llm in bole_llms.items():
+        spec = llm._spec_config("bole", b)
+        assert spec.lazy_commit is lazy and spec.pending_length == (7 if lazy else None)
+        state = llm.start_batch(prompts, NEW, mode="bole", oracle=oracle, spec_batch=b)
+        runs[lazy] = [llm.segment_fn("bole", b), state]
+    pending_seen = 0
+    for _ in range(NEW):
+        for run in runs.values():
+            run[1] = run[0](params, run[1], jnp.int32(1))
+        lazy_st, eager_st = runs[True][1], runs[False][1]
+        np.testing.assert_array_equal(lazy_st.out, eager_st.out)
+        np.testing.assert_array_equal(lazy_st.cache.lengths, eager_st.cache.lengths)
+        for c_l, c_e in zip(lazy_st.cache.layers, eager_st.cache.layers):
+            if isinstance(c_l, GDNCache):
+                assert c_e.pending is None and pending_rows(c_l.pending) == 7
+                assert pending_nodes(c_l.pending) == (
+                    spec.shape.num_nodes if spec.kernels.lazy_rows == "path" else None
+                )
+                pending_seen += int(np.sum(c_l.pending.count))
+                np.testing.assert_allclose(committed_state(c_l), c_e.state, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(c_l.conv, c_e.conv, rtol=1e-5, atol=1e-6)
+        if bool(jnp.all(eager_st.done)):
+            break
+    assert bool(jnp.all(lazy_st.done)) and pending_seen > 0
+    for i, want in enumerate(oracle):
+        assert np.asarray(lazy_st.out[i, : len(want)]).tolist() == want
+    with pytest.raises(ValueError, match="pending commits of"):  # layouts do not mix
+        jax.eval_shape(
+            functools.partial(spec_step, cfg=cfg, spec=bole_llms[False]._spec_config("bole", b)),
+            params,
+            lazy_st,
+        )
 
 
 def test_forward_folds_a_pending_commit():
-  """The model forward (an AR decode step) on a cache with a lazy commit pending equals the
-  forward on the settled cache, and leaves nothing pending. (Prefill runs the same `_gdn_core`
-  with the chunked rule.)"""
-  from serving.test_prefix_cache import random_pending  # tests/ is on sys.path (conftest)
+    """The model forward (an AR decode step) on a cache with a lazy commit pending equals the
+    forward on the settled cache, and leaves nothing pending. (Prefill runs the same `_gdn_core`
+    with the chunked rule.)"""
+    from serving.test_prefix_cache import random_pending  # tests/ is on sys.path (conftest)
 
-  cfg = _cfg("qwen3_next")
-  params = init_params(cfg, jax.random.key(4), "float32")
-  toks = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
-  cache = random_pending(init_cache(cfg, 2, 16, jnp.float32), cfg, 5)
-  fwd = jax.jit(functools.partial(forward, params, cfg))
-  h_lazy, out_lazy = fwd(toks, cache)
-  h_ref, out_ref = fwd(toks, with_pending(cache, cfg, None))
-  np.testing.assert_allclose(h_lazy, h_ref, rtol=1e-5, atol=1e-5)
-  for c, r in zip(out_lazy.layers, out_ref.layers):
-    if isinstance(c, GDNCache):
-      np.testing.assert_array_equal(c.pending.count, 0)
-      np.testing.assert_allclose(committed_state(c), r.state, rtol=1e-5, atol=1e-6)
+    cfg = _cfg("qwen3_next")
+    params = init_params(cfg, jax.random.key(4), "float32")
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 1)), jnp.int32)
+    cache = random_pending(init_cache(cfg, 2, 16, jnp.float32), cfg, 5)
+    fwd = jax.jit(functools.partial(forward, params, cfg))
+    h_lazy, out_lazy = fwd(toks, cache)
+    h_ref, out_ref = fwd(toks, with_pending(cache, cfg, None))
+    np.testing.assert_allclose(h_lazy, h_ref, rtol=1e-5, atol=1e-5)
+    for c, r in zip(out_lazy.layers, out_ref.layers):
+        if isinstance(c, GDNCache):
+            np.testing.assert_array_equal(c.pending.count, 0)
+            np.testing.assert_allclose(committed_state(c), r.state, rtol=1e-5, atol=1e-6)
 
 
 # Jitted, shared by the three modes below (op by op, the bole case alone took 40-100 s on CI).
@@ -210,85 +225,104 @@ _commit = jax.jit(verify.commit, static_argnames=("mode",))
 
 @pytest.mark.parametrize("mode", ["bole", "bole-lazy", "bole-lazy-gather", "pernode"])
 def test_commit_equals_ar_cache(mode):
-  """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
-  its committed states; the pending commit kept as the step's factors and accepted path, or
-  -gather, as the path's gathered rows)."""
-  lazy = mode.startswith("bole-lazy")
-  gather = mode == "bole-lazy-gather"
-  mode = "bole" if lazy else mode
-  cfg = _cfg("qwen3_next")
-  params = init_params(cfg, jax.random.key(2), "float32")
-  rng = np.random.default_rng(5)
-  b, cap, n = 3, 128, 12
-  lens = np.array([7, 3, 12], np.int32)
-  toks = np.zeros((b, 12), np.int32)
-  for i in range(b):
-    toks[i, :lens[i]] = rng.integers(1, cfg.vocab_size, lens[i])
-  cache = init_cache(cfg, b, cap, jnp.float32)
-  hidden, cache = _forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens))
-  root = jnp.argmax(lm_logits(params, cfg, jnp.take_along_axis(
-      hidden, jnp.asarray(lens - 1)[:, None, None], axis=1)[:, 0]), -1).astype(jnp.int32)
-  # AR continuation of 5 tokens after the root.
-  ar_cache, tok, cont = cache, root, []
-  for _ in range(5):  # (num_new all ones: the decode program of the reference run below)
-    h, ar_cache = _forward(params, cfg, tok[:, None], ar_cache, jnp.ones((b,), jnp.int32))
-    tok = jnp.argmax(lm_logits(params, cfg, h[:, 0]), -1).astype(jnp.int32)
-    cont.append(tok)
-  cont = np.stack(cont, 1)  # [B, 5]
-  # Tree: root, a path with the AR tokens for the first `depth_ok[b]` levels, plus distractors.
-  depth_ok = [4, 0, 2]
-  parents = np.full((b, n), -1, np.int32)
-  tokens = np.zeros((b, n), np.int32)
-  for i in range(b):
-    tokens[i, 0] = root[i]
-    prev = 0
-    nodes = 1
-    for d in range(4):
-      # a wrong sibling first, then the right (or wrong when past depth_ok) token
-      parents[i, nodes], tokens[i, nodes] = prev, (cont[i, d] + 1) % cfg.vocab_size
-      nodes += 1
-      parents[i, nodes] = prev
-      tokens[i, nodes] = cont[i, d] if d < depth_ok[i] else (cont[i, d] + 2) % cfg.vocab_size
-      prev = nodes
-      nodes += 1
-  num_nodes = jnp.full((b,), 9, jnp.int32)
-  parents = np.where(np.arange(n)[None] < 9, parents, -1)
-  tree = tree_mod.Tree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents),
-                       depth=tree_mod.depths(jnp.asarray(parents), num_nodes), num_nodes=num_nodes,
-                       score=jnp.zeros((b, n)))
-  if lazy:  # a step's pending: 9 rows (depth 8 + 1) of n nodes; here nothing pending yet
-    cache = with_pending(cache, cfg, 9, None if gather else n)
-  hid, vcache, auxs = _verify(params, cfg, tree, cache, mode=mode)
-  acc = _accept(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
-  np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
-  new = _commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
-  if lazy:  # the commit left the accepted paths pending, the state untouched
-    for c_new, c_old in zip(new.layers, vcache.layers):
-      if isinstance(c_new, GDNCache):
-        np.testing.assert_array_equal(c_new.pending.count, np.array(depth_ok) + 1)
-        np.testing.assert_array_equal(c_new.state, c_old.state)
-        assert isinstance(c_new.pending, PendingCommit if gather else PendingPath)
-    new = dataclasses.replace(new, layers=tuple(
-        GDNCache(conv=c.conv, state=committed_state(c)) if isinstance(c, GDNCache) else c
-        for c in new.layers))
-  # AR reference: feed root + accepted drafts.
-  ref = cache
-  for d in range(max(depth_ok) + 1):
-    step_tok = jnp.asarray(np.where(np.array(depth_ok) >= d,
-                                    np.concatenate([np.asarray(root)[:, None], cont], 1)[:, d], 0))
-    num_new = jnp.asarray((np.array(depth_ok) >= d).astype(np.int32))
-    _, ref = _forward(params, cfg, step_tok[:, None], ref, num_new)
-  np.testing.assert_array_equal(np.asarray(new.lengths), np.asarray(ref.lengths))
-  for c_new, c_ref in zip(new.layers, ref.layers):
-    if isinstance(c_new, GDNCache):
-      np.testing.assert_allclose(c_new.state, c_ref.state, rtol=1e-4, atol=1e-5)
-      # pre-conv inputs: projections of 12 rows vs 1 row differ by matmul rounding only
-      np.testing.assert_allclose(c_new.conv, c_ref.conv, rtol=1e-4, atol=1e-5)
-    else:
-      for i in range(b):
-        L = int(ref.lengths[i])
-        np.testing.assert_allclose(c_new.k[i, :L], c_ref.k[i, :L], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(c_new.v[i, :L], c_ref.v[i, :L], rtol=1e-4, atol=1e-5)
-  # The bonus token is AR's next token after the accepted run.
-  expect_bonus = [cont[i, depth_ok[i]] for i in range(b)]
-  np.testing.assert_array_equal(np.asarray(acc.bonus), expect_bonus)
+    """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
+    its committed states; the pending commit kept as the step's factors and accepted path, or
+    -gather, as the path's gathered rows)."""
+    lazy = mode.startswith("bole-lazy")
+    gather = mode == "bole-lazy-gather"
+    mode = "bole" if lazy else mode
+    cfg = _cfg("qwen3_next")
+    params = init_params(cfg, jax.random.key(2), "float32")
+    rng = np.random.default_rng(5)
+    b, cap, n = 3, 128, 12
+    lens = np.array([7, 3, 12], np.int32)
+    toks = np.zeros((b, 12), np.int32)
+    for i in range(b):
+        toks[i, : lens[i]] = rng.integers(1, cfg.vocab_size, lens[i])
+    cache = init_cache(cfg, b, cap, jnp.float32)
+    hidden, cache = _forward(params, cfg, jnp.asarray(toks), cache, jnp.asarray(lens))
+    root = jnp.argmax(
+        lm_logits(
+            params,
+            cfg,
+            jnp.take_along_axis(hidden, jnp.asarray(lens - 1)[:, None, None], axis=1)[:, 0],
+        ),
+        -1,
+    ).astype(jnp.int32)
+    # AR continuation of 5 tokens after the root.
+    ar_cache, tok, cont = cache, root, []
+    for _ in range(5):  # (num_new all ones: the decode program of the reference run below)
+        h, ar_cache = _forward(params, cfg, tok[:, None], ar_cache, jnp.ones((b,), jnp.int32))
+        tok = jnp.argmax(lm_logits(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+        cont.append(tok)
+    cont = np.stack(cont, 1)  # [B, 5]
+    # Tree: root, a path with the AR tokens for the first `depth_ok[b]` levels, plus distractors.
+    depth_ok = [4, 0, 2]
+    parents = np.full((b, n), -1, np.int32)
+    tokens = np.zeros((b, n), np.int32)
+    for i in range(b):
+        tokens[i, 0] = root[i]
+        prev = 0
+        nodes = 1
+        for d in range(4):
+            # a wrong sibling first, then the right (or wrong when past depth_ok) token
+            parents[i, nodes], tokens[i, nodes] = prev, (cont[i, d] + 1) % cfg.vocab_size
+            nodes += 1
+            parents[i, nodes] = prev
+            tokens[i, nodes] = cont[i, d] if d < depth_ok[i] else (cont[i, d] + 2) % cfg.vocab_size
+            prev = nodes
+            nodes += 1
+    num_nodes = jnp.full((b,), 9, jnp.int32)
+    parents = np.where(np.arange(n)[None] < 9, parents, -1)
+    tree = tree_mod.Tree(
+        tokens=jnp.asarray(tokens),
+        parents=jnp.asarray(parents),
+        depth=tree_mod.depths(jnp.asarray(parents), num_nodes),
+        num_nodes=num_nodes,
+        score=jnp.zeros((b, n)),
+    )
+    if lazy:  # a step's pending: 9 rows (depth 8 + 1) of n nodes; here nothing pending yet
+        cache = with_pending(cache, cfg, 9, None if gather else n)
+    hid, vcache, auxs = _verify(params, cfg, tree, cache, mode=mode)
+    acc = _accept(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
+    np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
+    new = _commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
+    if lazy:  # the commit left the accepted paths pending, the state untouched
+        for c_new, c_old in zip(new.layers, vcache.layers):
+            if isinstance(c_new, GDNCache):
+                np.testing.assert_array_equal(c_new.pending.count, np.array(depth_ok) + 1)
+                np.testing.assert_array_equal(c_new.state, c_old.state)
+                assert isinstance(c_new.pending, PendingCommit if gather else PendingPath)
+        new = dataclasses.replace(
+            new,
+            layers=tuple(
+                GDNCache(conv=c.conv, state=committed_state(c)) if isinstance(c, GDNCache) else c
+                for c in new.layers
+            ),
+        )
+    # AR reference: feed root + accepted drafts.
+    ref = cache
+    for d in range(max(depth_ok) + 1):
+        step_tok = jnp.asarray(
+            np.where(
+                np.array(depth_ok) >= d,
+                np.concatenate([np.asarray(root)[:, None], cont], 1)[:, d],
+                0,
+            )
+        )
+        num_new = jnp.asarray((np.array(depth_ok) >= d).astype(np.int32))
+        _, ref = _forward(params, cfg, step_tok[:, None], ref, num_new)
+    np.testing.assert_array_equal(np.asarray(new.lengths), np.asarray(ref.lengths))
+    for c_new, c_ref in zip(new.layers, ref.layers):
+        if isinstance(c_new, GDNCache):
+            np.testing.assert_allclose(c_new.state, c_ref.state, rtol=1e-4, atol=1e-5)
+            # pre-conv inputs: projections of 12 rows vs 1 row differ by matmul rounding only
+            np.testing.assert_allclose(c_new.conv, c_ref.conv, rtol=1e-4, atol=1e-5)
+        else:
+            for i in range(b):
+                L = int(ref.lengths[i])
+                np.testing.assert_allclose(c_new.k[i, :L], c_ref.k[i, :L], rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(c_new.v[i, :L], c_ref.v[i, :L], rtol=1e-4, atol=1e-5)
+    # The bonus token is AR's next token after the accepted run.
+    expect_bonus = [cont[i, depth_ok[i]] for i in range(b)]
+    np.testing.assert_array_equal(np.asarray(acc.bonus), expect_bonus)

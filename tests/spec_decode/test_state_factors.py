@@ -56,22 +56,38 @@ def test_commit_every_node(case, seed):
     _check_commit_every_node(seed, *shape, backend="reference", max_path=max_path)
 
 
-@pytest.mark.parametrize("n,hk,hv,dk,dv,kinds,max_path", [
-    (1, 1, 1, 16, 16, ("random",), None),
-    (9, 2, 4, 16, 32, ("chain", "star", "forest"), None),
-    (33, 2, 4, 16, 16, ("random",), 8),
-    (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
-])
+@pytest.mark.parametrize(
+    "n,hk,hv,dk,dv,kinds,max_path",
+    [
+        (1, 1, 1, 16, 16, ("random",), None),
+        (9, 2, 4, 16, 32, ("chain", "star", "forest"), None),
+        (33, 2, 4, 16, 16, ("random",), 8),
+        (40, 1, 2, 24, 16, ("deep", "random", "bushy"), None),
+    ],
+)
 @pytest.mark.parametrize("fold", ["loop", "dot", "unroll"])
 def test_commit_kernel_every_node(n, hk, hv, dk, dv, kinds, max_path, fold):
     """The Pallas commit (interpret mode) matches the recurrence's state at every node, with the
     rows added by the rank-1 loop, by the dot and unrolled."""
-    _check_commit_every_node(RUN_SEED, n, hk, hv, dk, dv, kinds, backend="pallas",
-                             interpret=True, block_v=16, max_path=max_path, fold=fold)
+    _check_commit_every_node(
+        RUN_SEED,
+        n,
+        hk,
+        hv,
+        dk,
+        dv,
+        kinds,
+        backend="pallas",
+        interpret=True,
+        block_v=16,
+        max_path=max_path,
+        fold=fold,
+    )
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas", "pallas-dot", "pallas-unroll",
-                                     "pallas-auto"])
+@pytest.mark.parametrize(
+    "backend", ["reference", "pallas", "pallas-dot", "pallas-unroll", "pallas-auto"]
+)
 def test_commit_with_the_callers_path(backend):
     """A decode step hands the accepted path it already holds (root first, like
     `Accepted.path`, junk past count): the same state as the walk up the parents, for every
@@ -93,11 +109,12 @@ def test_commit_with_the_callers_path(backend):
         width = int(count.max()) + 2
         path = rng.integers(-5, n + 5, (b, width)).astype(np.int32)  # junk past count
         for r in range(b):
-            path[r, :count[r]] = walk[r, :count[r]][::-1]  # root first
+            path[r, : count[r]] = walk[r, : count[r]][::-1]  # root first
         # -1 requests: a nonzero count must still keep the state
         count_in = np.where(acc < 0, 2, count).astype(np.int32)
-        new = np.asarray(commit_state(x["state"], factors, parents, acc, path=path,
-                                      count=count_in, **kw))
+        new = np.asarray(
+            commit_state(x["state"], factors, parents, acc, path=path, count=count_in, **kw)
+        )
         for r in range(b):
             want = x["state"][r] if acc[r] < 0 else states[r, acc[r]]
             assert rel(new[r], want) <= 1e-4, f"seed {RUN_SEED} request {r} accepted {acc[r]}"
@@ -105,25 +122,39 @@ def test_commit_with_the_callers_path(backend):
         commit_state(x["state"], factors, parents, acc, path=path, **kw)
 
 
-@pytest.mark.parametrize("n,path_len,fold", [(8, None, "loop"), (9, 9, "loop"), (9, 9, "dot"),
-                                              (7, 3, "dot"), (40, None, "dot"),
-                                              (9, 9, "unroll"), (40, None, "auto"),
-                                              (64, 9, "auto")])
+@pytest.mark.parametrize(
+    "n,path_len,fold",
+    [
+        (8, None, "loop"),
+        (9, 9, "loop"),
+        (9, 9, "dot"),
+        (7, 3, "dot"),
+        (40, None, "dot"),
+        (9, 9, "unroll"),
+        (40, None, "auto"),
+        (64, 9, "auto"),
+    ],
+)
 def test_commit_kernel_lowers_to_triton(n, path_len, fold):
     """The GPU kernel lowers, also for node counts and caller paths (an engine's depth + 1) that
     are not powers of two."""
     b, hk, hv, d = 2, 2, 4, 128
-    factors = tree_gdn_ref.TreeFactors(k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)),
-                                       gamma=jnp.zeros((b, n, hv)))
+    factors = tree_gdn_ref.TreeFactors(
+        k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)), gamma=jnp.zeros((b, n, hv))
+    )
     state = jnp.zeros((b, hv, d, d))
     parents = jnp.zeros((b, n), jnp.int32)
     acc = jnp.zeros((b,), jnp.int32)
-    kw = {} if path_len is None else dict(path=jnp.zeros((b, path_len), jnp.int32),
-                                          count=jnp.ones((b,), jnp.int32))
-    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False, fold=fold,
-                                         **kw))
-    assert "bole_commit_state" in fn.trace(state, factors, parents, acc).lower(
-        lowering_platforms=("cuda",)).as_text()
+    kw = (
+        {}
+        if path_len is None
+        else dict(path=jnp.zeros((b, path_len), jnp.int32), count=jnp.ones((b,), jnp.int32))
+    )
+    fn = jax.jit(lambda *a: commit_state(*a, backend="pallas", interpret=False, fold=fold, **kw))
+    assert (
+        "bole_commit_state"
+        in fn.trace(state, factors, parents, acc).lower(lowering_platforms=("cuda",)).as_text()
+    )
 
 
 def test_commit_root_only_and_keep():
@@ -150,8 +181,9 @@ def test_accepted_path_walks_to_root():
     np.testing.assert_array_equal(accepted_path(parents, np.array([-1]), 2), [[-1, -1]])
 
 
-@pytest.mark.parametrize("n,kinds", [(1, ("random",)), (6, ("chain", "star")),
-                                     (40, ("forest", "deep", "bushy"))])
+@pytest.mark.parametrize(
+    "n,kinds", [(1, ("random",)), (6, ("chain", "star")), (40, ("forest", "deep", "bushy"))]
+)
 def test_commit_conv_state_every_node(n, kinds):
     seed = RUN_SEED
     rng = np.random.default_rng(seed)
@@ -173,8 +205,9 @@ def test_commit_conv_state_every_node(n, kinds):
             np.testing.assert_array_equal(new[b], want, err_msg=f"seed {seed} node {acc[b]}")
     win = tree_conv.node_conv_states_ref(x, cs, parents)  # the same per node
     acc = (num_nodes - 1).astype(np.int32)
-    np.testing.assert_array_equal(commit_conv_state(cs, x, parents, acc),
-                                  np.asarray(win)[np.arange(3), acc])
+    np.testing.assert_array_equal(
+        commit_conv_state(cs, x, parents, acc), np.asarray(win)[np.arange(3), acc]
+    )
 
 
 def test_commit_launch_policy():
@@ -182,6 +215,7 @@ def test_commit_launch_policy():
     B < 4 and for long walks; block_v None: 64 columns for the unrolled fold at B >= 16, else
     32; explicit values win."""
     from bole_jax.pallas.tree_gdn_commit import UNROLL_MAX_ROWS, commit_launch
+
     assert commit_launch(16, 9) == ("unroll", 64)
     assert commit_launch(4, 9) == ("unroll", 32)
     assert commit_launch(1, 9) == ("dot", 32)
