@@ -7,9 +7,16 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The user cache (calibration tables, compiled programs) belongs to the user: a table there would
+# change the engine's default mode under the tests. One fresh folder per test session instead
+# (subprocesses inherit it); BOLE_JAX_TESTS_KEEP_CACHE=1 keeps the caller's.
+if not os.environ.get("BOLE_JAX_TESTS_KEEP_CACHE"):
+    os.environ["BOLE_JAX_CACHE"] = tempfile.mkdtemp(prefix="bole_jax_test_cache_")
 
 # The tests are compile-bound (tiny shapes), and XLA:CPU compile time is mostly LLVM optimisation:
 # O0 code generation compiles about a third faster. Set before JAX creates its CPU client;
