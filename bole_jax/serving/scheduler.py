@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
@@ -88,7 +89,6 @@ from bole_jax.serving.requests import (
 )
 from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher  # noqa: F401
 from bole_jax.spec_decode import loop
-from bole_jax.model import logits as lm_logits
 from bole_jax.spec_decode.loop import DecodeState, Logprobs, token_logprobs
 from bole_jax.spec_decode.step import SPEC_MODES
 

@@ -18,12 +18,12 @@ import pytest
 
 from bole_jax import LLM
 from bole_jax.serving import cli
-from bole_jax.serving.prefix_cache import block_bytes
 from bole_jax.serving.memory import plan_memory, plan_slots, slot_bytes
+from bole_jax.serving.prefix_cache import block_bytes
 from bole_jax.serving.requests import RequestParams
 from bole_jax.serving.scheduler import Scheduler
-from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher
 from bole_jax.serving.server import ChatTemplate, OpenAIServer, build_server
+from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher
 from bole_jax.spec_decode.step import SpecConfig
 
 PROMPTS = ["def add(a, b):", "Hello world", "import numpy as np\n"]
