@@ -76,8 +76,9 @@ class ChatTemplate:
                 named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
                 source = named.get("default") or next(iter(named.values()), None)
             bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        # transformers' precedence: a chat_template.jinja file wins over tokenizer_config.json's
         jinja_file = folder / "chat_template.jinja" if folder is not None else None
-        if source is None and jinja_file is not None and jinja_file.exists():
+        if jinja_file is not None and jinja_file.exists():
             source = jinja_file.read_text(encoding="utf-8")
         return cls(source if isinstance(source, str) else None, tokenizer, bos, eos)
 

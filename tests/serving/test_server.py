@@ -131,6 +131,18 @@ def slow_engine(server):
 
 
 # ------------------------------------------------------------------ host-side text
+def test_chat_template_jinja_file_wins_over_tokenizer_config(tmp_path, llm):
+    """transformers' precedence: chat_template.jinja beats tokenizer_config.json's chat_template."""
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "CONFIG{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    )
+    assert ChatTemplate.from_folder(tmp_path, llm.tokenizer).render(CHAT).startswith("CONFIG")
+    (tmp_path / "chat_template.jinja").write_text(
+        "JINJA{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    assert ChatTemplate.from_folder(tmp_path, llm.tokenizer).render(CHAT) == "JINJAWrite a haiku."
+
+
 def test_incremental_detokenizer_never_splits_utf8(llm):
     text = "héllo 日本語 😀 naïve — ok"
     ids = llm.tokenizer.encode(text)
