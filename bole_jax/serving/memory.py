@@ -22,7 +22,7 @@ def slot_bytes(
     gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer,
                   and with the lazy bole commit its pending commit: the step's factors of N
                   nodes (keys in the model dtype, k_scale, u, gamma) and its accepted path
-                  (`PendingPath`), or with BOLE_LAZY_ROWS=gather the path's depth + 1 rows (k, u,
+                  (`PendingPath`), or with KernelOptions(lazy_rows="gather") the path's depth + 1 rows (k, u,
                   w, and p_sel); the count and accepted node are among the per-row scalars.
     drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
     output:       the [max_context] int32 output row and per-row scalars.
