@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec",
         default=None,
         choices=SPEC_CHOICES,
-        help="decoding mode (default: bole when the model has an MTP head, else ar)",
+        help="decoding mode (default: the fastest measured for this model and batch by `bole-jax calibrate`, else ar)",
     )
     g.add_argument(
         "--dtype",
@@ -672,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec",
         default=None,
         choices=["ar", "bole", "pernode", "chain"],
-        help="decoding mode (default: bole when the model has an MTP head, else ar)",
+        help="decoding mode (default: the fastest measured for this model and batch by `bole-jax calibrate`, else ar)",
     )
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax.measure import calibrate as calibrate_mod
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.mtp import require_mtp
@@ -194,7 +195,8 @@ class Scheduler:
 
     Args:
       llm: a loaded `bole_jax.LLM` (its spec_options fix the tree shape of the spec modes).
-      mode: "ar", "bole", "pernode" or "chain" (default: llm.default_spec).
+      mode: "ar", "bole", "pernode" or "chain" (default: the calibration table's choice for
+        max_batch, else ar; `measure.calibrate.decode_mode`).
       max_batch: upper bound on the slots (decode rows); memory may allow fewer.
       max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
         8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
@@ -240,7 +242,9 @@ class Scheduler:
     ):
         self.llm = llm
         cfg = llm.cfg
-        self.mode = mode or llm.default_spec
+        # No mode given: the calibrated choice at the slots' batch bucket, as LLM.generate makes it
+        # (the table's fastest of ar / chain / bole; ar without a table).
+        self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch)
         if self.mode not in ("ar",) + SPEC_MODES:
             raise ValueError(
                 f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"

@@ -295,7 +295,7 @@ def test_cli_help_shows_every_default():
         a.dest: fmt._get_help_string(a) for a in g._actions for fmt in [g.formatter_class("g")]
     }
     assert "(default: %(default)s)" in helps["temperature"]  # 0.0 is a value, not "unset"
-    assert "default: bole when the model has an MTP head" in helps["spec"]
+    assert "default: the fastest measured" in helps["spec"]
 
 
 def test_cli_version(capsys):
