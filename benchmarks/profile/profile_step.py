@@ -71,8 +71,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bole_jax import compile_cache  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
-from bole_jax.measure.env import enable_compile_cache, environment, progress_bar  # noqa: E402
+from bole_jax.measure.env import environment, progress_bar  # noqa: E402
 from bole_jax.model import parallel  # noqa: E402
 
 STAGES = bench.STAGES  # draft select verify accept commit emit
@@ -835,8 +836,7 @@ def run(a) -> dict:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     env = environment()
-    if a.compile_cache.lower() != "none":
-        enable_compile_cache(a.compile_cache)
+    compile_cache.enable(a.compile_cache)  # "none" = off
     e2e = _e2e_args(a)
     stages = [s for s in STAGES if s in a.programs]
     spec_wanted = bool(stages) or "step" in a.programs

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax import compile_cache
 from bole_jax.measure.calibrate import (  # noqa: F401
     _copy,
     expected_tokens_per_step,
@@ -25,7 +26,7 @@ from bole_jax.measure.calibrate import (  # noqa: F401
     timed_segment,
 )
 from bole_jax.measure.calibrate import derive_state as _derive_state
-from bole_jax.measure.env import enable_compile_cache, environment, progress_bar
+from bole_jax.measure.env import environment, progress_bar
 from bole_jax.model import ModelConfig, parallel
 from bole_jax.model.cache import GDNCache
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
@@ -759,8 +760,8 @@ def run_e2e(a) -> dict:
     t_start = time.perf_counter()
     _check_e2e_args(a)
     deadline = t_start + a.time_budget
-    if a.compile_cache and a.compile_cache.lower() != "none":
-        enable_compile_cache(a.compile_cache)
+    if a.compile_cache:  # the CLI has already enabled it; idempotent ("none" = off)
+        compile_cache.enable(a.compile_cache)
     env = environment()
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if env["platform"] == "cpu":

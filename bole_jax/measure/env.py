@@ -84,9 +84,3 @@ def progress_bar(total: int, desc: str, unit: str = "it"):
     except ImportError:
         return _TextBar(total, desc)
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
-
-
-def enable_compile_cache(path) -> None:
-    """Persistent XLA compilation cache: a second run of the same programs skips compilation."""
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
