@@ -72,7 +72,7 @@ from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.mtp import require_mtp
 from bole_jax.sampling import validate_sampling
-from bole_jax.serving.memory import MemoryPlan, plan_memory, plan_slots, slot_bytes  # noqa: F401
+from bole_jax.serving.memory import plan_memory, slot_bytes
 from bole_jax.serving.metrics import Metrics
 from bole_jax.serving.prefix_cache import (
     Entry,
@@ -85,10 +85,9 @@ from bole_jax.serving.prefix_cache import (
 from bole_jax.serving.requests import (
     Request,
     RequestError,
-    RequestParams,  # noqa: F401
+    RequestParams,
     TokenLogprob,
 )
-from bole_jax.serving.text import IncrementalDetokenizer, StopMatcher  # noqa: F401
 from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.loop import DecodeState, Logprobs, token_logprobs
 from bole_jax.spec_decode.step import SPEC_MODES

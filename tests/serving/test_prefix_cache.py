@@ -175,8 +175,8 @@ def test_memory_estimates_are_per_device_under_tp():
     import dataclasses
 
     from bole_jax.model import ModelConfig
+    from bole_jax.serving.memory import slot_bytes
     from bole_jax.serving.prefix_cache import block_bytes
-    from bole_jax.serving.scheduler import slot_bytes
     from bole_jax.spec_decode.step import SpecConfig
 
     cfg = ModelConfig.tiny(
