@@ -99,7 +99,10 @@ def write_json(path, payload: dict) -> None:
 # Offline decode throughput of every mode side by side (`bole-jax bench`,
 # benchmarks/bench_e2e.py). docs/budget.md explains the method.
 
-E2E_MODES = ("ar", "bole", "pernode", "chain")
+E2E_MODES = ("ar", "bole", "pernode", "chain", "engine")
+# "engine": what `LLM.generate` decodes with when no mode is given (the calibration table's best
+# configuration over ar / chain / bole for the batch, `budget.choice_for(mode=None)`), timed as
+# its own point so that the choice can be compared with the modes it chose between.
 FULL_BATCHES = (1, 4, 16, 32, 64)
 QUICK_BATCHES = (1,)
 QUICK_TIME_BUDGET = 75.0  # seconds: `bench --quick` ends within about this (plus the last point)
@@ -636,21 +639,21 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
 
     b = len(ids)
     dtype = params["embed"].dtype
+    kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
+    nv = (
+        int(params["mtp"]["draft_ids"].shape[0])
+        if draft_vocab_mod.has_draft_vocab(params)
+        else None
+    )
+    ident = budget_mod.model_identity(
+        cfg,
+        dtype,
+        a.model,
+        draft_vocab=nv,
+        drafter="mtp" if p is None else f"synthetic p={p:.4f}",
+    )
+    cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
     if a.nodes == "auto":
-        kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
-        nv = (
-            int(params["mtp"]["draft_ids"].shape[0])
-            if draft_vocab_mod.has_draft_vocab(params)
-            else None
-        )
-        ident = budget_mod.model_identity(
-            cfg,
-            dtype,
-            a.model,
-            draft_vocab=nv,
-            drafter="mtp" if p is None else f"synthetic p={p:.4f}",
-        )
-        cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
         choice = budget_mod.choice_for(
             cfg,
             dtype,
@@ -664,8 +667,26 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     else:
         choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
     k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
-    llms = {}
+    llms, real, echoice = {}, {}, None
     for m in (["ar"] if run_ar else []) + spec_modes:
+        if m == "engine":
+            echoice = budget_mod.choice_for(
+                cfg,
+                dtype,
+                b,
+                calibration=a.calibration,
+                model_dir=a.model,
+                kv=kv_guess,
+                mode=None,
+                identity=ident,
+                command=cmd,
+            )
+            real[m] = echoice.mode
+            opts = dict(echoice.spec_options(), backend=a.backend, synthetic_accept=p)
+            if echoice.mode == "ar":
+                opts = {}
+            llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
+            continue
         opts = (
             {}
             if m == "ar"
@@ -680,13 +701,16 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
             )
         )
         llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
-    specs = {m: llms[m]._spec_config(m) for m in spec_modes}
+    mode_of = lambda m: real.get(m, m)  # noqa: E731
+    specs = {m: llms[m]._spec_config(mode_of(m)) for m in spec_modes if mode_of(m) != "ar"}
     slack = {m: specs[m].slack if m in specs else 0 for m in llms}
     # The prefill is done once, laid out for the mode with the most MTP draft scratch.
     base = max(llms, key=lambda m: specs[m].shape.draft_slots if m in specs else -1)
     return dict(
         ids=ids,
         choice=choice,
+        engine_choice=echoice,
+        real=real,
         llms=llms,
         specs=specs,
         base_mode=base,
@@ -696,9 +720,10 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
 
 def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
     m, b = pl["base_mode"], len(pl["ids"])
-    oracle = [[0]] * b if synthetic and m != "ar" else None  # the AR run fills it in later
+    rm = pl["real"].get(m, m)
+    oracle = [[0]] * b if synthetic and rm != "ar" else None  # the AR run fills it in later
     st = pl["llms"][m].start_batch(
-        pl["ids"], gen, mode=m, extra_capacity=pl["extra_capacity"], oracle=oracle
+        pl["ids"], gen, mode=rm, extra_capacity=pl["extra_capacity"], oracle=oracle
     )
     if not stop_at_eos:
         # EOS is an ordinary token here, the first one included: only padding rows (nothing
@@ -823,13 +848,16 @@ def run_e2e(a) -> dict:
     order = sorted(((b, m) for b in a.batch for m in plan[b]["llms"]), key=lambda bm: bm[1] != "ar")
     for b, m in order:
         pl = plan[b]
+        rm = pl["real"].get(m, m)
         shapes = parallel.annotate(
-            jax.eval_shape(lambda s: _derive_state(s, m, pl["specs"].get(m), cfg), bases[b]), cfg
+            jax.eval_shape(lambda s: _derive_state(s, rm, pl["specs"].get(m), cfg), bases[b]), cfg
         )
-        low = pl["llms"][m].segment_fn(m).lower(params, shapes, jnp.int32(0))
+        low = pl["llms"][m].segment_fn(rm).lower(params, shapes, jnp.int32(0))
         jobs[b, m] = workers.submit(low.compile)
     if bd_batch:
         for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
+            if m == "engine":  # the chosen configuration's stages are those of its mode
+                continue
             spec = plan[bd_batch]["specs"][m]
             shapes = parallel.annotate(
                 jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg), bases[bd_batch]), cfg
@@ -888,7 +916,7 @@ def run_e2e(a) -> dict:
                 else "not compiled"
                 if (b, m) not in progs
                 else "no AR oracle"
-                if m != "ar" and p is not None and oracle is None
+                if pl["real"].get(m, m) != "ar" and p is not None and oracle is None
                 else None
             )
             if reason:
@@ -897,7 +925,8 @@ def run_e2e(a) -> dict:
             spec = pl["specs"].get(m)
             try:
                 run = progs[b, m]
-                state = _derive_state(base, m, spec, cfg, oracle if p is not None else None)
+                rm = pl["real"].get(m, m)
+                state = _derive_state(base, rm, spec, cfg, oracle if p is not None else None)
                 r, state = timed_segment(run, params, state, a.warm, a.steps, n)
                 if prof_steps:  # after the timed window: the trace's overhead stays out of it
                     try:
@@ -924,21 +953,32 @@ def run_e2e(a) -> dict:
                 diverge = [None if x.all() else int(np.argmin(x)) for x in same]
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
+            ec = pl["engine_choice"] if m == "engine" else None
             row = dict(
                 mode=m,
                 batch=b,
                 nodes=nodes,
                 budget=(spec.budget if spec else None) or "-",
-                width_from=pl["choice"].source if spec and m != "chain" else "-",
+                width_from=(
+                    ec.source if ec else pl["choice"].source if spec and m != "chain" else "-"
+                ),
+                chosen=(
+                    None
+                    if ec is None
+                    else ec.mode
+                    if ec.mode == "ar"
+                    else f"{ec.mode} N={spec.shape.num_nodes} d={spec.shape.depth}"
+                    + (f" K={spec.budget}" if spec.budget else "")
+                ),
                 **{k: v for k, v in r.items() if k != "batch"},
                 ar_agreement=agree,
                 ar_first_divergence=diverge,
                 kv_capacity=cap,
-                **memory_per_request(cfg, m, nodes if spec else 0, cap, dtype),
+                **memory_per_request(cfg, rm, nodes if spec else 0, cap, dtype),
             )
             if p is not None and spec is not None:
                 row["expected_tokens_per_step"] = expected_tokens_per_step(
-                    p, min(a.depth, nodes - 1)
+                    p, min(spec.shape.depth, nodes - 1)
                 )
             rows.append(row)
             diverged += [
@@ -1019,6 +1059,8 @@ def run_e2e(a) -> dict:
     ]
     if p is not None:
         cols.insert(8, "expected_tokens_per_step")
+    if any(r["mode"] == "engine" for r in rows):
+        cols.insert(2, "chosen")
     if env["platform"] == "cpu":
         print(f"\n{CPU_NOTE}")
     print(

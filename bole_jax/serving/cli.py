@@ -23,8 +23,8 @@ import sys
 
 from bole_jax import compile_cache
 
-BENCH_MODES = ("ar", "bole", "pernode", "chain")
-SPEC_CHOICES = BENCH_MODES
+SPEC_CHOICES = ("ar", "bole", "pernode", "chain")
+BENCH_MODES = (*SPEC_CHOICES, "engine")  # engine: the default choice (the calibration table's)
 XLA_CACHE = compile_cache.flag_default()  # persistent compilation cache of every command
 
 

@@ -699,7 +699,9 @@ def test_bench_e2e_tiny(tmp_path):
     res = bench.run_e2e(args)
     assert res["errors"] == [] and res["skipped"] == []
     rows = {r["mode"]: r for r in res["rows"]}
-    assert set(rows) == {"ar", "bole", "pernode", "chain"}
+    assert set(rows) == {"ar", "bole", "pernode", "chain", "engine"}
+    # no calibration table in this session's cache: the engine decodes with AR
+    assert rows["engine"]["chosen"] == "ar" and rows["engine"]["tokens_per_step"] == 1.0
     for m, r in rows.items():
         assert r["ar_agreement"] == 1.0, m  # greedy fp32: lossless, also with the budget binding
         assert r["ar_first_divergence"] == [None, None], m
@@ -713,7 +715,44 @@ def test_bench_e2e_tiny(tmp_path):
     assert bd["commit_kind"] == "eager"  # SpecConfig.lazy_commit is off by default (--lazy-commit)
     saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
     assert {"device", "jax", "git_commit"} <= set(saved["env"]) and saved["command"]
-    assert len(saved["rows"]) == 4
+    assert len(saved["rows"]) == 5
+
+
+@pytest.mark.parametrize("winner", ["chain", "bole"])
+def test_bench_engine_row_decodes_with_the_table_choice(tmp_path, winner):
+    """`bench --modes engine`: the engine's own choice from a calibration table (here one that
+    says the tree loses at this batch, or wins), timed as its own point, lossless against AR."""
+    from bole_jax.model.presets import preset
+
+    cfg = preset("tiny", mtp=True)
+    fast = dict(chain=(0.5, 0.9), bole=(0.9, 0.5))[winner]  # (chain, bole N=4) step ms
+    entries = [
+        dict(
+            batch=2,
+            kv=1024,
+            candidates=[
+                cand("ar", 1, 0.5),
+                cand("chain", 3, fast[0], depth=2),
+                cand("bole", 4, fast[1], depth=2, topk=2),
+            ],
+        )
+    ]
+    accept = {"chain d=2": dict(tokens_per_step=2.0), "bole N=4 d=2 k=2": dict(tokens_per_step=2.0)}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(hand_table(cfg, jnp.float32, entries, accept)))
+    args = cli.build_parser().parse_args(
+        ["bench", "--preset", "tiny", "--dtype", "float32", "--batch", "2", "--quick"]
+        + ["--compile-cache", "none", "--compile-workers", "2", "--depth", "2", "--topk", "2"]
+        + ["--modes", "ar", "engine", "--accept-mean", "2.5", "--time-budget", "900"]
+        + ["--calibration", str(path), "--out", str(tmp_path), "--no-plots"]
+    )
+    res = bench.run_e2e(args)
+    assert res["errors"] == [] and res["skipped"] == []
+    rows = {r["mode"]: r for r in res["rows"]}
+    e = rows["engine"]
+    want = "chain N=3 d=2 K=6" if winner == "chain" else "bole N=4 d=2 K=8"
+    assert e["chosen"] == want and e["width_from"] == str(path)
+    assert e["ar_agreement"] == 1.0 and e["tokens_per_step"] > 1.0
 
 
 def test_park_on_host_round_trip():
