@@ -545,6 +545,9 @@ def _check_e2e_args(a) -> None:
     a.budget = _int_or(a.budget, "--budget", ("auto", "none"))
     if a.nodes != "auto" and a.nodes > MAX_NODES:
         raise ValueError(f"--nodes {a.nodes} is above {MAX_NODES} (the Pallas tree kernels' limit)")
+    ctx = getattr(a, "context", None)
+    if ctx is not None and (ctx < 64 or ctx & (ctx - 1)):
+        raise ValueError(f"--context must be a power of two >= 64, got {ctx}")
     if a.accept_prob is not None and not 0.0 < a.accept_prob <= 1.0:
         raise ValueError(f"--accept-prob must lie in (0, 1], got {a.accept_prob}")
     a.modes = list(dict.fromkeys(a.modes))
@@ -638,6 +641,10 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     from bole_jax.spec_decode import budget as budget_mod
 
     b = len(ids)
+    only = getattr(a, "batch_modes", None)
+    if only is not None:  # the modes timed at this batch (bench_capacity: each at its own batch)
+        spec_modes = [m for m in spec_modes if m in only.get(b, ())]
+        run_ar = run_ar and ("ar" in only.get(b, ()) or (p is not None and bool(spec_modes)))
     dtype = params["embed"].dtype
     kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
     nv = (
@@ -706,8 +713,17 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     slack = {m: specs[m].slack if m in specs else 0 for m in llms}
     # The prefill is done once, laid out for the mode with the most MTP draft scratch.
     base = max(llms, key=lambda m: specs[m].shape.draft_slots if m in specs else -1)
+    fill = 0
+    if getattr(a, "context", None):
+        # Each request's KV holds `context` tokens: its prompt, filler rows (read by attention
+        # like real context), then the generation. Capacity = context (a power of two).
+        need = max(map(len, ids)) + gen + max(slack.values()) + 1
+        fill = a.context - need
+        if fill < 0:
+            raise ValueError(f"--context {a.context} < prompt + generation ({need} tokens)")
     return dict(
         ids=ids,
+        fill=fill,
         choice=choice,
         engine_choice=echoice,
         real=real,
@@ -723,8 +739,16 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
     rm = pl["real"].get(m, m)
     oracle = [[0]] * b if synthetic and rm != "ar" else None  # the AR run fills it in later
     st = pl["llms"][m].start_batch(
-        pl["ids"], gen, mode=rm, extra_capacity=pl["extra_capacity"], oracle=oracle
+        pl["ids"],
+        gen,
+        mode=rm,
+        extra_capacity=pl["extra_capacity"] + pl["fill"],
+        oracle=oracle,
     )
+    if pl["fill"]:  # the filler rows count as committed context (docs/benchmarks.md, memory)
+        st = dataclasses.replace(
+            st, cache=dataclasses.replace(st.cache, lengths=st.cache.lengths + pl["fill"])
+        )
     if not stop_at_eos:
         # EOS is an ordinary token here, the first one included: only padding rows (nothing
         # emitted) and rows at their length are done.
@@ -829,12 +853,28 @@ def run_e2e(a) -> dict:
 
     t = time.perf_counter()
     workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
-    bases = dict(
-        zip(
-            a.batch,
-            workers.map(lambda b: _prefill(plan[b], gen, p is not None, a.stop_at_eos), a.batch),
+    # At the memory limit (bench_capacity), one decode state on the device at a time: prefill
+    # batch by batch, each parked in host memory, and each point takes its own copy back.
+    low_memory = getattr(a, "batch_modes", None) is not None
+    shapes_of = {}  # the prefilled states' shapes, for lowering
+    if low_memory:
+        bases = {}
+        for b in a.batch:
+            st = _prefill(plan[b], gen, p is not None, a.stop_at_eos)
+            shapes_of[b] = jax.eval_shape(lambda x: x, st)
+            bases.update(park_on_host({b: st}) or {b: st})
+            del st
+    else:
+        bases = dict(
+            zip(
+                a.batch,
+                workers.map(
+                    lambda b: _prefill(plan[b], gen, p is not None, a.stop_at_eos), a.batch
+                ),
+            )
         )
-    )
+    for b in bases:
+        shapes_of.setdefault(b, jax.eval_shape(lambda x: x, bases[b]))
     phases["prefill_s"] = time.perf_counter() - t
 
     # ---- lower here (tracing holds the GIL), compile in the worker threads
@@ -850,7 +890,8 @@ def run_e2e(a) -> dict:
         pl = plan[b]
         rm = pl["real"].get(m, m)
         shapes = parallel.annotate(
-            jax.eval_shape(lambda s: _derive_state(s, rm, pl["specs"].get(m), cfg), bases[b]), cfg
+            jax.eval_shape(lambda s: _derive_state(s, rm, pl["specs"].get(m), cfg), shapes_of[b]),
+            cfg,
         )
         low = pl["llms"][m].segment_fn(rm).lower(params, shapes, jnp.int32(0))
         jobs[b, m] = workers.submit(low.compile)
@@ -860,12 +901,14 @@ def run_e2e(a) -> dict:
                 continue
             spec = plan[bd_batch]["specs"][m]
             shapes = parallel.annotate(
-                jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg), bases[bd_batch]), cfg
+                jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg), shapes_of[bd_batch]),
+                cfg,
             )
             for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
                 jobs[bd_batch, m, name] = workers.submit(low.compile)
     phases["lower_s"] = time.perf_counter() - t
-    bases.update(park_on_host({b: bases[b] for b in a.batch[1:]}))
+    if not low_memory:
+        bases.update(park_on_host({b: bases[b] for b in a.batch[1:]}))
 
     # ---- wait for every program before timing anything
     t = time.perf_counter()
@@ -906,7 +949,9 @@ def run_e2e(a) -> dict:
     t = time.perf_counter()
     rows, breakdown, diverged = [], [], []
     for b in a.batch:
-        pl, base = plan[b], unpark(bases.pop(b))
+        pl = plan[b]
+        parked = bases.pop(b)
+        base = None if low_memory else unpark(parked)
         n = len(pl["ids"])
         ar_out = oracle = None
         for m in pl["llms"]:
@@ -926,7 +971,12 @@ def run_e2e(a) -> dict:
             try:
                 run = progs[b, m]
                 rm = pl["real"].get(m, m)
-                state = _derive_state(base, rm, spec, cfg, oracle if p is not None else None)
+                ora = oracle if p is not None else None
+                if low_memory:
+                    fresh = isinstance(parked, _Parked)  # else (CPU) the one prefilled state
+                    state = _derive_state(unpark(parked), rm, spec, cfg, ora, copy=not fresh)
+                else:
+                    state = _derive_state(base, rm, spec, cfg, ora)
                 r, state = timed_segment(run, params, state, a.warm, a.steps, n)
                 if prof_steps:  # after the timed window: the trace's overhead stays out of it
                     try:
@@ -1023,7 +1073,7 @@ def run_e2e(a) -> dict:
     # top-2 logit gap there, and how far below AR's top logit the mode's token was (its rank):
     # a near-tie flipped by another summation order, or a real difference?
     for row, i, pos, pl, ar_i, tok in diverged[:4]:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or pl["fill"]:  # filler rows: no teacher forcing
             break
         lg = ar_logits(pl["llms"][row["mode"]], pl["ids"][i], ar_i, pos)
         info = dict(position=pos, **divergence_info(lg, int(ar_i[pos]), tok))

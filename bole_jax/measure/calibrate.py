@@ -112,7 +112,7 @@ def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
     ), state
 
 
-def derive_state(base, mode: str, spec, cfg, oracle=None):
+def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
     prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
     spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
@@ -120,7 +120,8 @@ def derive_state(base, mode: str, spec, cfg, oracle=None):
     mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
     under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
     the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
-    its first call)."""
+    its first call). copy=False: `base` is a throw-away copy already (one state on the device at
+    a time, for runs at the memory limit)."""
     length = spec.pending_length if spec is not None else None
     nodes = spec.pending_nodes if spec is not None else None
     base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
@@ -135,7 +136,8 @@ def derive_state(base, mode: str, spec, cfg, oracle=None):
             kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
             oracle=ds.oracle if oracle is None else oracle,
         )
-    return parallel.place(_copy(dataclasses.replace(base, extra=ds)), cfg)
+    out = dataclasses.replace(base, extra=ds)
+    return parallel.place(_copy(out) if copy else out, cfg)
 
 
 # ---------------------------------------------------------------- candidates

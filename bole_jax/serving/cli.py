@@ -432,6 +432,13 @@ def add_bench_args(ap) -> None:
         default=128,
         help="random prompt tokens (presets) / max prompt tokens kept (--model)",
     )
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="KV capacity per request, a power of two: the prompt, then filler rows that "
+        "attention reads like real context, then the generation (default: prompt + generation)",
+    )
     ap.add_argument("--steps", type=int, default=24, help="timed decode steps per point")
     ap.add_argument("--warm", type=int, default=3, help="warm-up decode steps per point")
     ap.add_argument("--topk", type=int, default=4, help="tree: children tried per node")

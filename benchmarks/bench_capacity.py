@@ -1,0 +1,265 @@
+"""Offline throughput at a fixed device-memory budget: each mode at the largest batch it admits.
+
+    python benchmarks/bench_capacity.py --preset qwen3.5-27b --context 4096 --out DIR
+    python benchmarks/bench_capacity.py --preset qwen3.5-9b --context 16384 --fractions 1 0.5
+    python benchmarks/bench_capacity.py --preset tiny --memory-gb 0.05 --context 256 --quick  # CPU
+
+The serving engine's memory plan (`bole_jax.serving.memory`: per request the KV cache at
+--context tokens, the GDN and conv states, the drafter's cache, and each mode's verify transient:
+bole's token-level factors, pernode's and chain's full state per node) decides, for each mode and
+each budget, how many requests fit: budget = (free device memory after the weights) x 0.9 x
+fraction, or --memory-gb. Each mode is then timed at its own largest batch (capped by
+--max-batch) with `bole-jax bench`'s harness, one decode state on the device at a time, the KV of
+every request filled to --context (filler rows that attention reads like real context). A mode
+admitting n requests is timed at the power-of-two batch at or below n (the offline engine lays a
+batch out at a power of two); bole and pernode share one batch-wide budget (--budget). Random
+weights and the synthetic-acceptance drafter (--accept-mean). Prints one table per acceptance and
+writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, every row) and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+
+from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.calibrate import synthetic_accept_prob  # noqa: E402
+from bole_jax.measure.env import environment  # noqa: E402
+from bole_jax.model import parallel  # noqa: E402
+from bole_jax.model.presets import preset  # noqa: E402
+from bole_jax.serving import cli  # noqa: E402
+from bole_jax.serving.memory import plan_memory, slot_bytes  # noqa: E402
+from bole_jax.spec_decode.step import SpecConfig  # noqa: E402
+
+MODES = ("ar", "chain", "pernode", "bole")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--preset", default="qwen3.5-27b", help="model dims (bole_jax/model/presets.py)"
+    )
+    ap.add_argument("--context", type=int, default=4096, help="KV tokens per request (power of 2)")
+    ap.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.5],
+        help="budgets as fractions of the free memory after the weights (x 0.9)",
+    )
+    ap.add_argument(
+        "--memory-gb", type=float, help="the full budget in GiB (default: the device's free memory)"
+    )
+    ap.add_argument("--accept-mean", type=float, nargs="+", default=[3.5, 6.4])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--nodes", type=int, default=16, help="bole / pernode tree width N")
+    ap.add_argument("--depth", type=int, default=8, help="draft depth")
+    ap.add_argument("--topk", type=int, default=4, help="bole / pernode: children per node")
+    ap.add_argument("--max-batch", type=int, default=128, help="largest batch timed")
+    ap.add_argument(
+        "--budget",
+        default="512",
+        help="bole and pernode: verified nodes across the batch (the batch-wide budget), or "
+        "'none' (N per request)",
+    )
+    ap.add_argument("--prompt-len", type=int, default=64, help="real prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per point")
+    ap.add_argument("--warm", type=int, default=2, help="warm-up steps per point")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="drafter vocabulary (bench's)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    ap.add_argument("--time-budget", type=float, default=400.0, help="seconds per acceptance")
+    ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--compile-cache", default=None, help="persistent XLA cache ('none' = off)")
+    ap.add_argument("--quick", action="store_true", help="bench's smoke settings")
+    ap.add_argument("--out", default="benchmarks/results/capacity")
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    if a.context < 64 or a.context & (a.context - 1):
+        ap.error(f"--context must be a power of two >= 64, got {a.context}")
+    if not all(0 < f <= 1 for f in a.fractions):
+        ap.error("--fractions must lie in (0, 1]")
+    if a.max_batch < 1 or a.nodes < 2:
+        ap.error("--max-batch must be >= 1 and --nodes >= 2")
+    return a
+
+
+def free_bytes(cfg, dtype) -> int | None:
+    """The device's memory left once the weights are in (None: the backend reports none)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    shapes = jax.eval_shape(lambda k: parallel.init_params(cfg, k, dtype), jax.random.key(0))
+    weights = bench.tree_bytes(shapes)
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - weights
+
+
+def spec_for(mode: str, a, p: float) -> SpecConfig | None:
+    if mode == "ar":
+        return None
+    return SpecConfig.for_mode(
+        mode, topk=a.topk, depth=a.depth, num_nodes=a.nodes, synthetic_accept=p
+    )
+
+
+def admitted(cfg, a, p, dtype, budget_bytes: int, gen: int) -> dict:
+    """{mode: (largest batch, bytes per request by part)} under `budget_bytes`."""
+    out = {}
+    for m in a.modes:
+        parts = slot_bytes(cfg, a.context, gen, spec_for(m, a, p), dtype)
+        try:
+            plan = plan_memory(
+                sum(parts.values()),
+                a.max_batch,
+                memory_gb=budget_bytes / 2**30,
+                prefix_cache_gb=0,
+                memory_fraction=1.0,
+            )
+            n = plan.num_slots
+        except ValueError:  # not one request fits
+            n = 0
+        # timed at the power-of-two batch at or below: LLM.start_batch lays a batch out at the
+        # next power of two, which would hold more requests than the budget admits
+        out[m] = (1 << (n.bit_length() - 1) if n else 0, n, parts)
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    cfg = preset(a.preset, mtp=True)
+    dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    free = free_bytes(cfg, dtype)
+    if a.memory_gb is not None:
+        full = int(a.memory_gb * 2**30)
+    elif free is not None:
+        full = int(free * 0.9)
+    else:
+        raise SystemExit("this backend reports no device memory: give --memory-gb")
+    gen = 1 + (a.warm + a.steps) * (a.depth + 1)
+    env = environment()
+    results = []
+    for acc in a.accept_mean:
+        p = synthetic_accept_prob(acc, a.depth)
+        plans = {f: admitted(cfg, a, p, dtype, int(full * f), gen) for f in a.fractions}
+        batch_modes: dict[int, set] = {}
+        for f, pl in plans.items():
+            for m, (n, _, _) in pl.items():
+                if n:
+                    batch_modes.setdefault(n, set()).add(m)
+        if not batch_modes:
+            print(f"acceptance {acc}: no mode fits one request", flush=True)
+            continue
+        argv_b = ["bench", "--preset", a.preset, "--dtype", dtype, "--modes", *a.modes]
+        argv_b += ["--batch", *map(str, sorted(batch_modes)), "--context", str(a.context)]
+        argv_b += ["--nodes", str(a.nodes), "--budget", a.budget, "--depth", str(a.depth)]
+        argv_b += ["--topk", str(a.topk), "--accept-mean", str(acc), "--steps", str(a.steps)]
+        argv_b += ["--warm", str(a.warm), "--prompt-len", str(a.prompt_len)]
+        argv_b += ["--breakdown-batch", "0", "--time-budget", str(a.time_budget), "--no-plots"]
+        argv_b += ["--compile-workers", str(a.compile_workers), "--out", a.out]
+        argv_b += ["--compile-cache", a.compile_cache] if a.compile_cache else []
+        argv_b += ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
+        argv_b += ["--quick"] if a.quick else []
+        args = cli.build_parser().parse_args(argv_b)
+        args.batch_modes = batch_modes
+        res = bench.run_e2e(args)
+        by = {(r["batch"], r["mode"]): r for r in res["rows"]}
+        failed = {(e["batch"], e["mode"]): e["error"] for e in res["errors"]}
+        for f, pl in plans.items():
+            row = dict(accept_mean=acc, fraction=f, budget_gib=full * f / 2**30)
+            for m, (n, slots, parts) in pl.items():
+                r = by.get((n, m))
+                row[m] = dict(
+                    batch=n,
+                    admitted=slots,
+                    request_mib=sum(parts.values()) / 2**20,
+                    parts_mib={k: v / 2**20 for k, v in parts.items()},
+                    tokens_per_s=r["tokens_per_s"] if r else None,
+                    tokens_per_step=r["tokens_per_step"] if r else None,
+                    step_ms=r["step_ms"] if r else None,
+                    error=failed.get((n, m)),
+                )
+            results.append(row)
+        print_rows([r for r in results if r["accept_mean"] == acc], a.modes)
+    record = dict(
+        command=" ".join(sys.argv if argv is None else ["bench_capacity.py", *argv]),
+        env=env,
+        args=vars(a),
+        dtype=dtype,
+        free_bytes_after_weights=free,
+        full_budget_bytes=full,
+        rows=results,
+        method="benchmarks/bench_capacity.py docstring; docs/benchmarks.md (memory as capacity)",
+    )
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"capacity_{a.preset}.json")
+    bench.write_json(path, record)
+    print(f"wrote {path}")
+    if not a.no_plots:
+        plot(results, a.modes, os.path.join(a.out, f"capacity_{a.preset}.png"), a.preset)
+    return 0
+
+
+def ratio(row, m, ref):
+    x, y = row[m]["tokens_per_s"], row.get(ref, {}).get("tokens_per_s")
+    return x / y if x and y else None
+
+
+def print_rows(rows, modes) -> None:
+    table = []
+    for r in rows:
+        for m in modes:
+            c = r[m]
+            table.append(
+                dict(
+                    acc=r["accept_mean"],
+                    budget_gib=r["budget_gib"],
+                    mode=m,
+                    request_mib=c["request_mib"],
+                    admitted=c["admitted"],
+                    batch=c["batch"],
+                    tokens_per_s=c["tokens_per_s"] or "-",
+                    tok_per_step=c["tokens_per_step"] or "-",
+                    step_ms=c["step_ms"] or "-",
+                    vs_ar=ratio(r, m, "ar") or "-",
+                    vs_pernode=ratio(r, m, "pernode") or "-",
+                    error=(c["error"] or "")[:40],
+                )
+            )
+    print("\nthroughput at a fixed memory budget (each mode at its largest admitted batch)")
+    bench.print_table(table, list(table[0]))
+
+
+def plot(results, modes, path, tag) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    accs = sorted({r["accept_mean"] for r in results})
+    fig, axes = plt.subplots(1, len(accs), figsize=(5 * len(accs), 4), squeeze=False)
+    for ax, acc in zip(axes[0], accs):
+        rows = sorted(
+            (r for r in results if r["accept_mean"] == acc), key=lambda r: r["budget_gib"]
+        )
+        for m in modes:
+            pts = [(r["budget_gib"], r[m]["tokens_per_s"]) for r in rows if r[m]["tokens_per_s"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.set(xlabel="memory budget (GiB)", ylabel="output tokens / s", title=f"{tag}, acc {acc}")
+        ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

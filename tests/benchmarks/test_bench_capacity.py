@@ -1,0 +1,51 @@
+"""benchmarks/bench_capacity.py on CPU: the memory plan decides each mode's batch, every mode
+is timed at it, and the JSON records the plan beside the throughput."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+
+
+def _load():
+    path = os.path.join(HERE, "..", "..", "benchmarks", "bench_capacity.py")
+    spec = importlib.util.spec_from_file_location("bench_capacity", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_capacity_bench_tiny(tmp_path):
+    cap = _load()
+    out = tmp_path / "cap"
+    argv = ["--preset", "tiny", "--memory-gb", "0.004", "--context", "256"]
+    argv += ["--fractions", "1", "0.5", "--accept-mean", "2.5", "--nodes", "4", "--depth", "2"]
+    argv += ["--topk", "2", "--steps", "3", "--warm", "1", "--prompt-len", "8"]
+    argv += ["--max-batch", "8", "--compile-workers", "2", "--compile-cache", "none"]
+    argv += ["--budget", "none", "--out", str(out), "--no-plots"]
+    assert cap.main(argv) == 0
+    rec = json.loads((out / "capacity_tiny.json").read_text())
+    assert rec["command"] and {"device", "jax", "git_commit"} <= set(rec["env"])
+    full, half = rec["rows"]
+    assert (full["fraction"], half["fraction"]) == (1.0, 0.5)
+    for row in (full, half):
+        for m in cap.MODES:
+            c = row[m]
+            assert c["error"] is None and c["tokens_per_s"] > 0, (m, c)
+            # the timed batch is the power of two at or below what the budget admits
+            assert c["batch"] <= c["admitted"] < 2 * c["batch"]
+            # what the plan admits fits the budget (one request kept back for the prefill)
+            assert (c["admitted"] + 1) * c["request_mib"] <= row["budget_gib"] * 1024 + 1e-6
+        # per-node states cost more than factors: pernode never admits more than bole
+        assert row["pernode"]["request_mib"] > row["bole"]["request_mib"]
+        assert row["pernode"]["admitted"] <= row["bole"]["admitted"]
+    assert half["pernode"]["admitted"] < full["pernode"]["admitted"]
+
+
+def test_capacity_bench_rejects_bad_context():
+    cap = _load()
+    with pytest.raises(SystemExit):
+        cap.parse(["--context", "1000"])
