@@ -764,6 +764,15 @@ class _Parked:
         self.tree, self.shardings = tree, shardings
 
 
+def _delete(tree) -> None:
+    """Free the device buffers of every array in `tree` (a state no longer used)."""
+    for x in jax.tree.leaves(tree):
+        try:
+            x.delete()
+        except (AttributeError, RuntimeError, ValueError):  # deleted already / not an array
+            pass
+
+
 def park_on_host(trees: dict, force: bool = False) -> dict:
     """{key: pytree on the accelerator} -> {key: _Parked in host memory}: the prefilled states of
     the batches whose turn has not come (their programs are lowered already). Holding every
@@ -862,7 +871,11 @@ def run_e2e(a) -> dict:
         for b in a.batch:
             st = _prefill(plan[b], gen, p is not None, a.stop_at_eos)
             shapes_of[b] = jax.eval_shape(lambda x: x, st)
-            bases.update(park_on_host({b: st}) or {b: st})
+            parked = park_on_host({b: st})
+            if parked:  # free the device copy now, not when Python lets go of it
+                jax.block_until_ready(parked[b].tree)
+                _delete(st)
+            bases.update(parked or {b: st})
             del st
     else:
         bases = dict(
@@ -1066,6 +1079,8 @@ def run_e2e(a) -> dict:
                             commit_pct_of_step=100 * ms["commit"] / r["step_ms"],
                         )
                     )
+            if low_memory:
+                _delete(state)
             del state
         del base
     phases["run_s"] = time.perf_counter() - t
