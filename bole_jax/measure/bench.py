@@ -887,7 +887,8 @@ def run_e2e(a) -> dict:
             )
         )
     for b in bases:
-        shapes_of.setdefault(b, jax.eval_shape(lambda x: x, bases[b]))
+        if b not in shapes_of:  # (parked states are no arrays: their shapes are recorded)
+            shapes_of[b] = jax.eval_shape(lambda x: x, bases[b])
     phases["prefill_s"] = time.perf_counter() - t
 
     # ---- lower here (tracing holds the GIL), compile in the worker threads
