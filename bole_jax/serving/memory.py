@@ -13,72 +13,92 @@ from bole_jax.model.config import ModelConfig
 from bole_jax.spec_decode.step import SpecConfig
 
 
+def kv_capacity(max_context: int, slack: int = 0) -> int:
+    """KV slots per decode slot for requests of up to `max_context` tokens (prompt + completion):
+    a power of two (64 at least) with room for the `slack` node rows a tree step writes past the
+    committed tokens (`SpecConfig.slack`; 0 for ar) and the next token."""
+    return max(64, 1 << (max_context + slack).bit_length())
+
+
+PER_ROW_SCALARS = 64  # bytes of a slot's per-row scalars (lengths, counters, sampling), rounded up
+
+
 def slot_bytes(
-    cfg: ModelConfig, capacity: int, out_len: int, spec: SpecConfig | None, dtype
+    cfg: ModelConfig,
+    capacity: int,
+    out_len: int,
+    spec: SpecConfig | None,
+    dtype,
+    logprobs: int | None = None,
 ) -> dict[str, int]:
     """Device bytes one decode slot needs, by part (an estimate for admission, not an allocation).
 
     attention_kv: K and V of every full-attention layer, `capacity` tokens.
     gdn_state:    conv window (K-1 pre-conv inputs) and fp32 recurrent state of every GDN layer,
                   and with the lazy bole commit its pending commit: the step's factors of N
-                  nodes (keys in the model dtype, k_scale, u, gamma) and its accepted path
-                  (`PendingPath`), or with KernelOptions(lazy_rows="gather") the path's depth + 1 rows (k, u,
-                  w, and p_sel); the count and accepted node are among the per-row scalars.
-    drafter:      the MTP head's KV cache (capacity + draft slots) and its pending hidden states.
-    output:       the [max_context] int32 output row and per-row scalars.
-    step_transient: what one step allocates per row: fp32 logits of the verified nodes, and per GDN
-                  layer the tree's token-level factors (bole) or one full state per node (pernode,
-                  chain). Activations of the layer being computed are not counted (small).
-    Under tensor parallelism (cfg.tp > 1) these are the bytes on ONE device: KV, GDN states,
-    factors and logits are split over the heads / vocabulary they are sharded on (replicated
-    groups count whole).
+                  nodes (keys in the model dtype, k_scale, u, gamma), its accepted path, node and
+                  count (`PendingPath`), or with KernelOptions(lazy_rows="gather") the path's
+                  depth + 1 rows (k, u, w), p_sel and the count (`PendingCommit`).
+    drafter:      the MTP head's KV cache (capacity + draft slots) and its pending tokens, hidden
+                  states and count (`DraftState`).
+    output:       the [out_len] int32 output row, with `logprobs` (the server's --max-logprobs K)
+                  the [out_len] fp32 log-probabilities and [out_len, K] top ids and log-probs,
+                  and the per-row scalars (PER_ROW_SCALARS, rounded up).
+    step_transient: what one step allocates per row at its peak (the verify, whose outputs are all
+                  alive when the acceptance runs): fp32 logits of the verified nodes (with
+                  `logprobs` also the emitted path's rows of them and their log-softmax), and per
+                  GDN layer the tree's token-level factors and pre-conv inputs (bole) or one full
+                  state and conv window per node (pernode, chain). Activations of the layer being
+                  computed and sampling's temporaries are not counted (small next to the states
+                  of a real model).
+    Parts other than step_transient are what the running decode state holds (its arrays, one row
+    per slot). Under tensor parallelism (cfg.tp > 1) these are the bytes on ONE device: KV, GDN
+    states, factors and logits are split over the heads / vocabulary they are sharded on
+    (replicated groups count whole).
     """
     it = jnp.dtype(dtype).itemsize
     kv_shards, gdn_shards = parallel.shards(cfg, cfg.num_kv_heads), parallel.gdn_shards(cfg)
     vocab = cfg.vocab_size // parallel.shards(cfg, cfg.vocab_size)
+    hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
+    dk, dv = cfg.gdn_key_dim, cfg.gdn_value_dim
     kv_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * it // kv_shards
-    gdn_state = cfg.gdn_num_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim * 4 // gdn_shards
+    gdn_state = hv * dk * dv * 4 // gdn_shards
     conv = (cfg.conv_kernel - 1) * cfg.conv_dim * it // gdn_shards
+    # One node's token-level factors: keys as the verify took them (model dtype) with their fp32
+    # k_scale, fp32 u and gamma (`TreeFactors`).
+    factors_per_node = (hk * (dk * it + 4) + hv * (dv + 1) * 4) // gdn_shards
     pending = 0
     if spec is not None and spec.pending_length:
-        hk, hv = cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
-        if spec.pending_nodes:
-            pending = (
-                spec.pending_nodes
-                * (hk * (cfg.gdn_key_dim * it + 4) + hv * (cfg.gdn_value_dim + 1) * 4)
-                // gdn_shards
-                + spec.pending_length * 4
-            )
-        else:
-            pending = (
-                (spec.pending_length * (hk * cfg.gdn_key_dim + hv * (cfg.gdn_value_dim + 1)) + hv)
-                * 4
-                // gdn_shards
-            )
+        if spec.pending_nodes:  # PendingPath: factors, path [L], sel, count
+            pending = spec.pending_nodes * factors_per_node + spec.pending_length * 4 + 8
+        else:  # PendingCommit: k, u, w [L], p_sel, count
+            pending = (spec.pending_length * (hk * dk + hv * (dv + 1)) + hv) * 4 // gdn_shards + 4
+    logits = (1 if spec is None else spec.shape.num_nodes) * vocab * 4
+    # Log-probabilities: the log-softmax of the emitted tokens' logits (ar: the row's; a tree step
+    # gathers the accepted path's rows first).
+    lp_rows = 0 if logprobs is None else 1 if spec is None else 2 * spec.shape.path_nodes
     parts = {
         "attention_kv": len(cfg.attention_layers) * capacity * kv_per_token,
         "gdn_state": len(cfg.gdn_layers) * (conv + gdn_state + pending),
-        "output": out_len * 4 + 64,
+        "output": out_len * 4
+        + (0 if logprobs is None else out_len * (4 + 8 * logprobs))
+        + PER_ROW_SCALARS,
     }
+    transient = logits + lp_rows * vocab * 4
     if spec is None:
-        parts["step_transient"] = vocab * 4
+        parts["step_transient"] = transient
     else:
-        n, depth = spec.shape.num_nodes, spec.shape.depth
-        parts["drafter"] = cfg.mtp_num_layers * (
-            capacity + spec.shape.draft_slots + 1
-        ) * kv_per_token + (depth + 1) * (cfg.hidden_size * it + 4)
+        n, path = spec.shape.num_nodes, spec.shape.path_nodes
+        parts["drafter"] = (
+            cfg.mtp_num_layers * (capacity + spec.shape.draft_slots + 1) * kv_per_token
+            + path * (cfg.hidden_size * it + 4)
+            + 4
+        )
         if spec.mode == "bole":
-            per_node = (
-                (
-                    cfg.gdn_num_key_heads * cfg.gdn_key_dim
-                    + cfg.gdn_num_value_heads * (cfg.gdn_value_dim + 1)
-                )
-                * 4
-                + cfg.conv_dim * it
-            ) // gdn_shards
+            per_node = factors_per_node + cfg.conv_dim * it // gdn_shards
         else:
             per_node = gdn_state + conv
-        parts["step_transient"] = n * vocab * 4 + len(cfg.gdn_layers) * n * per_node
+        parts["step_transient"] = transient + len(cfg.gdn_layers) * n * per_node
     return parts
 
 
@@ -94,6 +114,8 @@ class MemoryPlan:
     usable_bytes:  what slots + prefix cache may use: min(free device memory * memory_fraction,
                    limit_bytes); None when neither is known (CPU without a cap).
     device_stats:  device.memory_stats() at planning time, when the backend reports it.
+    fit_slots:     slots the usable memory holds before the --max-batch cap (one kept back for
+                   the prefill), or None when the usable memory is unknown.
     """
 
     num_slots: int
@@ -102,10 +124,15 @@ class MemoryPlan:
     limit_bytes: int | None
     usable_bytes: int | None
     device_stats: dict | None
+    fit_slots: int | None = None
 
     @property
     def planned_bytes(self) -> int:
         return (self.num_slots + 1) * self.slot_bytes + self.prefix_bytes
+
+
+class SlotDoesNotFit(ValueError):
+    """The usable memory cannot hold one decode slot (plus the prefill's)."""
 
 
 DEFAULT_PREFIX_CACHE_GB = 1.0  # prefix cache budget when the free memory is unknown (CPU)
@@ -151,6 +178,7 @@ def plan_memory(
     if limit is not None:
         usable = limit if usable is None else min(usable, limit)
     prefix = None if prefix_cache_gb is None else int(prefix_cache_gb * 2**30)
+    fit = None
     if usable is None:
         slots = max_batch
         if prefix is None:
@@ -161,7 +189,7 @@ def plan_memory(
             room = f"{usable / 2**20:.1f} MiB are usable" + (
                 f" ({prefix / 2**20:.1f} MiB of them for --prefix-cache-gb)" if prefix else ""
             )
-            raise ValueError(
+            raise SlotDoesNotFit(
                 f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB "
                 f"(plus one more for the prefill), {room}: lower --max-context (or raise --memory-gb, "
                 "lower --prefix-cache-gb, use a smaller model / dtype)"
@@ -176,6 +204,7 @@ def plan_memory(
         limit_bytes=limit,
         usable_bytes=usable,
         device_stats=stats,
+        fit_slots=fit,
     )
 
 
@@ -187,3 +216,134 @@ def plan_slots(
         per_slot, max_batch, prefix_cache_gb=0, device=device, memory_fraction=memory_fraction
     )
     return plan.num_slots, plan.device_stats
+
+
+MODES = ("ar", "chain", "pernode", "bole")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePlan:
+    """One decode mode's memory plan at the server's max context and memory settings.
+
+    capacity:   KV slots per decode slot (`kv_capacity`: the mode's tree slack included).
+    slot_bytes: `slot_bytes` by part.
+    plan:       `plan_memory` of their sum, or None when not even one slot fits (`error`).
+    """
+
+    mode: str
+    capacity: int
+    slot_bytes: dict[str, int]
+    plan: MemoryPlan | None
+    error: str | None = None
+
+    @property
+    def per_slot(self) -> int:
+        return sum(self.slot_bytes.values())
+
+    @property
+    def num_slots(self) -> int:
+        """The slots this mode would run: min(--max-batch, what fits); 0 when none fits."""
+        return 0 if self.plan is None else self.plan.num_slots
+
+    @property
+    def fit_slots(self) -> int | None:
+        """The slots the usable memory holds before the --max-batch cap (None: unknown)."""
+        return 0 if self.plan is None else self.plan.fit_slots
+
+
+class _FixedStats:
+    """A device whose memory_stats() is a reading taken once (every mode plans the same memory)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def plan_by_mode(
+    cfg: ModelConfig,
+    max_context: int,
+    specs: dict[str, SpecConfig | None],
+    dtype,
+    max_batch: int,
+    *,
+    logprobs: int | None = None,
+    memory_gb: float | None = None,
+    prefix_cache_gb: float | None = None,
+    device=None,
+    memory_fraction: float = 0.9,
+) -> dict[str, ModePlan]:
+    """The memory plan of every mode in `specs` (mode -> its SpecConfig, None for ar) for requests
+    of up to `max_context` tokens, in the same usable memory (one device reading for all): per
+    mode its KV capacity, slot bytes by part and the slots that fit. Invalid settings raise
+    ValueError; a mode of which not even one slot fits gets plan None and the reason in `error`."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    fixed = _FixedStats(stats)
+    out = {}
+    for mode, spec in specs.items():
+        cap = kv_capacity(max_context, spec.slack if spec else 0)
+        parts = slot_bytes(cfg, cap, max_context, spec, dtype, logprobs)
+        try:
+            plan, error = (
+                plan_memory(
+                    sum(parts.values()),
+                    max_batch,
+                    memory_gb=memory_gb,
+                    prefix_cache_gb=prefix_cache_gb,
+                    device=fixed,
+                    memory_fraction=memory_fraction,
+                ),
+                None,
+            )
+        except SlotDoesNotFit as e:
+            plan, error = None, str(e)
+        out[mode] = ModePlan(mode, cap, parts, plan, error)
+    return out
+
+
+_TABLE_PARTS = (
+    ("attention_kv", "kv"),
+    ("gdn_state", "gdn_state"),
+    ("drafter", "drafter"),
+    ("output", "output"),
+    ("step_transient", "step"),
+)
+
+
+def format_plan_table(plans: dict[str, ModePlan], running: str) -> str:
+    """The per-mode memory plan as a small text table (MiB per slot by part, the slots each mode
+    would run and, when the usable memory is known, how many fit it); `running` is marked '*'."""
+    usable = next(
+        (p.plan.usable_bytes for p in plans.values() if p.plan and p.plan.usable_bytes), None
+    )
+    head = ["  mode", "kv cap"] + [name for _, name in _TABLE_PARTS] + ["total", "slots"]
+    head += [] if usable is None else ["fit"]
+    rows = [head]
+    for mode, p in plans.items():
+        row = [("* " if mode == running else "  ") + mode, str(p.capacity)]
+        row += [
+            f"{p.slot_bytes[k] / 2**20:.2f}" if k in p.slot_bytes else "-" for k, _ in _TABLE_PARTS
+        ]
+        row += [f"{p.per_slot / 2**20:.2f}", str(p.num_slots)]
+        row += [] if usable is None else [str(p.fit_slots)]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+    where = (
+        "usable memory unknown"
+        if usable is None
+        else f"{usable / 2**30:.2f} GiB usable"
+        if usable >= 2**30
+        else f"{usable / 2**20:.1f} MiB usable"
+    )
+    return "\n".join(
+        [f"memory plan per mode (MiB per slot, slots at the same max context; {where}):"] + lines
+    )

@@ -313,6 +313,47 @@ class EngineCollector:
             "Slots (+1 for the prefill) and the prefix-cache budget, as planned at start-up.",
             mem["planned_bytes"],
         )
+        # The plan: the running mode's bytes by part (each slot part x (slots + 1, the prefill's);
+        # with prefix_cache they add up to bole_memory_planned_bytes), and every mode's.
+        plans, slots = s["memory_plan"], s["num_slots"]
+        plan = GaugeMetricFamily(
+            "bole_memory_plan_bytes",
+            "The running mode's memory plan by part: each slot part x (slots + 1 for the "
+            "prefill), the prefix-cache budget, and the usable memory and --memory-gb cap when "
+            "known.",
+            labels=["part"],
+        )
+        for part, b in s["slot_bytes"].items():
+            plan.add_metric([part], b * (slots + 1))
+        plan.add_metric(["prefix_cache"], mem["prefix_cache_budget_bytes"])
+        for part in ("usable", "limit"):
+            if mem[f"{part}_bytes"] is not None:
+                plan.add_metric([part], mem[f"{part}_bytes"])
+        out.append(plan)
+        per_slot = GaugeMetricFamily(
+            "bole_memory_plan_slot_bytes",
+            "Estimated device bytes of one decode slot by part, for every mode at this server's "
+            "max context (part total: their sum).",
+            labels=["mode", "part"],
+        )
+        n_slots = GaugeMetricFamily(
+            "bole_memory_plan_slots",
+            "Decode slots each mode would run in the same memory: min(--max-batch, what fits).",
+            labels=["mode"],
+        )
+        fit = GaugeMetricFamily(
+            "bole_memory_plan_fit_slots",
+            "Decode slots of each mode the usable memory holds, before the --max-batch cap.",
+            labels=["mode"],
+        )
+        for mode, p in plans.items():
+            for part, b in p["slot_bytes"].items():
+                per_slot.add_metric([mode, part], b)
+            per_slot.add_metric([mode, "total"], sum(p["slot_bytes"].values()))
+            n_slots.add_metric([mode], p["num_slots"])
+            if p["fit_slots"] is not None:
+                fit.add_metric([mode], p["fit_slots"])
+        out += [per_slot, n_slots] + ([fit] if fit.samples else [])
         m = self.scheduler.metrics
         with m.lock:
             for h in (m.ttft, m.tpot, m.e2e, m.accepted):

@@ -33,7 +33,8 @@ Design
   free for the next insertion. Nothing is copied or compacted.
 - Memory. The number of slots is min(--max-batch, what fits), from the bytes one slot needs
   (`slot_bytes`, computed from the config); the prefix cache gets what the slots leave (or
-  --prefix-cache-gb). `plan_memory` splits min(free device memory, --memory-gb) between them.
+  --prefix-cache-gb). `plan_memory` splits min(free device memory, --memory-gb) between them;
+  `plan_by_mode` does the same for every mode (`Scheduler.plans`: start-up table, /metrics).
 - Host side, per request: incremental detokenisation that never splits a UTF-8 character
   (`IncrementalDetokenizer`), stop strings matched across deltas by holding back a possible stop
   prefix (`StopMatcher`), per-request stop token ids, cancellation at any time.
@@ -70,9 +71,9 @@ import numpy as np
 from bole_jax.measure import calibrate as calibrate_mod
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
-from bole_jax.model.mtp import require_mtp
+from bole_jax.model.mtp import MissingMTPError, require_mtp
 from bole_jax.sampling import validate_sampling
-from bole_jax.serving.memory import plan_memory, slot_bytes
+from bole_jax.serving.memory import SlotDoesNotFit, kv_capacity, plan_by_mode
 from bole_jax.serving.metrics import Metrics
 from bole_jax.serving.prefix_cache import (
     Entry,
@@ -264,8 +265,7 @@ class Scheduler:
         slack = self.spec.slack if self.spec else 0
         limit = cfg.max_position_embeddings
         if max_context is None:
-            self.capacity = _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64)
-            self.max_context = min(limit, self.capacity - slack - 1)
+            self.max_context = min(limit, _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64) - slack - 1)
         else:
             if not 2 <= max_context <= limit:
                 raise ValueError(
@@ -273,8 +273,9 @@ class Scheduler:
                     f"max_position_embeddings), got {max_context}"
                 )
             self.max_context = max_context
-            # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
-            self.capacity = _pow2(max_context + slack + 1, lo=64)
+        # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
+        self.capacity = kv_capacity(self.max_context, slack)
+        if max_context is not None:
             tight = self.capacity // 2 - slack - 1
             if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
                 log.warning(
@@ -302,14 +303,22 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
         self.dtype = llm.params["embed"].dtype
-        self.slot_bytes = slot_bytes(cfg, self.capacity, self.max_context, self.spec, self.dtype)
-        self.memory = plan_memory(
-            sum(self.slot_bytes.values()),
+        # Every mode's plan in the same memory (start-up table, /metrics); this engine runs its own.
+        self.plans = plan_by_mode(
+            cfg,
+            self.max_context,
+            self._mode_specs(max_batch),
+            self.dtype,
             max_batch,
+            logprobs=max_logprobs,
             memory_gb=memory_gb,
             prefix_cache_gb=prefix_cache_gb,
             memory_fraction=memory_fraction,
         )
+        mine = self.plans[self.mode]
+        if mine.plan is None:
+            raise SlotDoesNotFit(mine.error)
+        self.slot_bytes, self.memory = mine.slot_bytes, mine.plan
         self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
         self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
         entry = block_bytes(cfg, prefix_block, self.dtype, mtp=self.spec is not None)
@@ -349,6 +358,24 @@ class Scheduler:
         self.error: str | None = None  # set when the engine thread died
         self._queued = 0  # submitted, still in the inbox
         self._queued_lock = threading.Lock()
+
+    def _mode_specs(self, max_batch: int) -> dict:
+        """mode -> SpecConfig (None for ar) of the modes the memory plan compares: ar, and with an
+        MTP head chain and pernode / bole on the tree this engine verifies (its own when it runs
+        a tree mode, else bole's at this batch)."""
+        specs: dict = {"ar": None}
+        try:
+            require_mtp(self.llm.cfg, self.llm.params)
+        except MissingMTPError:
+            return specs
+        mine = self.spec
+        tree = (
+            mine if self.mode in ("bole", "pernode") else self.llm._spec_config("bole", max_batch)
+        )
+        specs["chain"] = mine if self.mode == "chain" else self.llm._spec_config("chain", max_batch)
+        specs["pernode"] = dataclasses.replace(tree, mode="pernode")
+        specs["bole"] = dataclasses.replace(tree, mode="bole")
+        return specs
 
     # ---------------------------------------------------------------- client API (any thread)
     def check(self, prompt_ids: Sequence[int], params: RequestParams) -> None:
@@ -886,6 +913,15 @@ class Scheduler:
             slot_bytes=mem.slot_bytes,
             prefix_cache_budget_bytes=mem.prefix_bytes,
         )
+        snap["memory_plan"] = {
+            mode: dict(
+                capacity=p.capacity,
+                slot_bytes=dict(p.slot_bytes),
+                num_slots=p.num_slots,
+                fit_slots=p.fit_slots,
+            )
+            for mode, p in self.plans.items()
+        }
         snap["state_bytes"] = self.state_bytes
         try:
             dev = jax.devices()[0].memory_stats() or {}

@@ -42,6 +42,7 @@ from fastapi import (
 from starlette.responses import Response
 
 from bole_jax.serving.chat import ChatTemplate, PromptEncoder, TemplateError
+from bole_jax.serving.memory import format_plan_table
 from bole_jax.serving.protocol import ChatRequest, CompletionRequest, Limits
 from bole_jax.serving.requests import Delta, Request, RequestError, RequestParams
 from bole_jax.serving.scheduler import Scheduler
@@ -1282,4 +1283,6 @@ def serve(model: str | None = None, **kwargs) -> None:
         f"on {server.url}; compiling (/health: 503 starting)",
         flush=True,
     )
+    table = format_plan_table(s.plans, s.mode)  # every mode in the same memory, this one marked
+    print("\n".join("bole-jax: " + line for line in table.splitlines()), flush=True)
     server.serve_forever(on_ready=lambda: print(f"bole-jax: ready on {server.url}", flush=True))
