@@ -36,7 +36,7 @@ from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.budget import spec_options_for
-from bole_jax.spec_decode.drafter import DraftState
+from bole_jax.spec_decode.drafter import DraftState, TreeShape
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -552,9 +552,11 @@ class LLM:
             "none"
             if mode == "ar"
             else (
-                "mtp"
-                if spec.synthetic_accept is None
-                else f"synthetic acceptance (p={spec.synthetic_accept})"
+                f"synthetic acceptance (p={spec.synthetic_accept})"
+                if spec.synthetic_accept is not None
+                else f"mtp, simulated acceptance (p={spec.simulate_accept:.4f})"
+                if spec.simulate_accept is not None
+                else "mtp"
             )
         )
         if mode != "ar" and draft_vocab_mod.has_draft_vocab(self.params):
@@ -628,9 +630,14 @@ class LLM:
         batch = batch or self.max_batch_size
         if (batch, mode) not in self._resolved_spec_options:
             self._resolved_spec_options[batch, mode] = spec_options_for(self, mode, batch)
-        return SpecConfig.for_mode(
-            mode, **self._resolved_spec_options[batch, mode], kernels=self.cfg.kernels
-        )
+        opts = dict(self._resolved_spec_options[batch, mode])
+        mean = opts.pop("simulate_accept_mean", None)
+        if mean is not None:  # benchmarks: p for this mean at the depth this mode drafts
+            if "simulate_accept" in opts:
+                raise ValueError("give spec_options simulate_accept or simulate_accept_mean")
+            depth = opts.get("depth", TreeShape().depth)
+            opts["simulate_accept"] = calibrate_mod.synthetic_accept_prob(mean, depth)
+        return SpecConfig.for_mode(mode, **opts, kernels=self.cfg.kernels)
 
     def calibrate(self, **kwargs) -> dict:
         """Measure this model's decode configurations and store the table in the user cache

@@ -14,6 +14,10 @@ tried children (each is accepted with its share of the remaining mass). Greedy r
 (temperature 0) have a one-hot p, so the same rule accepts exactly the child equal to the
 target argmax and the bonus is the argmax: the greedy case needs no separate maths, only a
 cheaper path that skips the softmax/sort (`accept_greedy`).
+
+`accept_simulated` is not an acceptance rule but a benchmark device (SpecConfig.simulate_accept):
+it accepts a random-length prefix of one root path of the tree whatever the target says, so that
+random-weight models, which no drafter predicts, run at a chosen acceptance rate.
 """
 
 from __future__ import annotations
@@ -139,6 +143,63 @@ def accept_stochastic(
     row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
     resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
     bonus = sample_from_probs(resid, k_bonus, sp)
+    return _finish(tree, path, num, bonus)
+
+
+def deepest_path(tree: Tree, max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """The root path to the tree's deepest node (ties: the best draft score rho, then the lowest
+    index): (path [B, D+1] node indices, path[0] = the root, 0 past the node; its depth [B])."""
+    b = tree.tokens.shape[0]
+    valid = tree.valid
+    depth = jnp.max(jnp.where(valid, tree.depth, -1), axis=1)  # >= 0: the root is always valid
+    deepest = valid & (tree.depth == depth[:, None])
+    score = jnp.where(deepest, jnp.maximum(tree.score, jnp.finfo(jnp.float32).min), -jnp.inf)
+    cur = jnp.argmax(score, axis=1).astype(jnp.int32)  # first of the best: the lowest index
+    path = jnp.zeros((b, max_depth + 1), jnp.int32)
+    for d in range(max_depth, -1, -1):  # from the node up to the root
+        on = d <= depth
+        path = path.at[:, d].set(jnp.where(on, cur, 0))
+        parent = jnp.take_along_axis(tree.parents, cur[:, None], axis=1)[:, 0]
+        cur = jnp.where(on, jnp.maximum(parent, 0), cur)
+    return path, depth
+
+
+def accept_simulated(
+    tree: Tree,
+    logits: jax.Array,
+    sp: SamplingParams,
+    key: jax.Array,
+    accept_prob: float,
+    max_depth: int,
+) -> Accepted:
+    """Simulated acceptance (benchmarks only, SpecConfig.simulate_accept): not lossless.
+
+    Per request, the drafted tokens along `deepest_path` are accepted level by level, each next
+    level with probability `accept_prob` (independent draws per request: `sampling.uniform`), up
+    to the path's end: L accepted drafts with P(L >= d) = accept_prob**d for d <= the path's depth.
+    The bonus is the target's own token at the last accepted node (its argmax for greedy rows, a
+    sample of its distribution otherwise). The result has the form of a real acceptance of that
+    path, so the commit, the KV and the GDN state updates are those of a real step. Expected
+    tokens per step with a tree of depth D: 1 + p + ... + p**D (calibrate.expected_tokens_per_step).
+    """
+    b, n = tree.tokens.shape
+    k_len, k_bonus = jax.random.split(key)
+    path, depth = deepest_path(tree, max_depth)
+    u = uniform(k_len, sp, (b, max_depth))
+    run = jnp.sum(jnp.cumprod((u < accept_prob).astype(jnp.int32), axis=1), axis=1)
+    num = 1 + jnp.minimum(run, depth).astype(jnp.int32)
+    path = jnp.where(jnp.arange(max_depth + 1)[None] < num[:, None], path, 0)
+    last = jnp.take_along_axis(path, (num - 1)[:, None], axis=1)  # [B, 1]
+
+    def greedy():  # the argmax at every node, as accept_greedy computes it (the same cost)
+        target_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jnp.take_along_axis(target_tok, last, axis=1)[:, 0]
+
+    def sampled():
+        row = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+        return sample_from_probs(target_probs(row, sp), k_bonus, sp)
+
+    bonus = jax.lax.cond(jnp.all(sp.temperature <= 0.0), greedy, sampled)
     return _finish(tree, path, num, bonus)
 
 

@@ -531,6 +531,8 @@ def llm_identity(llm) -> dict:
     dtype = llm.params["embed"].dtype
     nv = int(llm.params["mtp"]["draft_ids"].shape[0]) if dv.has_draft_vocab(llm.params) else None
     p = (llm.spec_options or {}).get("synthetic_accept")
+    if p is None:  # simulated acceptance: the tables of the synthetic drafter at that p
+        p = simulated_accept_prob(llm.spec_options)
     return model_identity(
         llm.cfg,
         dtype,
@@ -538,6 +540,21 @@ def llm_identity(llm) -> dict:
         draft_vocab=nv,
         drafter="mtp" if p is None else f"synthetic p={p:.4f}",
     )
+
+
+def simulated_accept_prob(spec_options: dict | None) -> float | None:
+    """p of `LLM(spec_options=...)`'s simulated acceptance (SpecConfig.simulate_accept), at the
+    options' depth (default 8) for simulate_accept_mean; None without one. Tables and first-use
+    calibration treat it as the synthetic drafter's p: the same acceptance, the same choice."""
+    opts = spec_options or {}
+    if opts.get("simulate_accept") is not None:
+        return float(opts["simulate_accept"])
+    if opts.get("simulate_accept_mean") is None:
+        return None
+    from bole_jax.measure.calibrate import synthetic_accept_prob
+    from bole_jax.spec_decode.drafter import TreeShape
+
+    return synthetic_accept_prob(opts["simulate_accept_mean"], opts.get("depth", TreeShape().depth))
 
 
 def is_embedded_model(path) -> bool:

@@ -23,7 +23,7 @@ from bole_jax.pallas.options import KernelOptions
 from bole_jax.spec_decode import budget as budget_mod
 from bole_jax.spec_decode import drafter, verify
 from bole_jax.spec_decode import tree as tree_mod
-from bole_jax.spec_decode.acceptance import accept
+from bole_jax.spec_decode.acceptance import accept, accept_simulated
 from bole_jax.spec_decode.drafter import TreeShape
 from bole_jax.spec_decode.loop import DecodeState, emit
 
@@ -43,6 +43,10 @@ class SpecConfig:
     # The kernel options (the same value as ModelConfig.kernels, `spec_step` checks it); the
     # decode state's lazy-commit layout follows kernels.lazy_rows (`pending_nodes`).
     kernels: KernelOptions = KernelOptions()
+    # Benchmarks only: simulated acceptance, each next depth of the tree's deepest path accepted
+    # with this probability whatever the target says (`acceptance.accept_simulated`; outputs are
+    # not the model's). None: the lossless acceptance.
+    simulate_accept: float | None = None
 
     def __post_init__(self):
         if self.mode not in SPEC_MODES:
@@ -58,6 +62,16 @@ class SpecConfig:
                 f"budget must be a positive int (total verified nodes across the batch) "
                 f"or None, got {self.budget!r}"
             )
+        if self.simulate_accept is not None:
+            if isinstance(self.simulate_accept, bool) or not (
+                isinstance(self.simulate_accept, (int, float)) and 0 <= self.simulate_accept <= 1
+            ):
+                raise ValueError(
+                    f"simulate_accept must be a probability in [0, 1] or None, got "
+                    f"{self.simulate_accept!r}"
+                )
+            if self.synthetic_accept is not None:
+                raise ValueError("simulate_accept and synthetic_accept exclude each other")
         if self.mode == "chain" and self.shape.topk != 1:
             raise ValueError("chain mode drafts with topk=1")
         if self.mode == "chain" and self.shape.num_nodes != self.shape.depth + 1:
@@ -74,6 +88,7 @@ class SpecConfig:
         budget: int | None = None,
         lazy_commit: bool = False,
         kernels: KernelOptions = KernelOptions(),
+        simulate_accept: float | None = None,
     ) -> "SpecConfig":
         if mode == "chain":
             topk, num_nodes = 1, depth + 1
@@ -85,6 +100,7 @@ class SpecConfig:
             budget,
             lazy_commit,
             kernels,
+            simulate_accept=simulate_accept,
         )
 
     @property
@@ -213,14 +229,19 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
         )
         logits = lm_logits(params, cfg, hidden)
     with stage("accept"):
-        acc = accept(
-            tree,
-            logits,
-            state.sampling,
-            k_acc,
-            max_depth=spec.shape.depth,
-            max_children=spec.shape.topk,
-        )
+        if spec.simulate_accept is None:
+            acc = accept(
+                tree,
+                logits,
+                state.sampling,
+                k_acc,
+                max_depth=spec.shape.depth,
+                max_children=spec.shape.topk,
+            )
+        else:  # benchmarks: a chosen acceptance rate, not the target's (acceptance.py)
+            acc = accept_simulated(
+                tree, logits, state.sampling, k_acc, spec.simulate_accept, spec.shape.depth
+            )
     with stage("commit"):
         cache = verify.commit(cache, auxs, tree, acc, active, mode=spec.mode, cfg=cfg)
     with stage("emit"):
