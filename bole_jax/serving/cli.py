@@ -269,7 +269,23 @@ def _cmd_serve(args) -> int:
     logging.getLogger("bole_jax").setLevel(logging.INFO)
     tp = {}
     opts = spec_options_from_args(args)
-    if args.tp != 1 or opts or args.draft_vocab:  # the server builds its own LLM otherwise
+    if args.simulate_accept_mean is not None:  # p follows from the depth each mode drafts
+        opts = {**(opts or {}), "simulate_accept_mean": args.simulate_accept_mean}
+    served_model_name = args.served_model_name
+    if args.preset is not None:
+        from bole_jax.serving.simulate import preset_llm
+
+        tp = dict(
+            llm=preset_llm(
+                args.preset,
+                dtype=args.dtype,
+                tp=args.tp,
+                spec_options=opts or None,
+                draft_vocab=args.draft_vocab,
+            )
+        )
+        served_model_name = served_model_name or f"random-{args.preset}"
+    elif args.tp != 1 or opts or args.draft_vocab:  # the server builds its own LLM otherwise
         from bole_jax.llm import LLM
 
         tp = dict(
@@ -309,7 +325,7 @@ def _cmd_serve(args) -> int:
             dtype=args.dtype,
             segment_steps=args.segment_steps,
             segment_ms=args.segment_ms or None,
-            served_model_name=args.served_model_name,
+            served_model_name=served_model_name,
             prefill_chunk=args.prefill_chunk,
             prefix_block=args.prefix_block,
             prefix_cache_gb=args.prefix_cache_gb,
@@ -672,8 +688,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_compile_cache_arg(g)
     g.set_defaults(func=_cmd_generate)
     s = sp("serve", help="OpenAI-compatible HTTP server (continuous batching)")
-    s.add_argument(
+    src = s.add_mutually_exclusive_group()
+    src.add_argument(
         "--model", default=None, help="local Hugging Face folder (default: embedded demo)"
+    )
+    src.add_argument(
+        "--preset",
+        default=None,
+        help="benchmarks: random weights with a published model's dimensions "
+        "(bole_jax/model/presets.py, or tiny) behind the demo model's tokenizer; outputs "
+        "are not a model's (docs/serving.md) (default: --model)",
+    )
+    s.add_argument(
+        "--simulate-accept-mean",
+        type=float,
+        default=None,
+        metavar="X",
+        help="benchmarks: the speculative modes accept X tokens per step on average "
+        "(each next depth of a drafted path with the probability that gives X) "
+        "whatever the target says; outputs are then simulated, not the model's "
+        "(default: the real, lossless acceptance)",
     )
     s.add_argument(
         "--spec",

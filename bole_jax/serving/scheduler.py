@@ -260,6 +260,8 @@ class Scheduler:
                     "the synthetic-acceptance drafter is for offline benchmarks, not serving"
                 )
             require_mtp(cfg, llm.params)
+        elif {"simulate_accept", "simulate_accept_mean"} & set(llm.spec_options or {}):
+            log.warning("simulated acceptance has no effect in ar mode (pass --spec bole|...)")
         if segment_steps < 1:
             raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
         slack = self.spec.slack if self.spec else 0

@@ -41,6 +41,7 @@ from fastapi import (
 )
 from starlette.responses import Response
 
+from bole_jax.serving import simulate
 from bole_jax.serving.chat import ChatTemplate, PromptEncoder, TemplateError
 from bole_jax.serving.memory import format_plan_table
 from bole_jax.serving.protocol import ChatRequest, CompletionRequest, Limits
@@ -338,6 +339,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise ValueError("the model folder has no tokenizer.json: the server needs one")
         self.model_name = model_name
+        self.simulated = simulate.describe(scheduler)  # None: a real model's outputs
         self.chat = chat_template or ChatTemplate(None, self.tokenizer)
         self.encoder = None if allow_special_tokens else PromptEncoder(self.tokenizer)
         self.defaults = dict(temperature=1.0, top_p=1.0, top_k=0)
@@ -582,9 +584,10 @@ class OpenAIServer:
                 return JSONResponse({"status": "draining", "error": None}, status_code=503)
             if not ok and err is None:
                 return JSONResponse({"status": "starting", "error": None}, status_code=503)
-            return JSONResponse(
-                {"status": "ok" if ok else "error", "error": err}, status_code=200 if ok else 503
-            )
+            body = {"status": "ok" if ok else "error", "error": err}
+            if self.simulated is not None:  # benchmark servers say so (/v1/models: what)
+                body["simulated"] = True
+            return JSONResponse(body, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -627,6 +630,7 @@ class OpenAIServer:
             "spec_mode": s.mode,
             "device": device_name(),
             "tensor_parallel": s.llm.cfg.tp,
+            "simulated": self.simulated,
         }
 
     # ---------------------------------------------------------------- request building
@@ -1187,6 +1191,8 @@ def build_server(
 
     llm = llm or LLM(model, dtype=dtype)
     folder = llm.path
+    # A preset's random weights borrow the demo model's tokenizer, and its chat template with it.
+    template_folder = folder if folder is not None else getattr(llm.tokenizer, "folder", None)
     sched = Scheduler(
         llm,
         mode=spec,
@@ -1211,7 +1217,7 @@ def build_server(
     return OpenAIServer(
         sched,
         model_name=served_model_name,
-        chat_template=ChatTemplate.from_folder(folder, llm.tokenizer),
+        chat_template=ChatTemplate.from_folder(template_folder, llm.tokenizer),
         host=host,
         port=port,
         generation_defaults=defaults,
@@ -1263,6 +1269,7 @@ def serve(model: str | None = None, **kwargs) -> None:
     exposure_warning(kwargs.get("host", "127.0.0.1"), kwargs.get("api_key"))
     raise_open_files_limit()
     server = build_server(model, **kwargs)
+    simulate.startup_warning(server.simulated)
     s = server.scheduler
     pc = s.prefix
     prefix = (
