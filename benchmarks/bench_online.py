@@ -7,6 +7,8 @@
     python benchmarks/bench_online.py --modes pernode --merge ...   # add a mode to an earlier run
     python benchmarks/bench_online.py --model DIR --server-arg=--memory-gb=4 \
         --mode-server-arg='pernode=--tree-nodes 64'   # SGLang-style fixed trees for pernode only
+    python benchmarks/bench_online.py --preset qwen3.5-27b --simulate-accept-mean 3.5 ...
+        # random weights at 27B dims, simulated acceptance (docs/serving.md; outputs meaningless)
 
 Workload: benchmarks/data/agent_sessions.jsonl (see build_agent_sessions.py): BFCL multi-turn
 tool-use sessions (a long system prompt with tool descriptions shared by every call of a
@@ -14,8 +16,9 @@ session and by all sessions with the same tools, tool outputs, many calls) and S
 two-turn chats.
 
 Method:
-- Per mode, `python -m bole_jax serve --spec MODE [--server-arg ...] [that mode's
-  --mode-server-arg ...]` runs as a subprocess (log in
+- Per mode, `python -m bole_jax serve --spec MODE [--model DIR | --preset NAME]
+  [--simulate-accept-mean X] [--server-arg ...] [that mode's --mode-server-arg ...]` runs as a
+  subprocess (log in
   OUT/server_<tag>_<mode>.log); /health is awaited, a few requests of growing prompt length warm
   up the prefill shapes, then every rate is replayed on that server, lowest first.
 - Sessions arrive as a Poisson process at RATE sessions/s for --duration seconds (at most
@@ -833,10 +836,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="model folder the servers load (default: the embedded demo model)",
     )
     src.add_argument(
+        "--preset",
+        default=None,
+        help="the servers serve random weights with this preset's dimensions (`bole-jax "
+        "serve --preset`, e.g. qwen3.5-27b; outputs are not a model's): with "
+        "--simulate-accept-mean, large-model timings without a trained drafter",
+    )
+    src.add_argument(
         "--url",
         default=None,
         help="benchmark a running server (http://HOST:PORT) instead of starting one "
         "per mode; its mode comes from /v1/models",
+    )
+    ap.add_argument(
+        "--simulate-accept-mean",
+        type=float,
+        default=None,
+        metavar="X",
+        help="every server's speculative modes accept X tokens per step on average "
+        "(`bole-jax serve --simulate-accept-mean`: simulated outputs, the cost of a real "
+        "step at that acceptance) (default: the real acceptance)",
     )
     ap.add_argument("--modes", nargs="+", default=["bole", "pernode", "ar"], choices=MODES)
     ap.add_argument(
@@ -956,11 +975,26 @@ def resolve_args(a) -> None:
                 f"--mode-server-arg wants MODE=FLAGS with MODE in {list(MODES)}, got {item!r}"
             )
         a.mode_server_args.setdefault(mode, []).extend(shlex.split(flags))
+    if a.url and a.simulate_accept_mean is not None:
+        raise ValueError("--simulate-accept-mean starts servers: it does not go with --url")
+    if a.simulate_accept_mean is not None and not a.simulate_accept_mean > 1:
+        raise ValueError(f"--simulate-accept-mean must be > 1, got {a.simulate_accept_mean}")
     if a.drain_timeout is None:
         a.drain_timeout = max(a.duration, 30.0)
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
     a.rates = sorted(a.rates)
+
+
+def model_server_args(a) -> list[str]:
+    """The `bole-jax serve` flags choosing what every server runs: --model, or --preset (random
+    weights), and --simulate-accept-mean."""
+    args = ["--model", a.model] if a.model else []
+    if a.preset:
+        args += ["--preset", a.preset]
+    if a.simulate_accept_mean is not None:
+        args += ["--simulate-accept-mean", repr(a.simulate_accept_mean)]
+    return args
 
 
 def schedules_for(a, n_sessions: int) -> list[tuple[list[int], list[float]]]:
@@ -1002,8 +1036,16 @@ def main(argv=None) -> int:
     schedules = schedules_for(a, len(sessions))
     os.makedirs(a.out, exist_ok=True)
     tag = a.tag or (
-        "url" if a.url else "demo" if not a.model else os.path.basename(os.path.normpath(a.model))
+        "url"
+        if a.url
+        else a.preset
+        if a.preset
+        else "demo"
+        if not a.model
+        else os.path.basename(os.path.normpath(a.model))
     )
+    if a.simulate_accept_mean is not None and not a.tag:
+        tag += f"_sim{a.simulate_accept_mean:g}"
     command = "python " + shlex.join(
         [os.path.relpath(__file__, ROOT)] + (sys.argv[1:] if argv is None else list(argv))
     )
@@ -1028,8 +1070,8 @@ def main(argv=None) -> int:
                 print(f"\n### mode {mode}", flush=True)
                 server = ServerProcess(
                     mode,
-                    a.model,
-                    a.server_args + a.mode_server_args.get(mode, []),
+                    None,
+                    model_server_args(a) + a.server_args + a.mode_server_args.get(mode, []),
                     os.path.join(a.out, f"server_{tag}_{mode}.log"),
                 )
                 servers[mode] = dict(command=shlex.join(server.cmd))
@@ -1060,6 +1102,10 @@ def main(argv=None) -> int:
         env=env,
         interrupted=interrupted,
         modes=sorted(servers),
+        # what the servers ran: random weights (preset) and / or simulated acceptance
+        simulated=None
+        if a.preset is None and a.simulate_accept_mean is None
+        else dict(preset=a.preset, simulate_accept_mean=a.simulate_accept_mean),
         config={k: v for k, v in vars(a).items() if k not in ("server_arg", "mode_server_arg")},
     )
     path = os.path.join(a.out, f"online_{tag}.json")
@@ -1082,6 +1128,8 @@ SAME = (
     "sources",
     "tool_docs",
     "seed",
+    "preset",
+    "simulate_accept_mean",
 )
 
 
@@ -1145,6 +1193,7 @@ def report(rows, servers, runs, a, tag, path, env) -> None:
         env=env,
         interrupted=last["interrupted"],
         config=last["config"],
+        simulated=last.get("simulated"),
         runs=runs,
         sessions_file=os.path.relpath(a.sessions_file, ROOT),
         servers=servers,

@@ -322,3 +322,29 @@ def test_mode_server_args():
             bo.resolve_args(a)
     with pytest.raises(SystemExit):
         bo.main(["--mode-server-arg", "nope=--x"])
+
+
+def test_preset_and_simulated_acceptance_reach_every_server():
+    """--preset and --simulate-accept-mean go to every mode's `bole-jax serve`, before the
+    --server-arg flags; the replay settings that --merge compares include them."""
+    a = bo.build_parser().parse_args(
+        ["--preset", "qwen3.5-27b", "--simulate-accept-mean", "3.5", "--server-arg=--max-batch=8"]
+    )
+    bo.resolve_args(a)
+    args = bo.model_server_args(a)
+    assert args == ["--preset", "qwen3.5-27b", "--simulate-accept-mean", "3.5"]
+    srv = bo.ServerProcess("bole", None, args + a.server_args, "/dev/null")
+    assert srv.cmd[-5:] == args + ["--max-batch=8"] and "--model" not in srv.cmd
+    assert {"preset", "simulate_accept_mean"} <= set(bo.SAME)
+    a = bo.build_parser().parse_args(["--model", "DIR", "--simulate-accept-mean", "2"])
+    bo.resolve_args(a)
+    assert bo.model_server_args(a) == ["--model", "DIR", "--simulate-accept-mean", "2.0"]
+    for bad in (
+        ["--url", "http://x:1", "--simulate-accept-mean", "2"],
+        ["--simulate-accept-mean", "1"],
+    ):
+        a = bo.build_parser().parse_args(bad)
+        with pytest.raises(ValueError, match="simulate-accept-mean"):
+            bo.resolve_args(a)
+    with pytest.raises(SystemExit):  # one source of weights
+        bo.build_parser().parse_args(["--model", "DIR", "--preset", "tiny"])
