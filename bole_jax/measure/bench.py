@@ -660,34 +660,29 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
         drafter="mtp" if p is None else f"synthetic p={p:.4f}",
     )
     cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
-    if a.nodes == "auto":
-        choice = budget_mod.choice_for(
+
+    def table_choice(mode):  # the table's choice for this batch ("bole"; None: any mode)
+        return budget_mod.choice_for(
             cfg,
             dtype,
             b,
             calibration=a.calibration,
             model_dir=a.model,
             kv=kv_guess,
+            mode=mode,
             identity=ident,
             command=cmd,
         )
+
+    if a.nodes == "auto":
+        choice = table_choice("bole")
     else:
         choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
     k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
     llms, real, echoice = {}, {}, None
     for m in (["ar"] if run_ar else []) + spec_modes:
         if m == "engine":
-            echoice = budget_mod.choice_for(
-                cfg,
-                dtype,
-                b,
-                calibration=a.calibration,
-                model_dir=a.model,
-                kv=kv_guess,
-                mode=None,
-                identity=ident,
-                command=cmd,
-            )
+            echoice = table_choice(None)
             real[m] = echoice.mode
             opts = dict(echoice.spec_options(), backend=a.backend, synthetic_accept=p)
             if echoice.mode == "ar":
