@@ -37,6 +37,7 @@ from bole_jax.measure.env import environment, progress_bar
 from bole_jax.model import parallel
 from bole_jax.model.cache import AttnCache, with_pending
 from bole_jax.spec_decode import budget
+from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob  # noqa: F401
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
 
 # Short, generic prompts (prose, code, lists, dialogue): what the acceptance is measured on.
@@ -57,25 +58,6 @@ DEFAULT_DEPTHS = (8,)
 CPU_NODES = (4, 8)  # CPU: the tree kernels run as references (interpret mode): few widths
 AUTO_SECONDS = 60.0  # automatic calibration on first use: at most about this long
 AUTO_STEPS, AUTO_REPEATS, AUTO_WARM = 4, 2, 2
-
-
-def expected_tokens_per_step(p: float, drafts: int) -> float:
-    """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
-    chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
-    return 1.0 + sum(p**d for d in range(1, drafts + 1))
-
-
-def synthetic_accept_prob(mean_tokens: float, depth: int) -> float:
-    """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
-    if not 1.0 < mean_tokens < depth + 1:
-        raise ValueError(
-            f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), got {mean_tokens}"
-        )
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
-    return (lo + hi) / 2
 
 
 # ---------------------------------------------------------------- timing the engine's loop

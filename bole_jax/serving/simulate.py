@@ -93,7 +93,7 @@ def preset_llm(
 
 def describe(scheduler) -> dict | None:
     """What the server's outputs simulate (/v1/models "simulated"), None for a real model's."""
-    from bole_jax.measure.calibrate import expected_tokens_per_step
+    from bole_jax.spec_decode.acceptance import expected_tokens_per_step
 
     preset = getattr(scheduler.llm, "preset", None)
     spec = scheduler.spec

@@ -180,7 +180,7 @@ def accept_simulated(
     The bonus is the target's own token at the last accepted node (its argmax for greedy rows, a
     sample of its distribution otherwise). The result has the form of a real acceptance of that
     path, so the commit, the KV and the GDN state updates are those of a real step. Expected
-    tokens per step with a tree of depth D: 1 + p + ... + p**D (calibrate.expected_tokens_per_step).
+    tokens per step with a tree of depth D: 1 + p + ... + p**D (`expected_tokens_per_step` below).
     """
     b, n = tree.tokens.shape
     k_len, k_bonus = jax.random.split(key)
@@ -218,3 +218,25 @@ def accept(
         lambda: accept_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth),
         lambda: accept_stochastic(tree, logits, sp, key, max_depth, max_children),
     )
+
+
+# ---------------------------------------------------------------- synthetic acceptance rates
+
+
+def expected_tokens_per_step(p: float, drafts: int) -> float:
+    """Synthetic drafter: tokens emitted per step (accepted drafts + the bonus) when the correct
+    chain of `drafts` tokens is in the tree and each depth is kept with probability p."""
+    return 1.0 + sum(p**d for d in range(1, drafts + 1))
+
+
+def synthetic_accept_prob(mean_tokens: float, depth: int) -> float:
+    """p with expected_tokens_per_step(p, depth) = mean_tokens (bisection)."""
+    if not 1.0 < mean_tokens < depth + 1:
+        raise ValueError(
+            f"mean tokens per step must lie in (1, depth + 1 = {depth + 1}), got {mean_tokens}"
+        )
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, depth) < mean_tokens else (lo, mid)
+    return (lo + hi) / 2

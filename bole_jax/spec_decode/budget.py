@@ -551,7 +551,7 @@ def simulated_accept_prob(spec_options: dict | None) -> float | None:
         return float(opts["simulate_accept"])
     if opts.get("simulate_accept_mean") is None:
         return None
-    from bole_jax.measure.calibrate import synthetic_accept_prob
+    from bole_jax.spec_decode.acceptance import synthetic_accept_prob
     from bole_jax.spec_decode.drafter import TreeShape
 
     return synthetic_accept_prob(opts["simulate_accept_mean"], opts.get("depth", TreeShape().depth))
