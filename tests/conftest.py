@@ -109,6 +109,26 @@ def start_niced(args, **kwargs) -> subprocess.Popen:
     return proc
 
 
+def wait_until_healthy(proc, url: str, log, timeout: float, poll: float = 0.25) -> None:
+    """Wait for a `bole-jax serve` child to answer /health with 200; fail with its log when it
+    exits first or does not answer within `timeout` seconds."""
+    import time
+    import urllib.request
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll)
+    proc.kill()
+    pytest.fail("the server did not start:\n" + log.read_text())
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return

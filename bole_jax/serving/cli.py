@@ -272,25 +272,20 @@ def _cmd_serve(args) -> int:
     if args.simulate_accept_mean is not None:  # p follows from the depth each mode drafts
         opts = {**(opts or {}), "simulate_accept_mean": args.simulate_accept_mean}
     served_model_name = args.served_model_name
+    build = None  # the server builds its own LLM otherwise
     if args.preset is not None:
         from bole_jax.serving.simulate import preset_llm
 
-        tp = dict(
-            llm=preset_llm(
-                args.preset,
-                dtype=args.dtype,
-                tp=args.tp,
-                spec_options=opts or None,
-                draft_vocab=args.draft_vocab,
-            )
-        )
+        build, source = preset_llm, args.preset
         served_model_name = served_model_name or f"random-{args.preset}"
-    elif args.tp != 1 or opts or args.draft_vocab:  # the server builds its own LLM otherwise
+    elif args.tp != 1 or opts or args.draft_vocab:
         from bole_jax.llm import LLM
 
+        build, source = LLM, args.model
+    if build is not None:
         tp = dict(
-            llm=LLM(
-                args.model,
+            llm=build(
+                source,
                 dtype=args.dtype,
                 tp=args.tp,
                 spec_options=opts or None,

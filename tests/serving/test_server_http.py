@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import wait_until_healthy
 
 openai = pytest.importorskip("openai")
 
@@ -149,19 +150,7 @@ def proc_server(model_dir, tmp_path_factory):
     ]
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while time.time() - t0 < 300:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        time.sleep(0.25)
-    else:
-        proc.kill()
-        pytest.fail("the server did not start:\n" + log.read_text())
+    wait_until_healthy(proc, url, log, timeout=300, poll=0.25)
     yield {"proc": proc, "url": url, "port": port, "log": log}
     if proc.poll() is None:
         proc.kill()

@@ -10,10 +10,9 @@ import re
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
+from conftest import wait_until_healthy
 
 from bole_jax.llm import DEFAULT_MODEL_DIR, Tokenizer
 from bole_jax.measure.calibrate import synthetic_accept_prob
@@ -45,19 +44,7 @@ def server(tmp_path_factory):
     ]
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    while time.time() - t0 < 600:
-        assert proc.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the server did not start:\n" + log.read_text())
+    wait_until_healthy(proc, url, log, timeout=600, poll=0.5)
     yield {"port": port, "log": log}
     proc.terminate()
     try:
