@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 
 from bole_jax.measure import bench  # noqa: E402
-from bole_jax.measure.calibrate import synthetic_accept_prob  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.model import parallel  # noqa: E402
 from bole_jax.model.presets import preset  # noqa: E402
 from bole_jax.serving import cli  # noqa: E402
 from bole_jax.serving.memory import plan_memory, slot_bytes  # noqa: E402
+from bole_jax.spec_decode.acceptance import synthetic_accept_prob  # noqa: E402
 from bole_jax.spec_decode.step import SpecConfig  # noqa: E402
 
 MODES = ("ar", "chain", "pernode", "bole")

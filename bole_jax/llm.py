@@ -35,8 +35,8 @@ from bole_jax.pallas.options import KernelOptions
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
-from bole_jax.spec_decode.budget import spec_options_for
-from bole_jax.spec_decode.drafter import DraftState, TreeShape
+from bole_jax.spec_decode.budget import simulated_accept_prob, spec_options_for
+from bole_jax.spec_decode.drafter import DraftState
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -631,12 +631,11 @@ class LLM:
         if (batch, mode) not in self._resolved_spec_options:
             self._resolved_spec_options[batch, mode] = spec_options_for(self, mode, batch)
         opts = dict(self._resolved_spec_options[batch, mode])
-        mean = opts.pop("simulate_accept_mean", None)
-        if mean is not None:  # benchmarks: p for this mean at the depth this mode drafts
+        if opts.get("simulate_accept_mean") is not None:  # p at the depth this mode drafts
             if "simulate_accept" in opts:
                 raise ValueError("give spec_options simulate_accept or simulate_accept_mean")
-            depth = opts.get("depth", TreeShape().depth)
-            opts["simulate_accept"] = calibrate_mod.synthetic_accept_prob(mean, depth)
+            opts["simulate_accept"] = simulated_accept_prob(opts)
+        opts.pop("simulate_accept_mean", None)
         return SpecConfig.for_mode(mode, **opts, kernels=self.cfg.kernels)
 
     def calibrate(self, **kwargs) -> dict:

@@ -684,9 +684,11 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
         if m == "engine":
             echoice = table_choice(None)
             real[m] = echoice.mode
-            opts = dict(echoice.spec_options(), backend=a.backend, synthetic_accept=p)
-            if echoice.mode == "ar":
-                opts = {}
+            opts = (
+                {}
+                if echoice.mode == "ar"
+                else dict(echoice.spec_options(), backend=a.backend, synthetic_accept=p)
+            )
             llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
             continue
         opts = (
@@ -703,8 +705,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
             )
         )
         llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
-    mode_of = lambda m: real.get(m, m)  # noqa: E731
-    specs = {m: llms[m]._spec_config(mode_of(m)) for m in spec_modes if mode_of(m) != "ar"}
+        real[m] = m
+    specs = {m: llms[m]._spec_config(real[m]) for m in spec_modes if real[m] != "ar"}
     slack = {m: specs[m].slack if m in specs else 0 for m in llms}
     # The prefill is done once, laid out for the mode with the most MTP draft scratch.
     base = max(llms, key=lambda m: specs[m].shape.draft_slots if m in specs else -1)
@@ -731,7 +733,7 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
 
 def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
     m, b = pl["base_mode"], len(pl["ids"])
-    rm = pl["real"].get(m, m)
+    rm = pl["real"][m]
     oracle = [[0]] * b if synthetic and rm != "ar" else None  # the AR run fills it in later
     st = pl["llms"][m].start_batch(
         pl["ids"],
@@ -897,7 +899,7 @@ def run_e2e(a) -> dict:
     order = sorted(((b, m) for b in a.batch for m in plan[b]["llms"]), key=lambda bm: bm[1] != "ar")
     for b, m in order:
         pl = plan[b]
-        rm = pl["real"].get(m, m)
+        rm = pl["real"][m]
         shapes = parallel.annotate(
             jax.eval_shape(lambda s: _derive_state(s, rm, pl["specs"].get(m), cfg), shapes_of[b]),
             cfg,
@@ -970,7 +972,7 @@ def run_e2e(a) -> dict:
                 else "not compiled"
                 if (b, m) not in progs
                 else "no AR oracle"
-                if pl["real"].get(m, m) != "ar" and p is not None and oracle is None
+                if pl["real"][m] != "ar" and p is not None and oracle is None
                 else None
             )
             if reason:
@@ -979,7 +981,7 @@ def run_e2e(a) -> dict:
             spec = pl["specs"].get(m)
             try:
                 run = progs[b, m]
-                rm = pl["real"].get(m, m)
+                rm = pl["real"][m]
                 ora = oracle if p is not None else None
                 if low_memory:
                     fresh = isinstance(parked, _Parked)  # else (CPU) the one prefilled state

@@ -572,7 +572,7 @@ def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
         warm=AUTO_WARM,
         time_budget=AUTO_SECONDS,
         progress=False,
-        accept_prob=opts.get("synthetic_accept", budget.simulated_accept_prob(opts)),
+        accept_prob=budget.table_accept_prob(opts),
     )
     path = store(new)
     skipped = [candidate_id(c) for e in new["entries"] for c in e["candidates"] if "note" in c]

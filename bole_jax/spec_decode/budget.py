@@ -530,9 +530,7 @@ def llm_identity(llm) -> dict:
 
     dtype = llm.params["embed"].dtype
     nv = int(llm.params["mtp"]["draft_ids"].shape[0]) if dv.has_draft_vocab(llm.params) else None
-    p = (llm.spec_options or {}).get("synthetic_accept")
-    if p is None:  # simulated acceptance: the tables of the synthetic drafter at that p
-        p = simulated_accept_prob(llm.spec_options)
+    p = table_accept_prob(llm.spec_options)
     return model_identity(
         llm.cfg,
         dtype,
@@ -555,6 +553,14 @@ def simulated_accept_prob(spec_options: dict | None) -> float | None:
     from bole_jax.spec_decode.drafter import TreeShape
 
     return synthetic_accept_prob(opts["simulate_accept_mean"], opts.get("depth", TreeShape().depth))
+
+
+def table_accept_prob(spec_options: dict | None) -> float | None:
+    """The acceptance probability calibration tables of these `LLM(spec_options=...)` are
+    measured and keyed at: the synthetic drafter's p, else the simulated acceptance's p, else
+    None (the model's own drafter)."""
+    p = (spec_options or {}).get("synthetic_accept")
+    return simulated_accept_prob(spec_options) if p is None else p
 
 
 def is_embedded_model(path) -> bool:

@@ -15,8 +15,8 @@ import pytest
 from conftest import wait_until_healthy
 
 from bole_jax.llm import DEFAULT_MODEL_DIR, Tokenizer
-from bole_jax.measure.calibrate import synthetic_accept_prob
 from bole_jax.serving.simulate import UNKNOWN_TOKEN_TEXT, SimulatedTokenizer
+from bole_jax.spec_decode.acceptance import synthetic_accept_prob
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEAN, DEPTH = 2.5, 3

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from bole_jax import LLM, ModelConfig
-from bole_jax.measure.calibrate import expected_tokens_per_step, synthetic_accept_prob
 from bole_jax.model import forward, init_cache, init_params
 from bole_jax.model import logits as lm_logits
 from bole_jax.spec_decode import budget
+from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob
 from bole_jax.spec_decode.step import SpecConfig
 
 TREE = dict(topk=2, depth=3, num_nodes=11)
