@@ -11,8 +11,8 @@ each budget, how many requests fit: budget = (free device memory after the weigh
 fraction, or --memory-gb. Each mode is then timed at its own largest batch (capped by
 --max-batch) with `bole-jax bench`'s harness, one decode state on the device at a time, the KV of
 every request filled to --context (filler rows that attention reads like real context). A mode
-admitting n requests is timed at the power-of-two batch at or below n (the offline engine lays a
-batch out at a power of two); bole and pernode share one batch-wide budget (--budget). Random
+admitting n requests is timed at batch n, its state laid out with exactly n rows (as the serving
+engine's slots; no power-of-two padding); bole and pernode share one batch-wide budget (--budget). Random
 weights and the synthetic-acceptance drafter (--accept-mean). Prints one table per acceptance and
 writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, every row) and a plot.
 """
@@ -125,9 +125,9 @@ def admitted(cfg, a, p, dtype, budget_bytes: int, gen: int) -> dict:
             n = plan.num_slots
         except ValueError:  # not one request fits
             n = 0
-        # timed at the power-of-two batch at or below: LLM.start_batch lays a batch out at the
-        # next power of two, which would hold more requests than the budget admits
-        out[m] = (1 << (n.bit_length() - 1) if n else 0, n, parts)
+        # timed at exactly the admitted batch (capped by --max-batch), as the serving engine runs
+        # its slots: the state is laid out with that many rows, no power-of-two padding
+        out[m] = (n, n, parts)
     return out
 
 
@@ -168,6 +168,7 @@ def main(argv=None) -> int:
         argv_b += ["--quick"] if a.quick else []
         args = cli.build_parser().parse_args(argv_b)
         args.batch_modes = batch_modes
+        args.exact_batch = True
         res = bench.run_e2e(args)
         by = {(r["batch"], r["mode"]): r for r in res["rows"]}
         failed = {(e["batch"], e["mode"]): e["error"] for e in res["errors"]}

@@ -338,6 +338,7 @@ class LLM:
         spec_batch: int | None = None,
         out_len: int | None = None,
         stream=-1,
+        rows: int | None = None,
     ) -> loop.DecodeState:
         """Prefill a batch of token-id prompts and return the DecodeState the jitted loop advances
         (the first generated token already emitted). Public for benchmarks and notebooks:
@@ -350,10 +351,15 @@ class LLM:
         out_len: length of the output buffer `out` [B, out_len] (>= max_new; default max_new). The KV
         capacity is sized for it, so every max_new up to out_len gives the same shapes.
         stream: each request's random stream ([n] ints, or one for all; -1: its row), see sampling.py.
+        rows: the state's batch rows, padding rows (done) past the prompts (default: the next power
+        of two, so batches of nearby sizes share one compiled step; the serving engine and the
+        fixed-memory benchmark lay out exactly the slots the memory plan admits).
         """
         cfg = self.cfg
         n = len(ids)
-        b = _pow2(n)
+        b = _pow2(n) if rows is None else rows
+        if b < n:
+            raise ValueError(f"rows={rows} < the {n} prompts")
         lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
         spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
         slack = spec.slack if spec else 0

@@ -728,6 +728,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
         specs=specs,
         base_mode=base,
         extra_capacity=max(slack.values()) - slack[base],
+        # bench_capacity: the state holds exactly the admitted requests (no power-of-two padding)
+        rows=b if getattr(a, "exact_batch", False) else None,
     )
 
 
@@ -741,6 +743,7 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
         mode=rm,
         extra_capacity=pl["extra_capacity"] + pl["fill"],
         oracle=oracle,
+        rows=pl["rows"],
     )
     if pl["fill"]:  # the filler rows count as committed context (docs/benchmarks.md, memory)
         st = dataclasses.replace(

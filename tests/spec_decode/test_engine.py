@@ -326,3 +326,22 @@ def test_commit_equals_ar_cache(mode):
     # The bonus token is AR's next token after the accepted run.
     expect_bonus = [cont[i, depth_ok[i]] for i in range(b)]
     np.testing.assert_array_equal(np.asarray(acc.bonus), expect_bonus)
+
+
+def test_start_batch_exact_rows_is_lossless(model):
+    """`start_batch(rows=n)` lays the state out with exactly n rows (the fixed-memory benchmark's
+    and the server's slot layout, no power-of-two padding): 3 prompts in 3 rows decode with bole
+    to AR's tokens; fewer rows than prompts is refused."""
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip("the layout is the same code for every family: one covers it")
+    llm = LLM(cfg, params=params, max_batch_size=3)
+    state = llm.start_batch(prompts[:3], NEW, mode="bole", rows=3, spec_batch=3)
+    assert state.out.shape[0] == 3 and state.cache.lengths.shape[0] == 3
+    state = llm.segment_fn("bole", 3)(params, state, jnp.int32(NEW))
+    assert bool(jnp.all(state.done))
+    for i in range(3):
+        want = ar[i].token_ids
+        assert np.asarray(state.out[i, : len(want)]).tolist() == want
+    with pytest.raises(ValueError, match="rows=2 < the 3 prompts"):
+        llm.start_batch(prompts[:3], NEW, mode="bole", rows=2)
