@@ -251,7 +251,7 @@ class ModePlan:
         return 0 if self.plan is None else self.plan.fit_slots
 
 
-class _FixedStats:
+class FixedStats:
     """A device whose memory_stats() is a reading taken once (every mode plans the same memory)."""
 
     def __init__(self, stats):
@@ -283,7 +283,7 @@ def plan_by_mode(
         stats = device.memory_stats()
     except Exception:  # some backends raise instead of returning None
         stats = None
-    fixed = _FixedStats(stats)
+    fixed = FixedStats(stats)
     out = {}
     for mode, spec in specs.items():
         cap = kv_capacity(max_context, spec.slack if spec else 0)

@@ -354,6 +354,15 @@ class EngineCollector:
             if p["fit_slots"] is not None:
                 fit.add_metric([mode], p["fit_slots"])
         out += [per_slot, n_slots] + ([fit] if fit.samples else [])
+        step = s["step_memory"]
+        if step.get("compiled_temp_bytes") is not None:
+            metric(
+                "bole_memory_step_temp_bytes",
+                "gauge",
+                "Temporaries of the compiled decode segment at the planned slots (the memory "
+                "plan charges each slot at least temporaries / slots for its step).",
+                step["compiled_temp_bytes"],
+            )
         m = self.scheduler.metrics
         with m.lock:
             for h in (m.ttft, m.tpot, m.e2e, m.accepted):

@@ -73,7 +73,13 @@ from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.mtp import MissingMTPError, require_mtp
 from bole_jax.sampling import validate_sampling
-from bole_jax.serving.memory import SlotDoesNotFit, kv_capacity, plan_by_mode
+from bole_jax.serving.memory import (
+    FixedStats,
+    SlotDoesNotFit,
+    kv_capacity,
+    plan_by_mode,
+    plan_memory,
+)
 from bole_jax.serving.metrics import Metrics
 from bole_jax.serving.prefix_cache import (
     Entry,
@@ -320,6 +326,14 @@ class Scheduler:
         mine = self.plans[self.mode]
         if mine.plan is None:
             raise SlotDoesNotFit(mine.error)
+        # kept for the re-plan from the compiled step (`_fit_step_memory`)
+        self._plan_args = dict(
+            max_batch=max_batch,
+            memory_gb=memory_gb,
+            prefix_cache_gb=prefix_cache_gb,
+            memory_fraction=memory_fraction,
+        )
+        self.step_memory: dict | None = None  # the compiled segment's temporaries, once known
         self.slot_bytes, self.memory = mine.slot_bytes, mine.plan
         self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
         self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
@@ -341,18 +355,15 @@ class Scheduler:
         self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
         self.tokenizer = llm.tokenizer
         self.metrics = Metrics()
-        self._segment = llm.segment_fn(self.mode, max_batch)
+        self._segment_jit = llm.segment_fn(self.mode, max_batch)
+        self._segment = self._segment_jit  # compiled for the running state by `_ensure_state`
         self._spec_batch = max_batch
         self._seed = seed
         self.warming_up = False
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._slots: list[Request | None] = [None] * self.num_slots
-        self._seen = np.zeros(self.num_slots, np.int32)  # tokens of each slot already on the host
-        self._steps = np.zeros(
-            self.num_slots, np.int32
-        )  # host copy of state.steps at the last read
         self._state: DecodeState | None = None
+        self._set_slots(self.num_slots)
         self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
         self.state_bytes = 0  # bytes of the running state (its shapes never change)
         self._thread: threading.Thread | None = None
@@ -587,10 +598,23 @@ class Scheduler:
                 self._end(req, "cancelled")
         self._release(free)
 
+    def _set_slots(self, n: int) -> None:
+        self.num_slots = n
+        self._slots: list[Request | None] = [None] * n
+        self._seen = np.zeros(n, np.int32)  # tokens of each slot already on the host
+        self._steps = np.zeros(n, np.int32)  # host copy of state.steps at the last read
+
     def _ensure_state(self) -> None:
-        """The running state: every slot a copy of a 1-token dummy row, all done (free)."""
+        """The running state: every slot a copy of a 1-token dummy row, all done (free). The first
+        time, the decode segment is compiled for it and the slots re-planned with the compiled
+        step's temporary memory (`_fit_step_memory`)."""
         if self._state is not None:
             return
+        self._build_state()
+        if self.step_memory is None:
+            self._fit_step_memory()
+
+    def _build_state(self) -> None:
         row, _ = self._prefill_now(Request([1], RequestParams(max_tokens=1), None, internal=True))
         b = self.num_slots
         state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
@@ -600,6 +624,82 @@ class Scheduler:
         self.state_bytes = sum(
             x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state))
         )
+
+    def _compile_segment(self):
+        """The decode segment compiled for the running state (its shapes never change), and the
+        bytes of its temporaries (None: the backend reports none)."""
+        compiled = self._segment_jit.lower(
+            self.llm.params, self._state, jnp.int32(self.segment_steps)
+        ).compile()
+        try:
+            temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - backends without a memory analysis
+            temp = None
+        return compiled, temp
+
+    def _fit_step_memory(self) -> None:
+        """Take the step's transient memory from the compiled decode segment rather than the
+        estimate: the plan's `step_transient` counts the verify's outputs (logits, factors or
+        per-node states) but not the activations, the drafter's logits or sampling's work, which
+        the compiled program's temporaries do. Where they exceed the estimate, each slot is
+        charged temporaries / slots instead and the slots are planned again in the same memory
+        (the device reading taken at start-up); with fewer slots the state is rebuilt and the
+        segment compiled once more. Bounded: one re-plan. Where the usable memory is unknown (CPU
+        without --memory-gb) the temporaries are only recorded (`stats()["step_memory"]`)."""
+        compiled, temp = self._compile_segment()
+        est = self.slot_bytes["step_transient"]
+        self.step_memory = dict(
+            compiled_temp_bytes=temp,
+            estimate_bytes=est * self.num_slots,
+            planned_slots=self.num_slots,
+            slots=self.num_slots,
+        )
+        self._segment = compiled
+        if temp is None or self.memory.usable_bytes is None or -(-temp // self.num_slots) <= est:
+            return  # the estimate covers the step, or the memory is unknown (nothing to fit)
+        parts = dict(self.slot_bytes, step_transient=-(-temp // self.num_slots))
+        try:
+            plan = plan_memory(
+                sum(parts.values()),
+                self._plan_args["max_batch"],
+                memory_gb=self._plan_args["memory_gb"],
+                prefix_cache_gb=self._plan_args["prefix_cache_gb"],
+                device=FixedStats(self.memory.device_stats),
+                memory_fraction=self._plan_args["memory_fraction"],
+            )
+        except SlotDoesNotFit as e:
+            raise SlotDoesNotFit(
+                f"with the compiled decode step's temporaries ({temp / 2**20:.1f} MiB at "
+                f"{self.num_slots} slots, {parts['step_transient'] / 2**20:.2f} MiB per slot): {e}"
+            ) from None
+        before = self.num_slots
+        self.slot_bytes, self.memory = parts, plan
+        old = self.plans[self.mode]
+        self.plans[self.mode] = dataclasses.replace(old, slot_bytes=parts, plan=plan)
+        self.prefix = PrefixCache(self.prefix_block, plan.prefix_bytes)
+        if plan.num_slots < before:
+            log.warning(
+                "the compiled decode step needs %.1f MiB of temporaries at %d slots (estimate %.1f "
+                "MiB): %d slots fit the memory, not %d",
+                temp / 2**20,
+                before,
+                est * before / 2**20,
+                plan.num_slots,
+                before,
+            )
+            self._state = None
+            self._set_slots(plan.num_slots)
+            self._build_state()
+            self._segment, temp2 = self._compile_segment()
+            self.step_memory.update(slots=plan.num_slots, recompiled_temp_bytes=temp2)
+        else:
+            log.info(
+                "the compiled decode step needs %.1f MiB of temporaries (estimate %.1f MiB); the "
+                "%d slots still fit",
+                temp / 2**20,
+                est * before / 2**20,
+                before,
+            )
 
     # ---------------------------------------------------------------- chunked prefill
     def _piece_width(self, w: int) -> int:
@@ -925,6 +1025,7 @@ class Scheduler:
             for mode, p in self.plans.items()
         }
         snap["state_bytes"] = self.state_bytes
+        snap["step_memory"] = dict(self.step_memory or {})
         try:
             dev = jax.devices()[0].memory_stats() or {}
         except Exception:

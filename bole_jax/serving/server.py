@@ -1263,6 +1263,17 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def _step_note(s) -> str:
+    """The slots as re-planned from the compiled decode step, for the ready line."""
+    m = s.step_memory or {}
+    if m.get("compiled_temp_bytes") is None:
+        return ""
+    note = f" (compiled step: {m['compiled_temp_bytes'] / 2**20:.1f} MiB of temporaries"
+    if m["slots"] != m["planned_slots"]:
+        note += f"; {m['slots']} slots, not the {m['planned_slots']} estimated"
+    return note + ")"
+
+
 def serve(model: str | None = None, **kwargs) -> None:
     """Blocking: `bole-jax serve`. Returns after SIGTERM / SIGINT once running requests are done
     or cut (see `Limits.shutdown_grace_s`)."""
@@ -1292,4 +1303,6 @@ def serve(model: str | None = None, **kwargs) -> None:
     )
     table = format_plan_table(s.plans, s.mode)  # every mode in the same memory, this one marked
     print("\n".join("bole-jax: " + line for line in table.splitlines()), flush=True)
-    server.serve_forever(on_ready=lambda: print(f"bole-jax: ready on {server.url}", flush=True))
+    server.serve_forever(
+        on_ready=lambda: print(f"bole-jax: ready on {server.url}{_step_note(s)}", flush=True)
+    )

@@ -343,17 +343,14 @@ def test_a_request_longer_than_a_slot_is_a_400(llms):
 
 def test_admission_never_exceeds_the_slots(llms):
     llm = llms({})
-    per = sum(slot_bytes(llm.cfg, kv_capacity(MAX_CONTEXT), MAX_CONTEXT, None, "float32").values())
-    s = Scheduler(
-        llm,
-        mode="ar",
-        max_batch=8,
-        max_context=MAX_CONTEXT,
-        segment_steps=2,
-        segment_ms=None,
-        prefix_block=16,
-        memory_gb=3.5 * per / 2**30,
-    )
+    kw = dict(mode="ar", max_context=MAX_CONTEXT, segment_steps=2, segment_ms=None, prefix_block=16)
+    probe = Scheduler(llm, max_batch=2, prefix_cache_gb=0, **kw)
+    probe._ensure_state()  # no cap: the compiled step's temporaries at 2 slots, recorded only
+    temp = probe.step_memory["compiled_temp_bytes"]
+    per = sum(probe.slot_bytes.values()) - probe.slot_bytes["step_transient"]
+    per += max(-(-temp // 2), probe.slot_bytes["step_transient"])
+    s = Scheduler(llm, max_batch=8, memory_gb=3.5 * per / 2**30, **kw)
+    s._ensure_state()
     assert s.num_slots == 2
     reqs = [s.submit([5 + i] * 8, RequestParams(max_tokens=6)) for i in range(5)]
     most = 0
@@ -366,3 +363,55 @@ def test_admission_never_exceeds_the_slots(llms):
     assert most == s.num_slots
     assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in reqs)
     assert s.active_slots == 0 and s.queue_depth == 0
+
+
+def test_slots_are_replanned_from_the_compiled_step(llms):
+    """The plan charges each slot the compiled decode segment's temporaries / slots where they
+    exceed the estimate (on the tiny model they do: activations, the drafter's logits and
+    sampling's work are not in `step_transient`): with a cap that fits 6 slots by the estimate,
+    the engine re-plans in the same memory, rebuilds its state with the slots that fit the
+    measured step and decodes with them; the plan, the state and /metrics agree."""
+    llm = llms({})
+    spec = llm._spec_config("pernode", 8)
+    parts = slot_bytes(llm.cfg, kv_capacity(MAX_CONTEXT, spec.slack), MAX_CONTEXT, spec, "float32")
+    per = sum(parts.values())
+    cap = 7.5 * per
+    s = Scheduler(
+        llm,
+        mode="pernode",
+        max_batch=8,
+        max_context=MAX_CONTEXT,
+        segment_steps=2,
+        prefix_cache_gb=0,
+        memory_gb=cap / 2**30,
+    )
+    assert s.num_slots == 6 and s.slot_bytes == parts  # the estimate's plan
+    s._ensure_state()
+    mem = s.step_memory
+    temp = mem["compiled_temp_bytes"]
+    assert temp > 6 * parts["step_transient"]  # the estimate is a lower bound here
+    assert mem["planned_slots"] == 6 and mem["estimate_bytes"] == 6 * parts["step_transient"]
+    charged = -(-temp // 6)
+    assert s.slot_bytes == dict(parts, step_transient=charged)
+    want = min(8, int(cap) // (per - parts["step_transient"] + charged) - 1)
+    assert s.num_slots == mem["slots"] == want < 6
+    assert (s.num_slots + 1) * sum(s.slot_bytes.values()) <= int(cap)
+    assert s._state.done.shape == (s.num_slots,) and len(s._slots) == s.num_slots
+    assert s.plans["pernode"].plan == s.memory and s.plans["pernode"].num_slots == s.num_slots
+    assert mem["recompiled_temp_bytes"] <= temp  # fewer rows, fewer temporaries
+    s.start(warmup=False)
+    try:
+        reqs = [s.submit([5 + i] * 8, RequestParams(max_tokens=4)) for i in range(s.num_slots + 2)]
+        for r in reqs:
+            assert r.result(timeout=120).finish_reason == "length", r.error
+    finally:
+        s.stop()
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bole_jax.serving.metrics import EngineCollector
+
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(s))
+    text = generate_latest(reg).decode()
+    assert _metric(text, "bole_memory_step_temp_bytes") == temp
+    assert _metric(text, "bole_memory_plan_slots", mode="pernode") == s.num_slots
