@@ -12,7 +12,10 @@ fraction, or --memory-gb. Each mode is then timed at its own largest batch (capp
 --max-batch) with `bole-jax bench`'s harness, one decode state on the device at a time, the KV of
 every request filled to --context (filler rows that attention reads like real context). A mode
 admitting n requests is timed at batch n, its state laid out with exactly n rows (as the serving
-engine's slots; no power-of-two padding); bole and pernode share one batch-wide budget (--budget). Random
+engine's slots; no power-of-two padding); bole and pernode share one batch-wide budget (--budget).
+The plan is an estimate: every row also records the compiled loop's temporaries (XLA's memory
+analysis) and whether the admitted batch still fits the budget with them (`fits`; the serving
+engine re-plans its slots from the same number, `Scheduler._fit_step_memory`). Random
 weights and the synthetic-acceptance drafter (--accept-mean). Prints one table per acceptance and
 writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, every row) and a plot.
 """
@@ -173,9 +176,11 @@ def main(argv=None) -> int:
         by = {(r["batch"], r["mode"]): r for r in res["rows"]}
         failed = {(e["batch"], e["mode"]): e["error"] for e in res["errors"]}
         for f, pl in plans.items():
-            row = dict(accept_mean=acc, fraction=f, budget_gib=full * f / 2**30)
+            budget = full * f
+            row = dict(accept_mean=acc, fraction=f, budget_gib=budget / 2**30)
             for m, (n, slots, parts) in pl.items():
                 r = by.get((n, m))
+                fit = compiled_fit(parts, n, r, budget)
                 row[m] = dict(
                     batch=n,
                     admitted=slots,
@@ -185,6 +190,7 @@ def main(argv=None) -> int:
                     tokens_per_step=r["tokens_per_step"] if r else None,
                     step_ms=r["step_ms"] if r else None,
                     error=failed.get((n, m)),
+                    **fit,
                 )
             results.append(row)
         print_rows([r for r in results if r["accept_mean"] == acc], a.modes)
@@ -205,6 +211,25 @@ def main(argv=None) -> int:
     if not a.no_plots:
         plot(results, a.modes, os.path.join(a.out, f"capacity_{a.preset}.png"), a.preset)
     return 0
+
+
+def compiled_fit(parts: dict, n: int, row: dict | None, budget: float) -> dict:
+    """The plan checked against the compiled decode loop: the batch's state (every part but the
+    step transient, n rows) plus the loop's temporaries (XLA's memory analysis; they hold the
+    verify's outputs the estimate counts and the activations it does not), within the budget?
+    (One batch-1 request's worth is kept back, as the plan does.) None where no temporaries were
+    reported."""
+    temp = row.get("step_temp_mib") if row else None
+    if temp is None or not n:
+        return dict(step_temp_mib=temp, compiled_need_gib=None, fits_compiled=None)
+    state = sum(v for k, v in parts.items() if k != "step_transient")
+    need = (n + 1) * state + parts["step_transient"] + temp * 2**20
+    return dict(
+        step_temp_mib=temp,
+        estimate_transient_mib=n * parts["step_transient"] / 2**20,
+        compiled_need_gib=need / 2**30,
+        fits_compiled=bool(need <= budget),
+    )
 
 
 def ratio(row, m, ref):
@@ -230,11 +255,22 @@ def print_rows(rows, modes) -> None:
                     step_ms=c["step_ms"] or "-",
                     vs_ar=ratio(r, m, "ar") or "-",
                     vs_pernode=ratio(r, m, "pernode") or "-",
+                    temp_mib=c.get("step_temp_mib") or "-",
+                    fits=fits_word(c, r["budget_gib"]),
                     error=(c["error"] or "")[:40],
                 )
             )
     print("\nthroughput at a fixed memory budget (each mode at its largest admitted batch)")
     bench.print_table(table, list(table[0]))
+
+
+def fits_word(c: dict, budget_gib: float) -> str:
+    """'yes', 'no (X GiB)' with the compiled loop's temporaries, '-' where none were reported."""
+    if c.get("fits_compiled") is None:
+        return "-"
+    return (
+        "yes" if c["fits_compiled"] else f"no ({c['compiled_need_gib']:.1f} > {budget_gib:.1f} GiB)"
+    )
 
 
 def plot(results, modes, path, tag) -> None:

@@ -1017,6 +1017,10 @@ def run_e2e(a) -> dict:
                 diverge = [None if x.all() else int(np.argmin(x)) for x in same]
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
+            try:  # the compiled loop's temporaries (bench_capacity checks the plan against them)
+                temp = int(run.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 - backends without a memory analysis
+                temp = None
             ec = pl["engine_choice"] if m == "engine" else None
             row = dict(
                 mode=m,
@@ -1038,6 +1042,7 @@ def run_e2e(a) -> dict:
                 ar_agreement=agree,
                 ar_first_divergence=diverge,
                 kv_capacity=cap,
+                step_temp_mib=None if temp is None else temp / 2**20,
                 **memory_per_request(cfg, rm, nodes if spec else 0, cap, dtype),
             )
             if p is not None and spec is not None:

@@ -330,6 +330,7 @@ def _cmd_serve(args) -> int:
             allow_special_tokens=args.allow_special_tokens,
             backlog=args.backlog,
             max_logprobs=args.max_logprobs,
+            slot_group=args.slot_group or None,
             **tp,
         )
     except OSError as e:  # e.g. the port is taken
@@ -738,6 +739,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="target duration of a decode segment: the steps per segment adapt to the "
         "measured step time so that a cancel or a new request waits about this long at "
         "most (0 = always --segment-steps)",
+    )
+    s.add_argument(
+        "--slot-group",
+        type=int,
+        default=0,
+        help="split the slots into decode groups of this many rows, each its own compiled step: "
+        "an iteration runs only the groups holding a request (lowest free slot first), so the "
+        "step's work follows the running requests rather than the slots (0 = one group: the "
+        "whole batch in one step)",
     )
     add_tree_args(s)
     s.add_argument(

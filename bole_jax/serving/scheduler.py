@@ -5,6 +5,12 @@ Design
 - Slots. The engine keeps ONE running `DecodeState` with `num_slots` rows (axis 0 of every batched
   array), the same KV capacity S in every row and an output buffer of `max_context` tokens per row.
   Its shapes never change, so the decode segment compiles once per (mode, slots, capacity).
+- Decode groups (`slot_group` G). The slots may be split into groups of G rows, each its own
+  `DecodeState` with its own compiled segment (one for G rows, one for a smaller last group): an
+  iteration runs only the groups that hold a request, and a new request takes the lowest free slot,
+  so the step's work follows the requests actually running instead of the slots planned. Each group
+  verifies its own trees (a batch-wide budget applies per group). With one group (the default) the
+  whole batch is one step: fewest launches, the work of every slot in every step.
 - Segments. Each iteration advances the state by at most `segment_steps` decode steps in one jitted
   call (`LLM.segment_fn(mode)`, state donated) and reads back only the tokens emitted since the
   last read. Requests join and leave between segments, so a segment's length is how late a cancel
@@ -23,8 +29,8 @@ Design
   prefills only the rest. GDN layers cannot resume anywhere else: that is why pieces are
   block-aligned. LRU eviction under a byte budget.
 - Insertion. When the last piece is done, `LLM.state_after_prefill` samples the first token with
-  the request's own key and the row is written into a free slot by `insert_slot` (jitted, state
-  donated):
+  the request's own key and the row is written into the lowest free slot by `insert_slot` (jitted,
+  state donated):
   `dynamic_update_slice` along axis 0 of every batched leaf (cache layers and lengths, out,
   num_out, next_token, done, max_out, steps, sampling arrays, the drafter's `DraftState`). The PRNG
   key and the EOS ids are shared by all rows and stay as they are.
@@ -208,6 +214,8 @@ class Scheduler:
         8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
       segment_steps: decode steps per jitted segment, at most (smaller: lower latency to join/leave
         and finer streaming; larger: fewer host round trips).
+      slot_group: rows per decode group (see "Decode groups" above); None or >= the slots: one
+        group.
       segment_ms: target duration of one segment in milliseconds: the steps per segment follow
         segment_ms / (measured seconds per step), clamped to [1, segment_steps]; the first segment
         runs one step. None: always `segment_steps`.
@@ -245,6 +253,7 @@ class Scheduler:
         max_waiting: int = 4096,
         seed: int = 0,
         max_logprobs: int | None = None,
+        slot_group: int | None = None,
     ):
         self.llm = llm
         cfg = llm.cfg
@@ -270,6 +279,11 @@ class Scheduler:
             log.warning("simulated acceptance has no effect in ar mode (pass --spec bole|...)")
         if segment_steps < 1:
             raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
+        if slot_group is not None and (type(slot_group) is not int or slot_group < 1):
+            raise ValueError(
+                f"--slot-group must be an integer >= 1 (rows per group), got {slot_group!r}"
+            )
+        self.slot_group = slot_group
         slack = self.spec.slack if self.spec else 0
         limit = cfg.max_position_embeddings
         if max_context is None:
@@ -356,13 +370,15 @@ class Scheduler:
         self.tokenizer = llm.tokenizer
         self.metrics = Metrics()
         self._segment_jit = llm.segment_fn(self.mode, max_batch)
-        self._segment = self._segment_jit  # compiled for the running state by `_ensure_state`
+        # compiled for the running state by `_ensure_state`: `_segment` for groups of
+        # `group_size` rows, `_segment_last` for a smaller last group
+        self._segment = self._segment_last = self._segment_jit
         self._spec_batch = max_batch
         self._seed = seed
         self.warming_up = False
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._state: DecodeState | None = None
+        self._groups: list[DecodeState] | None = None  # the running state, group by group
         self._set_slots(self.num_slots)
         self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
         self.state_bytes = 0  # bytes of the running state (its shapes never change)
@@ -495,8 +511,8 @@ class Scheduler:
             self._thread.join()
             self._thread = None
         self._fail_all("cancelled")
-        if self._state is not None and self.error is None:  # free every row (start() may follow)
-            self._state = release_slots(self._state, jnp.ones((self.num_slots,), bool))
+        if self._groups is not None and self.error is None:  # free every row (start() may follow)
+            self._release(list(range(self.num_slots)))
 
     def _fail_all(self, reason: str, error: str | None = None) -> None:
         """Finish every request the engine knows of (queued, waiting, prefilling, running)."""
@@ -534,25 +550,20 @@ class Scheduler:
                 Request([1] * n, RequestParams(max_tokens=1), None, internal=True)
             )
         self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
-        self._state = insert_slot(self._state, row, jnp.int32(0))
-        self._state = self._segment(self.llm.params, self._state, jnp.int32(self.segment_steps))
-        jax.block_until_ready(
-            read_new_tokens(
-                self._state,
-                jnp.asarray(self._seen),
-                width=self.segment_steps * self.tokens_per_step,
-            )
-        )
-        if self.max_logprobs is not None:
-            jax.block_until_ready(
-                read_new_logprobs(
-                    self._state,
-                    jnp.asarray(self._seen),
-                    width=self.segment_steps * self.tokens_per_step,
-                )
-            )
-        self._release([0])
-        self._steps[0] = 0
+        width = self.segment_steps * self.tokens_per_step
+        sizes = self._group_rows()
+        last = len(sizes) - 1
+        for g in [0] + ([last] if last and sizes[last] != self.group_size else []):
+            rows, first = sizes[g], g * self.group_size  # every group shape (at most two)
+            st = insert_slot(self._groups[g], row, jnp.int32(0))
+            st = self._segment_of(rows)(self.llm.params, st, jnp.int32(self.segment_steps))
+            seen = jnp.asarray(self._seen[first : first + rows])
+            jax.block_until_ready(read_new_tokens(st, seen, width=width))
+            if self.max_logprobs is not None:
+                jax.block_until_ready(read_new_logprobs(st, seen, width=width))
+            self._groups[g] = st
+            self._release([first])
+            self._steps[first] = 0
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -598,8 +609,29 @@ class Scheduler:
                 self._end(req, "cancelled")
         self._release(free)
 
+    @property
+    def _state(self) -> DecodeState | None:
+        """The running state when it is one group (tests and tools; see `_groups`)."""
+        if self._groups is None:
+            return None
+        assert len(self._groups) == 1, "the slots are split into decode groups: see _groups"
+        return self._groups[0]
+
+    def _group_rows(self) -> list[int]:
+        """Rows of each decode group: `group_size` each, the last one what remains."""
+        g = self.group_size
+        return [min(g, self.num_slots - i) for i in range(0, self.num_slots, g)]
+
+    def _where(self, slot: int) -> tuple[int, int]:
+        """(group, row in the group) of a slot."""
+        return divmod(slot, self.group_size)
+
+    def _segment_of(self, rows: int):
+        return self._segment if rows == self.group_size else self._segment_last
+
     def _set_slots(self, n: int) -> None:
         self.num_slots = n
+        self.group_size = min(self.slot_group or n, n)
         self._slots: list[Request | None] = [None] * n
         self._seen = np.zeros(n, np.int32)  # tokens of each slot already on the host
         self._steps = np.zeros(n, np.int32)  # host copy of state.steps at the last read
@@ -608,7 +640,7 @@ class Scheduler:
         """The running state: every slot a copy of a 1-token dummy row, all done (free). The first
         time, the decode segment is compiled for it and the slots re-planned with the compiled
         step's temporary memory (`_fit_step_memory`)."""
-        if self._state is not None:
+        if self._groups is not None:
             return
         self._build_state()
         if self.step_memory is None:
@@ -616,26 +648,40 @@ class Scheduler:
 
     def _build_state(self) -> None:
         row, _ = self._prefill_now(Request([1], RequestParams(max_tokens=1), None, internal=True))
-        b = self.num_slots
-        state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
-        self._state = dataclasses.replace(
-            state, key=jax.random.key(self._seed), eos=row.eos, done=jnp.ones((b,), bool)
-        )
+        self._groups = []
+        for g, b in enumerate(self._group_rows()):
+            state = jax.tree.map(lambda x: jnp.repeat(x, b, axis=0), _shared_fields_cleared(row))
+            key = jax.random.key(self._seed)
+            self._groups.append(
+                dataclasses.replace(
+                    state,
+                    key=key if g == 0 else jax.random.fold_in(key, g),
+                    eos=jnp.copy(row.eos),  # each group's own: a segment donates its state
+                    done=jnp.ones((b,), bool),
+                )
+            )
         self.state_bytes = sum(
-            x.nbytes for x in jax.tree.leaves(_shared_fields_cleared(self._state))
+            x.nbytes for st in self._groups for x in jax.tree.leaves(_shared_fields_cleared(st))
         )
 
     def _compile_segment(self):
-        """The decode segment compiled for the running state (its shapes never change), and the
-        bytes of its temporaries (None: the backend reports none)."""
-        compiled = self._segment_jit.lower(
-            self.llm.params, self._state, jnp.int32(self.segment_steps)
-        ).compile()
-        try:
-            temp = int(compiled.memory_analysis().temp_size_in_bytes)
-        except Exception:  # noqa: BLE001 - backends without a memory analysis
-            temp = None
-        return compiled, temp
+        """The decode segment compiled for the running state's groups (their shapes never change:
+        `_segment`, and `_segment_last` for a smaller last group), and the bytes of the largest
+        one's temporaries (the groups run one after another; None: the backend reports none)."""
+        temps = []
+        sizes = self._group_rows()
+        for g in sorted({0, len(sizes) - 1}):
+            compiled = self._segment_jit.lower(
+                self.llm.params, self._groups[g], jnp.int32(self.segment_steps)
+            ).compile()
+            try:
+                temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            except Exception:  # noqa: BLE001 - backends without a memory analysis
+                temps.append(None)
+            if g == 0:
+                self._segment = compiled
+            self._segment_last = compiled
+        return self._segment, (None if None in temps else max(temps))
 
     def _fit_step_memory(self) -> None:
         """Take the step's transient memory from the compiled decode segment rather than the
@@ -653,8 +699,8 @@ class Scheduler:
             estimate_bytes=est * self.num_slots,
             planned_slots=self.num_slots,
             slots=self.num_slots,
+            group_rows=self.group_size,
         )
-        self._segment = compiled
         if temp is None or self.memory.usable_bytes is None or -(-temp // self.num_slots) <= est:
             return  # the estimate covers the step, or the memory is unknown (nothing to fit)
         parts = dict(self.slot_bytes, step_transient=-(-temp // self.num_slots))
@@ -687,11 +733,13 @@ class Scheduler:
                 plan.num_slots,
                 before,
             )
-            self._state = None
+            self._groups = None
             self._set_slots(plan.num_slots)
             self._build_state()
-            self._segment, temp2 = self._compile_segment()
-            self.step_memory.update(slots=plan.num_slots, recompiled_temp_bytes=temp2)
+            _, temp2 = self._compile_segment()
+            self.step_memory.update(
+                slots=plan.num_slots, group_rows=self.group_size, recompiled_temp_bytes=temp2
+            )
         else:
             log.info(
                 "the compiled decode step needs %.1f MiB of temporaries (estimate %.1f MiB); the "
@@ -882,28 +930,46 @@ class Scheduler:
         if reason is not None:
             self._end(req, reason)
             return
-        slot = self._slots.index(None)
-        self._state = insert_slot(self._state, row, jnp.int32(slot))
+        slot = self._slots.index(None)  # the lowest free slot: requests gather in the first groups
+        g, r = self._where(slot)
+        self._groups[g] = insert_slot(self._groups[g], row, jnp.int32(r))
         self._slots[slot] = req
         self._seen[slot] = 1
         self._steps[slot] = 0
 
     def _decode(self) -> None:
-        """One segment for all slots, then hand the new tokens to their requests."""
+        """One segment for every decode group holding a request (all dispatched before the first
+        readback), then hand the new tokens to their requests."""
         t0 = time.perf_counter()
         n = self.next_segment_steps()
-        self._state = self._segment(self.llm.params, self._state, jnp.int32(n))
         width = self.segment_steps * self.tokens_per_step
-        window, num_out, done, steps = jax.device_get(
-            read_new_tokens(self._state, jnp.asarray(self._seen), width=width)
+        G, sizes = self.group_size, self._group_rows()
+        busy = [g for g, rows in enumerate(sizes) if any(self._slots[g * G : g * G + rows])]
+        for g in busy:
+            self._groups[g] = self._segment_of(sizes[g])(
+                self.llm.params, self._groups[g], jnp.int32(n)
+            )
+        want_lp = self.max_logprobs is not None and any(
+            r is not None and r.logprobs is not None for r in self._slots
+        )
+        window = np.zeros((self.num_slots, width), np.int32)
+        num_out, done, steps = (
+            np.array(self._seen),
+            np.ones(self.num_slots, bool),
+            self._steps.copy(),
         )
         lps = None
-        if self.max_logprobs is not None and any(
-            r is not None and r.logprobs is not None for r in self._slots
-        ):
-            lps = jax.device_get(
-                read_new_logprobs(self._state, jnp.asarray(self._seen), width=width)
-            )
+        for g in busy:
+            lo, hi = g * G, g * G + sizes[g]
+            seen = jnp.asarray(self._seen[lo:hi])
+            got = jax.device_get(read_new_tokens(self._groups[g], seen, width=width))
+            window[lo:hi], num_out[lo:hi], done[lo:hi], steps[lo:hi] = got
+            if want_lp:
+                lp = jax.device_get(read_new_logprobs(self._groups[g], seen, width=width))
+                if lps is None:
+                    lps = tuple(np.zeros((self.num_slots,) + x.shape[1:], x.dtype) for x in lp)
+                for dst, src in zip(lps, lp):
+                    dst[lo:hi] = src
         dt = time.perf_counter() - t0
         # A segment whose rows all finish early ran fewer steps: the estimate errs towards shorter
         # steps, i.e. a longer next segment, bounded by segment_steps.
@@ -949,11 +1015,16 @@ class Scheduler:
         return max(1, min(self.segment_steps, int(self.segment_ms / 1e3 / self._step_s)))
 
     def _release(self, slots: list[int]) -> None:
+        """Mark `slots` free (done) in their groups."""
         if not slots:
             return
         mask = np.zeros(self.num_slots, bool)
         mask[slots] = True
-        self._state = release_slots(self._state, jnp.asarray(mask))
+        G = self.group_size
+        for g, rows in enumerate(self._group_rows()):
+            m = mask[g * G : g * G + rows]
+            if m.any():
+                self._groups[g] = release_slots(self._groups[g], jnp.asarray(m))
         for s in slots:
             self._slots[s] = None
 
@@ -970,6 +1041,8 @@ class Scheduler:
                 queue_depth=self.queue_depth,
                 active_slots=self.active_slots,
                 num_slots=self.num_slots,
+                slot_group=self.group_size,
+                decode_groups=len(self._group_rows()),
                 capacity=self.capacity,
                 max_context=self.max_context,
                 mode=self.mode,

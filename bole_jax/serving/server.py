@@ -1184,6 +1184,7 @@ def build_server(
     allow_special_tokens: bool = False,
     backlog: int = 2048,
     max_logprobs: int | None = None,
+    slot_group: int | None = None,
 ) -> OpenAIServer:
     """Load the model (or use `llm`), build the scheduler and the HTTP server (bound, not started).
     See `Scheduler` for the engine arguments and `Limits` for `limits`."""
@@ -1205,6 +1206,7 @@ def build_server(
         prefix_cache_gb=prefix_cache_gb,
         memory_gb=memory_gb,
         max_logprobs=max_logprobs,
+        slot_group=slot_group,
     )
     defaults = {}
     gen_cfg = folder / "generation_config.json" if folder is not None else None
@@ -1266,12 +1268,14 @@ def raise_open_files_limit() -> int:
 def _step_note(s) -> str:
     """The slots as re-planned from the compiled decode step, for the ready line."""
     m = s.step_memory or {}
+    groups = len(s._group_rows())
+    split = f"{groups} decode groups of {s.group_size} rows" if groups > 1 else ""
     if m.get("compiled_temp_bytes") is None:
-        return ""
+        return f" ({split})" if split else ""
     note = f" (compiled step: {m['compiled_temp_bytes'] / 2**20:.1f} MiB of temporaries"
     if m["slots"] != m["planned_slots"]:
         note += f"; {m['slots']} slots, not the {m['planned_slots']} estimated"
-    return note + ")"
+    return note + (f"; {split})" if split else ")")
 
 
 def serve(model: str | None = None, **kwargs) -> None:

@@ -39,6 +39,12 @@ def test_capacity_bench_tiny(tmp_path):
             assert c["batch"] == c["admitted"] <= 8
             # what the plan admits fits the budget (one request kept back for the prefill)
             assert (c["admitted"] + 1) * c["request_mib"] <= row["budget_gib"] * 1024 + 1e-6
+            # checked against the compiled loop too: its temporaries replace the estimate
+            assert c["step_temp_mib"] > 0 and isinstance(c["fits_compiled"], bool), c
+            state = c["request_mib"] - c["parts_mib"]["step_transient"]
+            need = (c["batch"] + 1) * state + c["parts_mib"]["step_transient"] + c["step_temp_mib"]
+            assert c["compiled_need_gib"] == pytest.approx(need / 1024)
+            assert c["fits_compiled"] == (need <= row["budget_gib"] * 1024)
         # per-node states cost more than factors: pernode never admits more than bole
         assert row["pernode"]["request_mib"] > row["bole"]["request_mib"]
         assert row["pernode"]["admitted"] <= row["bole"]["admitted"]
