@@ -787,6 +787,7 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (("ttft", "TTFT (ms)", 1e3), ("tpot", "TPOT (ms)", 1e3))
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    modes += sorted({r["mode"] for r in rows} - set(modes))  # labelled variants (e.g. merged runs)
     rates = [r["rate"] for r in rows]
     xscale = "log" if max(rates) >= 4 * min(rates) else "linear"
     for ax, (name, label, scale) in zip(axes, panels):

@@ -733,6 +733,19 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     )
 
 
+def _batch_shapes(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
+    """The shapes of `_prefill(pl)` without holding its state: one request (the longest prompt,
+    so that the KV capacity is the batch's) prefilled in the batch's layout, its batched leaves
+    widened to the batch's rows (every leaf but the shared PRNG key and EOS ids)."""
+    b = pl["rows"] or 1 << (len(pl["ids"]) - 1).bit_length()  # start_batch's rows
+    one = _prefill(dict(pl, ids=[max(pl["ids"], key=len)], rows=1), gen, synthetic, stop_at_eos)
+    shapes = jax.eval_shape(lambda x: x, one)
+    _delete(one)
+    wide = lambda s: jax.ShapeDtypeStruct((b,) + s.shape[1:], s.dtype)  # noqa: E731
+    rows = jax.tree.map(wide, dataclasses.replace(shapes, key=None, eos=None))
+    return dataclasses.replace(rows, key=shapes.key, eos=shapes.eos)
+
+
 def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
     m, b = pl["base_mode"], len(pl["ids"])
     rm = pl["real"][m]
@@ -862,21 +875,16 @@ def run_e2e(a) -> dict:
 
     t = time.perf_counter()
     workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
-    # At the memory limit (bench_capacity), one decode state on the device at a time: prefill
-    # batch by batch, each parked in host memory, and each point takes its own copy back.
+    # At the memory limit (bench_capacity), one decode state on the device at a time and none
+    # parked on the host (the batches of a capacity run together outgrow host memory): each
+    # point is prefilled just before it runs, and the programs are lowered for shapes taken from
+    # a one-request prefill of each batch's layout (`_batch_shapes`).
     low_memory = getattr(a, "batch_modes", None) is not None
     shapes_of = {}  # the prefilled states' shapes, for lowering
     if low_memory:
-        bases = {}
+        bases = {b: None for b in a.batch}
         for b in a.batch:
-            st = _prefill(plan[b], gen, p is not None, a.stop_at_eos)
-            shapes_of[b] = jax.eval_shape(lambda x: x, st)
-            parked = park_on_host({b: st})
-            if parked:  # free the device copy now, not when Python lets go of it
-                jax.block_until_ready(parked[b].tree)
-                _delete(st)
-            bases.update(parked or {b: st})
-            del st
+            shapes_of[b] = _batch_shapes(plan[b], gen, p is not None, a.stop_at_eos)
     else:
         bases = dict(
             zip(
@@ -966,6 +974,7 @@ def run_e2e(a) -> dict:
         pl = plan[b]
         parked = bases.pop(b)
         base = None if low_memory else unpark(parked)
+        fresh = lambda: _prefill(pl, gen, p is not None, a.stop_at_eos)  # noqa: E731
         n = len(pl["ids"])
         ar_out = oracle = None
         for m in pl["llms"]:
@@ -986,9 +995,10 @@ def run_e2e(a) -> dict:
                 run = progs[b, m]
                 rm = pl["real"][m]
                 ora = oracle if p is not None else None
-                if low_memory:
-                    fresh = isinstance(parked, _Parked)  # else (CPU) the one prefilled state
-                    state = _derive_state(unpark(parked), rm, spec, cfg, ora, copy=not fresh)
+                if low_memory:  # this point's own prefill, derived in place (the oracle is
+                    # shared by the batch's modes and the loop donates its state: a copy)
+                    ora = None if ora is None else jnp.copy(ora)
+                    state = _derive_state(fresh(), rm, spec, cfg, ora, copy=False)
                 else:
                     state = _derive_state(base, rm, spec, cfg, ora)
                 r, state = timed_segment(run, params, state, a.warm, a.steps, n)
