@@ -748,19 +748,17 @@ def test_scheduler_tree_width_follows_its_batch(model_dir):
     assert fixed.spec.shape.num_nodes == 8
 
 
+def _bole_scheduler(llm, **kw):
+    """The bole engine of the speculative-serving tests: 2 slots, 64-token context, logprobs."""
+    kw = dict(max_batch=2, max_context=64, segment_steps=4, prefix_block=BLOCK, **kw)
+    kw.setdefault("prefill_chunk", 2 * BLOCK)
+    return Scheduler(llm, mode="bole", max_logprobs=2, **kw)
+
+
 def test_bole_server_greedy_matches_generate(model_dir, reference, server):
     """The tree-speculative engine behind the server: greedy output is the target's greedy output."""
     llm = LLM(model_dir, spec_options=dict(topk=2, depth=3, num_nodes=8))
-    sched = Scheduler(
-        llm,
-        mode="bole",
-        max_batch=2,
-        max_context=64,
-        segment_steps=4,
-        prefix_block=BLOCK,
-        prefill_chunk=2 * BLOCK,
-        max_logprobs=2,
-    )
+    sched = _bole_scheduler(llm)
     srv = OpenAIServer(sched, model_name="tiny", port=0).start()
     try:
         # Logprobs under speculation: the accepted tokens' (and the bonus') target log-probabilities
@@ -1080,18 +1078,7 @@ def test_decode_groups_bole_greedy_and_logprobs(model_dir, reference):
     llm = LLM(model_dir, spec_options=dict(topk=2, depth=3, num_nodes=8))
     outs = {}
     for group in (None, 1):
-        sched = Scheduler(
-            llm,
-            mode="bole",
-            max_batch=2,
-            max_context=64,
-            segment_steps=4,
-            segment_ms=None,
-            prefix_block=BLOCK,
-            prefill_chunk=4 * BLOCK,
-            max_logprobs=2,
-            slot_group=group,
-        )
+        sched = _bole_scheduler(llm, segment_ms=None, prefill_chunk=4 * BLOCK, slot_group=group)
         reqs = [
             sched.submit(llm.tokenizer.encode(p), RequestParams(max_tokens=MAX_TOKENS, logprobs=2))
             for p in PROMPTS[:2]
