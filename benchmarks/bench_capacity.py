@@ -221,7 +221,12 @@ def compiled_fit(parts: dict, n: int, row: dict | None, budget: float) -> dict:
     reported."""
     temp = row.get("step_temp_mib") if row else None
     if temp is None or not n:
-        return dict(step_temp_mib=temp, compiled_need_gib=None, fits_compiled=None)
+        return dict(
+            step_temp_mib=temp,
+            estimate_transient_mib=None,
+            compiled_need_gib=None,
+            fits_compiled=None,
+        )
     state = sum(v for k, v in parts.items() if k != "step_transient")
     need = (n + 1) * state + parts["step_transient"] + temp * 2**20
     return dict(

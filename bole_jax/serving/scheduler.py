@@ -551,13 +551,12 @@ class Scheduler:
             )
         self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
         width = self.segment_steps * self.tokens_per_step
-        sizes = self._group_rows()
-        last = len(sizes) - 1
-        for g in [0] + ([last] if last and sizes[last] != self.group_size else []):
-            rows, first = sizes[g], g * self.group_size  # every group shape (at most two)
+        spans, rows = self._spans(), self._group_rows()
+        for g in [0] if rows[-1] == rows[0] else [0, len(rows) - 1]:  # each group shape once
+            first, end = spans[g]
             st = insert_slot(self._groups[g], row, jnp.int32(0))
-            st = self._segment_of(rows)(self.llm.params, st, jnp.int32(self.segment_steps))
-            seen = jnp.asarray(self._seen[first : first + rows])
+            st = self._segment_of(end - first)(self.llm.params, st, jnp.int32(self.segment_steps))
+            seen = jnp.asarray(self._seen[first:end])
             jax.block_until_ready(read_new_tokens(st, seen, width=width))
             if self.max_logprobs is not None:
                 jax.block_until_ready(read_new_logprobs(st, seen, width=width))
@@ -617,10 +616,13 @@ class Scheduler:
         assert len(self._groups) == 1, "the slots are split into decode groups: see _groups"
         return self._groups[0]
 
+    def _spans(self) -> list[tuple[int, int]]:
+        """The slots [first, end) of each decode group: `group_size` each, the last what remains."""
+        g, n = self.group_size, self.num_slots
+        return [(lo, min(lo + g, n)) for lo in range(0, n, g)]
+
     def _group_rows(self) -> list[int]:
-        """Rows of each decode group: `group_size` each, the last one what remains."""
-        g = self.group_size
-        return [min(g, self.num_slots - i) for i in range(0, self.num_slots, g)]
+        return [hi - lo for lo, hi in self._spans()]
 
     def _where(self, slot: int) -> tuple[int, int]:
         """(group, row in the group) of a slot."""
@@ -664,9 +666,9 @@ class Scheduler:
             x.nbytes for st in self._groups for x in jax.tree.leaves(_shared_fields_cleared(st))
         )
 
-    def _compile_segment(self):
-        """The decode segment compiled for the running state's groups (their shapes never change:
-        `_segment`, and `_segment_last` for a smaller last group), and the bytes of the largest
+    def _compile_segment(self) -> int | None:
+        """Compile the decode segment for the running state's groups (their shapes never change:
+        `_segment`, and `_segment_last` for the last group) and return the bytes of the largest
         one's temporaries (the groups run one after another; None: the backend reports none)."""
         temps = []
         sizes = self._group_rows()
@@ -681,7 +683,7 @@ class Scheduler:
             if g == 0:
                 self._segment = compiled
             self._segment_last = compiled
-        return self._segment, (None if None in temps else max(temps))
+        return None if None in temps else max(temps)
 
     def _fit_step_memory(self) -> None:
         """Take the step's transient memory from the compiled decode segment rather than the
@@ -692,7 +694,7 @@ class Scheduler:
         (the device reading taken at start-up); with fewer slots the state is rebuilt and the
         segment compiled once more. Bounded: one re-plan. Where the usable memory is unknown (CPU
         without --memory-gb) the temporaries are only recorded (`stats()["step_memory"]`)."""
-        compiled, temp = self._compile_segment()
+        temp = self._compile_segment()
         est = self.slot_bytes["step_transient"]
         self.step_memory = dict(
             compiled_temp_bytes=temp,
@@ -736,7 +738,7 @@ class Scheduler:
             self._groups = None
             self._set_slots(plan.num_slots)
             self._build_state()
-            _, temp2 = self._compile_segment()
+            temp2 = self._compile_segment()
             self.step_memory.update(
                 slots=plan.num_slots, group_rows=self.group_size, recompiled_temp_bytes=temp2
             )
@@ -943,10 +945,11 @@ class Scheduler:
         t0 = time.perf_counter()
         n = self.next_segment_steps()
         width = self.segment_steps * self.tokens_per_step
-        G, sizes = self.group_size, self._group_rows()
-        busy = [g for g, rows in enumerate(sizes) if any(self._slots[g * G : g * G + rows])]
+        spans = self._spans()
+        busy = [g for g, (lo, hi) in enumerate(spans) if any(self._slots[lo:hi])]
         for g in busy:
-            self._groups[g] = self._segment_of(sizes[g])(
+            lo, hi = spans[g]
+            self._groups[g] = self._segment_of(hi - lo)(
                 self.llm.params, self._groups[g], jnp.int32(n)
             )
         want_lp = self.max_logprobs is not None and any(
@@ -960,7 +963,7 @@ class Scheduler:
         )
         lps = None
         for g in busy:
-            lo, hi = g * G, g * G + sizes[g]
+            lo, hi = spans[g]
             seen = jnp.asarray(self._seen[lo:hi])
             got = jax.device_get(read_new_tokens(self._groups[g], seen, width=width))
             window[lo:hi], num_out[lo:hi], done[lo:hi], steps[lo:hi] = got
@@ -1020,9 +1023,8 @@ class Scheduler:
             return
         mask = np.zeros(self.num_slots, bool)
         mask[slots] = True
-        G = self.group_size
-        for g, rows in enumerate(self._group_rows()):
-            m = mask[g * G : g * G + rows]
+        for g, (lo, hi) in enumerate(self._spans()):
+            m = mask[lo:hi]
             if m.any():
                 self._groups[g] = release_slots(self._groups[g], jnp.asarray(m))
         for s in slots:
