@@ -58,7 +58,7 @@ def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
         if isinstance(c, GDNCache):
             state += 2 * (tree_bytes(c.state) + tree_bytes(c.conv))
         else:
-            row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+            row = c.k.shape[1] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v (heads, D)
             state += int(lengths.sum()) * row + batch * row
     return w + state
 
@@ -294,7 +294,7 @@ def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
             gdn += tree_bytes(c.state)
             conv += tree_bytes(c.conv)
         else:
-            row = c.k.shape[2] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v
+            row = c.k.shape[1] * c.k.shape[3] * c.k.dtype.itemsize * 2  # k and v (heads, D)
             kv_read += int(lengths.sum()) * row
             kv_row += row
     dtype = params["embed"].dtype

@@ -112,10 +112,10 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     else:
         ds = base.extra
         rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
-        assert rows <= ds.kv[0].k.shape[1], (rows, ds.kv[0].k.shape)
+        assert rows <= ds.kv[0].capacity, (rows, ds.kv[0].k.shape)
         ds = dataclasses.replace(
             ds,
-            kv=tuple(AttnCache(k=c.k[:, :rows], v=c.v[:, :rows]) for c in ds.kv),
+            kv=tuple(AttnCache(k=c.k[:, :, :rows], v=c.v[:, :, :rows]) for c in ds.kv),
             oracle=ds.oracle if oracle is None else oracle,
         )
     out = dataclasses.replace(base, extra=ds)

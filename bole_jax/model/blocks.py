@@ -20,6 +20,20 @@ def write_rows(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
 
 
+def write_kv(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """KV buffer buf [B, Hkv, S, D] <- rows [B, T, Hkv, D] at slots [B, T] (slots >= S: dropped)."""
+    b = jnp.arange(buf.shape[0])[:, None, None]
+    h = jnp.arange(buf.shape[1])[None, :, None]
+    rows = jnp.swapaxes(rows, 1, 2).astype(buf.dtype)
+    return buf.at[b, h, slots[:, None, :]].set(rows, mode="drop")
+
+
+def take_kv(buf: jax.Array, slots: jax.Array) -> jax.Array:
+    """rows [B, T, Hkv, D] of KV buffer buf [B, Hkv, S, D] at slots [B, T] (clamped to S - 1)."""
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf[b, :, jnp.minimum(slots, buf.shape[2] - 1)]
+
+
 def mlp_block(lp: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x + mlp(post_attn_norm(x))."""
     return x + mlp(lp["mlp"], rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), cfg)
@@ -41,6 +55,6 @@ def attention_layer(
     """
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
     q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
-    cache = AttnCache(k=write_rows(cache.k, k, slots), v=write_rows(cache.v, v, slots))
+    cache = AttnCache(k=write_kv(cache.k, k, slots), v=write_kv(cache.v, v, slots))
     x = x + attn_out(lp["attn"], attend(q, cache.k, cache.v, mask, cfg), gate, cfg)
     return mlp_block(lp, x, cfg), cache

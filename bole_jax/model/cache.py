@@ -6,7 +6,10 @@ Design
   row K-2 is the newest) and the recurrent state `state` [B, HV, dk, dv] in fp32 (it accumulates
   thousands of rank-1 updates; bf16 would drift).
 - A full-attention layer keeps a CONTIGUOUS KV buffer per request with a fixed capacity S
-  (`k`, `v` [B, S, Hkv, D]); request b's committed tokens occupy slots [0, lengths[b]).
+  (`k`, `v` [B, Hkv, S, D], heads-major so the attention's batched dots read it in place: a
+  slot-major [B, S, Hkv, D] buffer made XLA copy each layer's whole K and V to this layout every
+  step, a second KV cache of temporaries); request b's committed tokens occupy slots
+  [0, lengths[b]).
   Contiguous per-request buffers keep every shape static (one compiled decode/verify program per
   bucket), make the tree-verify write "append N node rows at lengths[b] + i" and the accept-time
   compaction "move the accepted rows to consecutive slots" simple gathers/scatters, and need no
@@ -58,8 +61,13 @@ class GDNCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttnCache:
-    k: jax.Array  # [B, S, Hkv, D] model dtype, keys after k_norm and RoPE
-    v: jax.Array  # [B, S, Hkv, D] model dtype
+    k: jax.Array  # [B, Hkv, S, D] model dtype, keys after k_norm and RoPE
+    v: jax.Array  # [B, Hkv, S, D] model dtype
+
+    @property
+    def capacity(self) -> int:
+        """S, the KV slots per request."""
+        return self.k.shape[2]
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +85,7 @@ class Cache:
         """S, the KV slots per request (None for a model without attention layers)."""
         for c in self.layers:
             if isinstance(c, AttnCache):
-                return c.k.shape[1]
+                return c.capacity
         return None
 
 
@@ -164,7 +172,7 @@ def init_gdn_cache(cfg: ModelConfig, batch: int, dtype) -> GDNCache:
 
 
 def init_attn_cache(cfg: ModelConfig, batch: int, capacity: int, dtype) -> AttnCache:
-    shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     return AttnCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 

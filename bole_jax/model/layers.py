@@ -95,17 +95,19 @@ def attn_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, cfg: ModelConfig):
     """Masked GQA softmax attention (softmax in fp32).
 
-    q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D]; mask [B, T, S] bool (True = may attend).
-    Every query row must allow at least one slot. Returns o [B, T, Hq, D] in q.dtype."""
+    q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D] (heads-major, as the cache stores them);
+    mask [B, T, S] bool (True = may attend). Every query row must allow at least one slot.
+    Returns o [B, T, Hq, D] in q.dtype."""
     B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    Hkv = k_cache.shape[1]
     qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     scores = scores * (D**-0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
-    return o.reshape(B, T, Hq, D).astype(q.dtype)
+    # The dot writes heads-major; the [B, T, heads, D] transpose is of the T query rows only.
+    o = jnp.einsum("bkgts,bksd->bkgtd", probs, v_cache, preferred_element_type=jnp.float32)
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
 
 def attn_out(p: dict, o: jax.Array, gate: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -90,7 +90,7 @@ def take_block(
     committed GDN state now, a pending lazy commit included). h_last [1, H]: that piece's last
     hidden state. Every output is a fresh buffer.
     """
-    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    rows = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)  # [1, Hkv, S, D]
     attn = tuple((rows(c.k), rows(c.v)) for c in cache.layers if isinstance(c, AttnCache))
     gdn = [c for c in cache.layers if isinstance(c, GDNCache)]
     mtp = None if draft_kv is None else tuple((rows(c.k), rows(c.v)) for c in draft_kv)
@@ -112,7 +112,7 @@ def _replace_layers(layers: tuple, kind: type, values, fn) -> tuple:
 @functools.partial(jax.jit, donate_argnames=("cache", "draft_kv"))
 def restore_kv(cache: Cache, draft_kv, block: PrefixBlock, start: jax.Array):
     """Write a block's KV rows (target and MTP) at [start, start + P) of a batch-1 prefill cache."""
-    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=1)
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=2)
     put_kv = lambda c, kv: AttnCache(k=put(c.k, kv[0]), v=put(c.v, kv[1]))
     layers = _replace_layers(cache.layers, AttnCache, block.attn, put_kv)
     if draft_kv is not None:

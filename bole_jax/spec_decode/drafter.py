@@ -64,7 +64,7 @@ class TreeShape:
 class DraftState:
     """Drafter state carried between steps.
 
-    kv:           MTP KV cache, one AttnCache per MTP layer [B, S_mtp, Hkv, D].
+    kv:           MTP KV cache, one AttnCache per MTP layer [B, Hkv, S_mtp, D].
     pend_tokens:  [B, D+1] tokens whose MTP entries are still to be computed: last step's
                   accepted drafts then the bonus token (the root of this step).
     pend_hidden:  [B, D+1, H] target hidden state (after final norm) preceding each pending token.
@@ -99,7 +99,7 @@ def mtp_prefill(params, cfg: ModelConfig, kv, tokens, hidden, h_before, start, n
     h_prev = jnp.concatenate([h_before[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
     valid = (t < num_new[:, None]) & (pos >= 1)
     slots = jnp.where(valid, pos, BIG)
-    s = jnp.arange(kv[0].k.shape[1])[None, None]
+    s = jnp.arange(kv[0].capacity)[None, None]
     mask = (s >= 1) & (s <= jnp.maximum(pos, 1)[..., None])
     _, kv = mtp_forward(params, cfg, tokens, h_prev, pos, slots, mask, kv)
     return kv
@@ -114,7 +114,7 @@ def catch_up(params, cfg: ModelConfig, ds: DraftState, lengths):
     pos = lengths[:, None] - ds.pend_count[:, None] + 1 + j
     valid = j < ds.pend_count[:, None]
     slots = jnp.where(valid, pos, BIG)
-    s = jnp.arange(ds.kv[0].k.shape[1])[None, None]
+    s = jnp.arange(ds.kv[0].capacity)[None, None]
     mask = (s >= 1) & (s <= jnp.maximum(pos, 1)[..., None])
     out, kv = mtp_forward(params, cfg, ds.pend_tokens, ds.pend_hidden, pos, slots, mask, ds.kv)
     root = jnp.take_along_axis(out, jnp.maximum(ds.pend_count - 1, 0)[:, None, None], axis=1)[:, 0]
@@ -223,7 +223,7 @@ def expand(
     f_hid = jnp.broadcast_to(h_root[:, None], (b, k, h_root.shape[-1]))
     n_slots = shape.draft_slots
     f_anc = jnp.zeros((b, k, n_slots), bool)  # draft slots of each frontier's ancestors
-    cap = kv[0].k.shape[1]
+    cap = kv[0].capacity
     s_idx = jnp.arange(cap)[None, None]
     rel = s_idx - (lengths[:, None, None] + 1)  # [B, 1, S] slot index among the draft slots
     in_draft = (rel >= 0) & (rel < n_slots)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from bole_jax.model import parallel
-from bole_jax.model.blocks import attention_layer, mlp_block, write_rows
+from bole_jax.model.blocks import attention_layer, mlp_block, take_kv, write_kv
 from bole_jax.model.cache import (
     AttnCache,
     Cache,
@@ -256,7 +256,7 @@ def verify_forward(
             x = mlp_block(lp, x + h, cfg)
         else:
             if mask is None:
-                mask = tree_attention_mask(cache.lengths, ts, c.k.shape[1])
+                mask = tree_attention_mask(cache.lengths, ts, c.capacity)
             x, c = attention_layer(lp, x, positions, c, slots, mask, cfg)
             aux = None
         layers.append(c)
@@ -384,8 +384,6 @@ def commit(
                         )
             layers.append(GDNCache(conv=conv, state=state, pending=pending))
         else:
-            b = jnp.arange(c.k.shape[0])[:, None]
-            k_rows = c.k[b, jnp.minimum(src, c.k.shape[1] - 1)]
-            v_rows = c.v[b, jnp.minimum(src, c.v.shape[1] - 1)]
-            layers.append(AttnCache(k=write_rows(c.k, k_rows, dst), v=write_rows(c.v, v_rows, dst)))
+            k_rows, v_rows = take_kv(c.k, src), take_kv(c.v, src)
+            layers.append(AttnCache(k=write_kv(c.k, k_rows, dst), v=write_kv(c.v, v_rows, dst)))
     return Cache(layers=tuple(layers), lengths=cache.lengths + num)

@@ -193,6 +193,11 @@ def sample_windows(data: jax.Array, key: jax.Array, step: jax.Array, batch: int,
 # ----------------------------------------------------------------------------- training forward
 
 
+def heads_major(kv: jax.Array) -> jax.Array:
+    """[B, T, Hkv, D] keys or values -> [B, Hkv, T, D], the layout `attend` reads (the cache's)."""
+    return jnp.swapaxes(kv, 1, 2)
+
+
 @jax.custom_vjp
 def embed_rows(embed: jax.Array, tokens: jax.Array) -> jax.Array:
     """embed[tokens]; its gradient is a one-hot matmul instead of a scatter-add (GPU scatter-add
@@ -252,7 +257,14 @@ def target_hidden(p, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         else:
             h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
             q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
-            x = mlp_block(lp, x + attn_out(lp["attn"], attend(q, k, v, mask, cfg), gate, cfg), cfg)
+            x = mlp_block(
+                lp,
+                x
+                + attn_out(
+                    lp["attn"], attend(q, heads_major(k), heads_major(v), mask, cfg), gate, cfg
+                ),
+                cfg,
+            )
     return rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
 
 
@@ -300,7 +312,9 @@ def mtp_level(p, cfg: ModelConfig, tokens, h_prev, positions, kv, mask):
         hh = rms_norm(x, lp["input_norm"], eps)
         q, k, v, gate = attn_qkv(lp["attn"], hh, positions, cfg)
         ks, vs = ks + [k], vs + [v]
-        o = attend(q, jnp.concatenate(ks, 1), jnp.concatenate(vs, 1), mask, cfg)
+        o = attend(
+            q, heads_major(jnp.concatenate(ks, 1)), heads_major(jnp.concatenate(vs, 1)), mask, cfg
+        )
         x = mlp_block(lp, x + attn_out(lp["attn"], o, gate, cfg), cfg)
         new_kv.append((ks, vs))
     return rms_norm(x, mp["norm"], eps), new_kv

@@ -160,8 +160,9 @@ def test_prefill_cache_matches_hf(batched_run):
                 assert rel_err(c.conv[b], ref[0][0, :, 1:].T.numpy()) <= TOL, (b, i)
                 assert rel_err(c.state[b], ref[1][0].numpy()) <= TOL, (b, i)
             else:
-                assert rel_err(c.k[b, :n], ref[0][0].transpose(0, 1).numpy()) <= TOL, (b, i)
-                assert rel_err(c.v[b, :n], ref[1][0].transpose(0, 1).numpy()) <= TOL, (b, i)
+                # both keep KV heads-major: [B, Hkv, S, D]
+                assert rel_err(c.k[b, :, :n], ref[0][0].numpy()) <= TOL, (b, i)
+                assert rel_err(c.v[b, :, :n], ref[1][0].numpy()) <= TOL, (b, i)
 
 
 def test_conv_state_is_last_valid_inputs(batched_run):

@@ -102,13 +102,13 @@ def test_take_and_restore_round_trip():
     assert int(dst.lengths[0]) == 16
     for s, d in zip(src.layers, dst.layers):
         if isinstance(s, AttnCache):
-            np.testing.assert_array_equal(d.k[:, 8:16], s.k[:, 8:16])
-            np.testing.assert_array_equal(d.v[:, :8], 0)
+            np.testing.assert_array_equal(d.k[:, :, 8:16], s.k[:, :, 8:16])
+            np.testing.assert_array_equal(d.v[:, :, :8], 0)
         else:
             assert isinstance(s, GDNCache)
             np.testing.assert_array_equal(d.state, s.state)
             np.testing.assert_array_equal(d.conv, s.conv)
-    np.testing.assert_array_equal(dst_mtp[0].k[:, 8:16], src_mtp[0].k[:, 8:16])
+    np.testing.assert_array_equal(dst_mtp[0].k[:, :, 8:16], src_mtp[0].k[:, :, 8:16])
     # Donating the caches (as the next prefill piece does) must leave the entry intact.
     restore_kv(src, src_mtp, blk, jnp.int32(0))
     restore_checkpoint(dst, blk, jnp.int32(16))

@@ -321,8 +321,10 @@ def test_commit_equals_ar_cache(mode):
         else:
             for i in range(b):
                 L = int(ref.lengths[i])
-                np.testing.assert_allclose(c_new.k[i, :L], c_ref.k[i, :L], rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(c_new.v[i, :L], c_ref.v[i, :L], rtol=1e-4, atol=1e-5)
+                kn, kr = c_new.k[i, :, :L], c_ref.k[i, :, :L]
+                np.testing.assert_allclose(kn, kr, rtol=1e-4, atol=1e-5)
+                vn, vr = c_new.v[i, :, :L], c_ref.v[i, :, :L]
+                np.testing.assert_allclose(vn, vr, rtol=1e-4, atol=1e-5)
     # The bonus token is AR's next token after the accepted run.
     expect_bonus = [cont[i, depth_ok[i]] for i in range(b)]
     np.testing.assert_array_equal(np.asarray(acc.bonus), expect_bonus)
