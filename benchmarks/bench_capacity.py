@@ -82,8 +82,10 @@ def parse(argv=None):
     ap.add_argument("--out", default="benchmarks/results/capacity")
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
-    if a.context < 64 or a.context & (a.context - 1):
-        ap.error(f"--context must be a power of two >= 64, got {a.context}")
+    try:
+        bench.check_context(a.context)
+    except ValueError as e:
+        ap.error(str(e))
     if not all(0 < f <= 1 for f in a.fractions):
         ap.error("--fractions must lie in (0, 1]")
     if a.max_batch < 1 or a.nodes < 2:

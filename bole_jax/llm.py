@@ -41,12 +41,29 @@ from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take several calls)
+# Cap on one prefill call's fp32 attention scores of one layer (rows x heads x width x capacity x
+# 4 bytes): a wide batch at a long capacity prefills in narrower pieces instead of running out
+# of memory (128 rows x 16 heads x 256 tokens x 16384 slots would be 32 GiB).
+PREFILL_SCORES_BYTES = 1 << 30
 SEGMENT_STEPS = 16  # decode steps per jitted segment (host checks stops / progress between)
 MIN_OUT_BUCKET = 16  # smallest output buffer (max_new_tokens is rounded up to a power of two)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def prefill_width(cfg: ModelConfig, rows: int, capacity: int, longest: int) -> int:
+    """Prompt tokens per batched prefill call: the longest prompt rounded up to a power of two
+    (16 at least), at most PREFILL_CHUNK, and narrower where one attention layer's fp32 scores
+    (rows x query heads x width x capacity) would pass PREFILL_SCORES_BYTES (a power of two, 1 at
+    least)."""
+    width = min(PREFILL_CHUNK, _pow2(longest, lo=16))
+    if cfg.attention_layers:
+        heads = cfg.num_heads // parallel.shards(cfg, cfg.num_heads)
+        fit = PREFILL_SCORES_BYTES // (rows * heads * capacity * 4)
+        width = min(width, 1 << max(fit, 1).bit_length() - 1)
+    return width
 
 
 @jax.jit
@@ -371,7 +388,7 @@ class LLM:
         for i, t in enumerate(ids):
             toks[i, : len(t)] = t
         h_last = None
-        chunk = min(PREFILL_CHUNK, _pow2(int(lens.max()), lo=16))
+        chunk = prefill_width(cfg, b, capacity, int(lens.max()))
         for s in range(0, int(lens.max()), chunk):
             piece = np.zeros((b, chunk), np.int32)
             width = min(chunk, toks.shape[1] - s)

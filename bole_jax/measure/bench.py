@@ -47,6 +47,13 @@ def target_weight_bytes(cfg: ModelConfig, params, batch: int) -> int:
     return w
 
 
+def check_context(context: int) -> None:
+    """--context (each request's KV filled to this many tokens) must be a power of two >= 64:
+    it is the KV capacity itself."""
+    if context < 64 or context & (context - 1):
+        raise ValueError(f"--context must be a power of two >= 64, got {context}")
+
+
 def ar_step_floor_bytes(cfg: ModelConfig, params, cache, batch: int) -> int:
     """Fewest bytes one AR decode step must move: every weight once (the embedding table only
     for the B rows looked up; the lm_head fully), each GDN state read + written, each conv state
@@ -546,8 +553,8 @@ def _check_e2e_args(a) -> None:
     if a.nodes != "auto" and a.nodes > MAX_NODES:
         raise ValueError(f"--nodes {a.nodes} is above {MAX_NODES} (the Pallas tree kernels' limit)")
     ctx = getattr(a, "context", None)
-    if ctx is not None and (ctx < 64 or ctx & (ctx - 1)):
-        raise ValueError(f"--context must be a power of two >= 64, got {ctx}")
+    if ctx is not None:
+        check_context(ctx)
     if a.accept_prob is not None and not 0.0 < a.accept_prob <= 1.0:
         raise ValueError(f"--accept-prob must lie in (0, 1], got {a.accept_prob}")
     a.modes = list(dict.fromkeys(a.modes))

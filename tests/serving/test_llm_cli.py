@@ -11,6 +11,7 @@ import pytest
 from conftest import start_niced
 
 from bole_jax import LLM, ModelConfig
+from bole_jax import llm as llm_mod
 from bole_jax.serving import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,6 +164,42 @@ def test_other_max_new_tokens_does_not_compile(llm, mode):
         if len(a.token_ids) >= 5:
             assert len(b.token_ids) == 5
         assert o.token_ids == a.token_ids[:1]
+
+
+def test_prefill_width_bounds_the_attention_scores(llm):
+    """A wide batch at a long capacity prefills in narrower pieces: one attention layer's fp32
+    scores (rows x heads x width x capacity x 4 bytes) stay within PREFILL_SCORES_BYTES."""
+    cfg, cap = llm.cfg, llm_mod.PREFILL_SCORES_BYTES
+    assert llm_mod.prefill_width(cfg, 1, 4096, 5) == 16  # short prompts: 16 at least
+    assert llm_mod.prefill_width(cfg, 1, 4096, 1000) == llm_mod.PREFILL_CHUNK
+    for rows, capacity in ((64, 16384), (128, 262144), (1024, 262144)):
+        w = llm_mod.prefill_width(cfg, rows, capacity, 4000)
+        assert w >= 1 and w & (w - 1) == 0
+        assert rows * cfg.num_heads * w * capacity * 4 <= cap or w == 1
+        assert w == 1 or 2 * rows * cfg.num_heads * w * capacity * 4 > cap  # the widest that fits
+
+
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_narrow_prefill_pieces_give_the_same_tokens(llm, mode, monkeypatch):
+    """Prefilling in 2-token pieces (a scores cap that only fits 2 query rows) gives the same
+    greedy tokens as one piece."""
+    prompts = ["def add(a, b):\n    return", "Hello there, how are you"]
+    ref = llm.generate(prompts, max_new_tokens=6, spec=mode)
+    widths = []
+    real = llm_mod.prefill_width
+
+    def narrow(cfg, rows, capacity, longest):
+        # the cap that fits exactly 2 query rows of this batch at this capacity
+        monkeypatch.setattr(
+            llm_mod, "PREFILL_SCORES_BYTES", 2 * rows * cfg.num_heads * capacity * 4
+        )
+        widths.append(real(cfg, rows, capacity, longest))
+        return widths[-1]
+
+    monkeypatch.setattr(llm_mod, "prefill_width", narrow)
+    got = llm.generate(prompts, max_new_tokens=6, spec=mode)
+    assert widths and set(widths) == {2}
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
 def test_stop_string_and_max_tokens(llm):
