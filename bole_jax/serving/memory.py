@@ -116,6 +116,9 @@ class MemoryPlan:
     device_stats:  device.memory_stats() at planning time, when the backend reports it.
     fit_slots:     slots the usable memory holds before the --max-batch cap (one kept back for
                    the prefill), or None when the usable memory is unknown.
+    shared_bytes:  bytes held once rather than per slot: with decode groups, the step transient of
+                   one group (the groups' steps run one after another; `slot_bytes` is then a
+                   slot's share without its step transient). 0 without groups.
     """
 
     num_slots: int
@@ -125,10 +128,11 @@ class MemoryPlan:
     usable_bytes: int | None
     device_stats: dict | None
     fit_slots: int | None = None
+    shared_bytes: int = 0
 
     @property
     def planned_bytes(self) -> int:
-        return (self.num_slots + 1) * self.slot_bytes + self.prefix_bytes
+        return (self.num_slots + 1) * self.slot_bytes + self.shared_bytes + self.prefix_bytes
 
 
 class SlotDoesNotFit(ValueError):
@@ -146,6 +150,7 @@ def plan_memory(
     prefix_cache_gb: float | None = None,
     device=None,
     memory_fraction: float = 0.9,
+    shared_bytes: int = 0,
 ) -> MemoryPlan:
     """Split the usable memory between decode slots and the prefix cache.
 
@@ -154,7 +159,8 @@ def plan_memory(
     slot's worth kept back for the batch-1 cache of the request being prefilled. The prefix cache
     gets `prefix_cache_gb` (taken before the slots), or by default what the slots leave
     (DEFAULT_PREFIX_CACHE_GB when the usable memory is unknown). Backends that report no memory
-    (CPU) get max_batch slots unless memory_gb is given.
+    (CPU) get max_batch slots unless memory_gb is given. `shared_bytes` are taken once, before
+    the slots (decode groups: one group's step transient, `split_transient`).
     """
     if max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
@@ -184,11 +190,14 @@ def plan_memory(
         if prefix is None:
             prefix = int(DEFAULT_PREFIX_CACHE_GB * 2**30)
     else:
-        fit = (usable - (prefix or 0)) // per_slot - 1
+        fit = (usable - (prefix or 0) - shared_bytes) // per_slot - 1
         if fit < 1:
             room = f"{usable / 2**20:.1f} MiB are usable" + (
                 f" ({prefix / 2**20:.1f} MiB of them for --prefix-cache-gb)" if prefix else ""
             )
+            if shared_bytes:
+                room += f", {shared_bytes / 2**20:.1f} MiB for one decode group's step"
+
             raise SlotDoesNotFit(
                 f"not enough device memory for one decode slot: a slot needs {per_slot / 2**20:.1f} MiB "
                 f"(plus one more for the prefill), {room}: lower --max-context (or raise --memory-gb, "
@@ -196,7 +205,7 @@ def plan_memory(
             )
         slots = min(max_batch, fit)
         if prefix is None:
-            prefix = usable - (slots + 1) * per_slot
+            prefix = usable - (slots + 1) * per_slot - shared_bytes
     return MemoryPlan(
         num_slots=slots,
         slot_bytes=per_slot,
@@ -205,7 +214,20 @@ def plan_memory(
         usable_bytes=usable,
         device_stats=stats,
         fit_slots=fit,
+        shared_bytes=shared_bytes,
     )
+
+
+def split_transient(parts: dict[str, int], group_rows: int | None) -> tuple[int, int]:
+    """(bytes per slot, bytes held once) of a slot's `parts`: every part per slot without decode
+    groups; with groups of `group_rows` rows the step transient is held for one group only (the
+    groups' steps run one after another), so each slot keeps the rest and the plan takes
+    group_rows x step_transient once."""
+    total = sum(parts.values())
+    if group_rows is None:
+        return total, 0
+    step = parts.get("step_transient", 0)
+    return total - step, group_rows * step
 
 
 def plan_slots(
@@ -273,11 +295,14 @@ def plan_by_mode(
     prefix_cache_gb: float | None = None,
     device=None,
     memory_fraction: float = 0.9,
+    group_rows: int | None = None,
 ) -> dict[str, ModePlan]:
     """The memory plan of every mode in `specs` (mode -> its SpecConfig, None for ar) for requests
     of up to `max_context` tokens, in the same usable memory (one device reading for all): per
     mode its KV capacity, slot bytes by part and the slots that fit. Invalid settings raise
-    ValueError; a mode of which not even one slot fits gets plan None and the reason in `error`."""
+    ValueError; a mode of which not even one slot fits gets plan None and the reason in `error`.
+    With decode groups of `group_rows` rows (--slot-group) each mode's step transient is counted
+    for one group (`split_transient`)."""
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats()
@@ -288,15 +313,18 @@ def plan_by_mode(
     for mode, spec in specs.items():
         cap = kv_capacity(max_context, spec.slack if spec else 0)
         parts = slot_bytes(cfg, cap, max_context, spec, dtype, logprobs)
+        rows = None if group_rows is None else min(group_rows, max_batch)
+        per_slot, shared = split_transient(parts, rows)
         try:
             plan, error = (
                 plan_memory(
-                    sum(parts.values()),
+                    per_slot,
                     max_batch,
                     memory_gb=memory_gb,
                     prefix_cache_gb=prefix_cache_gb,
                     device=fixed,
                     memory_fraction=memory_fraction,
+                    shared_bytes=shared,
                 ),
                 None,
             )
@@ -337,6 +365,7 @@ def format_plan_table(plans: dict[str, ModePlan], running: str) -> str:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
         for r in rows
     ]
+    grouped = any(p.plan and p.plan.shared_bytes for p in plans.values())
     where = (
         "usable memory unknown"
         if usable is None
@@ -345,5 +374,11 @@ def format_plan_table(plans: dict[str, ModePlan], running: str) -> str:
         else f"{usable / 2**20:.1f} MiB usable"
     )
     return "\n".join(
-        [f"memory plan per mode (MiB per slot, slots at the same max context; {where}):"] + lines
+        [
+            "memory plan per mode (MiB per slot, slots at the same max context; "
+            + where
+            + ("; step: held for one decode group only" if grouped else "")
+            + "):"
+        ]
+        + lines
     )

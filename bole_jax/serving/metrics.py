@@ -319,12 +319,16 @@ class EngineCollector:
         plan = GaugeMetricFamily(
             "bole_memory_plan_bytes",
             "The running mode's memory plan by part: each slot part x (slots + 1 for the "
-            "prefill), the prefix-cache budget, and the usable memory and --memory-gb cap when "
+            "prefill; with decode groups the step transient once, for one group), the "
+            "prefix-cache budget, and the usable memory and --memory-gb cap when "
             "known.",
             labels=["part"],
         )
+        shared = mem.get("shared_step_bytes", 0)  # decode groups: one group's step, held once
         for part, b in s["slot_bytes"].items():
-            plan.add_metric([part], b * (slots + 1))
+            plan.add_metric(
+                [part], shared if part == "step_transient" and shared else b * (slots + 1)
+            )
         plan.add_metric(["prefix_cache"], mem["prefix_cache_budget_bytes"])
         for part in ("usable", "limit"):
             if mem[f"{part}_bytes"] is not None:

@@ -336,6 +336,7 @@ class Scheduler:
             memory_gb=memory_gb,
             prefix_cache_gb=prefix_cache_gb,
             memory_fraction=memory_fraction,
+            group_rows=slot_group,
         )
         mine = self.plans[self.mode]
         if mine.plan is None:
@@ -690,35 +691,50 @@ class Scheduler:
         estimate: the plan's `step_transient` counts the verify's outputs (logits, factors or
         per-node states) but not the activations, the drafter's logits or sampling's work, which
         the compiled program's temporaries do. Where they exceed the estimate, each slot is
-        charged temporaries / slots instead and the slots are planned again in the same memory
-        (the device reading taken at start-up); with fewer slots the state is rebuilt and the
-        segment compiled once more. Bounded: one re-plan. Where the usable memory is unknown (CPU
-        without --memory-gb) the temporaries are only recorded (`stats()["step_memory"]`)."""
+        charged temporaries / slots instead (with decode groups: the plan holds one group's
+        temporaries once) and the slots are planned again in the same memory (the device reading
+        taken at start-up); with fewer slots the state is rebuilt and the segment compiled once
+        more. Bounded: one re-plan. Where the usable memory is unknown (CPU without --memory-gb)
+        the temporaries are only recorded (`stats()["step_memory"]`)."""
         temp = self._compile_segment()
         est = self.slot_bytes["step_transient"]
+        grouped = self.slot_group is not None  # planned with one group's step transient, shared
+        planned = self.memory.shared_bytes if grouped else est * self.num_slots
         self.step_memory = dict(
             compiled_temp_bytes=temp,
-            estimate_bytes=est * self.num_slots,
+            estimate_bytes=planned,
             planned_slots=self.num_slots,
             slots=self.num_slots,
             group_rows=self.group_size,
         )
-        if temp is None or self.memory.usable_bytes is None or -(-temp // self.num_slots) <= est:
-            return  # the estimate covers the step, or the memory is unknown (nothing to fit)
-        parts = dict(self.slot_bytes, step_transient=-(-temp // self.num_slots))
+        if temp is None or self.memory.usable_bytes is None:
+            return  # the memory is unknown: nothing to fit
+        if (temp <= planned) if grouped else (-(-temp // self.num_slots) <= est):
+            return  # the estimate covers the step
+        if grouped:
+            parts, per_slot, shared = self.slot_bytes, self.memory.slot_bytes, temp
+        else:
+            parts = dict(self.slot_bytes, step_transient=-(-temp // self.num_slots))
+            per_slot, shared = sum(parts.values()), 0
         try:
             plan = plan_memory(
-                sum(parts.values()),
+                per_slot,
                 self._plan_args["max_batch"],
                 memory_gb=self._plan_args["memory_gb"],
                 prefix_cache_gb=self._plan_args["prefix_cache_gb"],
                 device=FixedStats(self.memory.device_stats),
                 memory_fraction=self._plan_args["memory_fraction"],
+                shared_bytes=shared,
             )
         except SlotDoesNotFit as e:
+            where = (
+                f"one decode group of {self.group_size} rows"
+                if grouped
+                else f"{self.num_slots} slots, {parts['step_transient'] / 2**20:.2f} MiB per slot"
+            )
             raise SlotDoesNotFit(
                 f"with the compiled decode step's temporaries ({temp / 2**20:.1f} MiB at "
-                f"{self.num_slots} slots, {parts['step_transient'] / 2**20:.2f} MiB per slot): {e}"
+                f"{where}): {e}"
             ) from None
         before = self.num_slots
         self.slot_bytes, self.memory = parts, plan
@@ -731,7 +747,7 @@ class Scheduler:
                 "MiB): %d slots fit the memory, not %d",
                 temp / 2**20,
                 before,
-                est * before / 2**20,
+                planned / 2**20,
                 plan.num_slots,
                 before,
             )
@@ -747,7 +763,7 @@ class Scheduler:
                 "the compiled decode step needs %.1f MiB of temporaries (estimate %.1f MiB); the "
                 "%d slots still fit",
                 temp / 2**20,
-                est * before / 2**20,
+                planned / 2**20,
                 before,
             )
 
@@ -1088,6 +1104,7 @@ class Scheduler:
             usable_bytes=mem.usable_bytes,
             planned_bytes=mem.planned_bytes,
             slot_bytes=mem.slot_bytes,
+            shared_step_bytes=mem.shared_bytes,
             prefix_cache_budget_bytes=mem.prefix_bytes,
         )
         snap["memory_plan"] = {

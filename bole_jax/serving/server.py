@@ -1265,6 +1265,16 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def _slot_note(s) -> str:
+    """MiB per slot for the start-up line; with decode groups the step transient is held once."""
+    if s.memory.shared_bytes:
+        return (
+            f"{s.memory.slot_bytes / 2**20:.1f} MiB/slot + {s.memory.shared_bytes / 2**20:.1f} "
+            "MiB for one decode group's step"
+        )
+    return f"{sum(s.slot_bytes.values()) / 2**20:.1f} MiB/slot"
+
+
 def _step_note(s) -> str:
     """The slots as re-planned from the compiled decode step, for the ready line."""
     m = s.step_memory or {}
@@ -1300,7 +1310,7 @@ def serve(model: str | None = None, **kwargs) -> None:
     print(
         f"bole-jax: serving {server.model_name!r} (mode {s.mode}, {s.num_slots} slots, "
         f"max context {s.max_context}, KV capacity {s.capacity}/slot, "
-        f"{sum(s.slot_bytes.values()) / 2**20:.1f} MiB/slot, {prefix}, prefill "
+        f"{_slot_note(s)}, {prefix}, prefill "
         f"{s.prefill_chunk} tokens/iteration{cap}, chat template: {server.chat.kind}) "
         f"on {server.url}; compiling (/health: 503 starting)",
         flush=True,

@@ -24,10 +24,12 @@ from bole_jax.model.config import KernelOptions
 from bole_jax.serving.memory import (
     MODES,
     PER_ROW_SCALARS,
+    FixedStats,
     format_plan_table,
     kv_capacity,
     plan_by_mode,
     slot_bytes,
+    split_transient,
 )
 from bole_jax.serving.requests import RequestParams
 from bole_jax.serving.scheduler import Scheduler, _shared_fields_cleared
@@ -358,6 +360,87 @@ def test_a_request_longer_than_a_slot_is_a_400(llms):
         assert s.queue_depth == 0
     finally:
         srv.shutdown()
+
+
+def test_decode_groups_hold_one_groups_step_transient(llms):
+    """With decode groups (--slot-group G) the plan holds the step transient of one group once
+    (the groups' steps run one after another) instead of every slot's: per mode slots =
+    (usable - G x step) // (slot - step) - 1, more than without groups where the step transient is
+    large (pernode's per-node states); a grouped scheduler runs the slots of that plan (re-planned
+    from one group's compiled temporaries where they exceed G x step) within the cap, and
+    /metrics' parts add up to the planned bytes."""
+    llm = llms({})
+    spec = llm._spec_config("pernode", 8)
+    parts = slot_bytes(llm.cfg, kv_capacity(MAX_CONTEXT, spec.slack), MAX_CONTEXT, spec, "float32")
+    step, per = parts["step_transient"], sum(parts.values())
+    assert split_transient(parts, None) == (per, 0)
+    assert split_transient(parts, 3) == (per - step, 3 * step)
+    cap = int(6.5 * per)
+    specs = {"pernode": spec, "ar": None}
+    one = plan_by_mode(
+        llm.cfg,
+        MAX_CONTEXT,
+        specs,
+        "float32",
+        64,
+        memory_gb=cap / 2**30,
+        prefix_cache_gb=0,
+        device=FixedStats(None),
+    )
+    grouped = plan_by_mode(
+        llm.cfg,
+        MAX_CONTEXT,
+        specs,
+        "float32",
+        64,
+        memory_gb=cap / 2**30,
+        prefix_cache_gb=0,
+        device=FixedStats(None),
+        group_rows=1,
+    )
+    assert one["pernode"].num_slots == cap // per - 1 == 5
+    g = grouped["pernode"].plan
+    assert g.num_slots == (cap - step) // (per - step) - 1 > 5
+    assert g.shared_bytes == step and g.slot_bytes == per - step
+    assert g.planned_bytes == (g.num_slots + 1) * (per - step) + step <= cap
+    assert "held for one decode group only" in format_plan_table(grouped, "pernode")
+
+    s = Scheduler(
+        llm,
+        mode="pernode",
+        max_batch=64,
+        max_context=MAX_CONTEXT,
+        segment_steps=2,
+        prefix_cache_gb=0,
+        memory_gb=cap / 2**30,
+        slot_group=1,
+    )
+    assert s.num_slots == g.num_slots and s.memory == g
+    s._ensure_state()
+    temp = s.step_memory["compiled_temp_bytes"]
+    assert s.step_memory["estimate_bytes"] == step
+    shared = max(temp, step)  # one 1-row group's compiled temporaries, where above the estimate
+    assert s.memory.shared_bytes == shared
+    assert s.num_slots == min(64, (cap - shared) // (per - step) - 1)
+    assert s.memory.planned_bytes <= cap and len(s._groups) == s.num_slots
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bole_jax.serving.metrics import EngineCollector
+
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(s))
+    text = generate_latest(reg).decode()
+    assert _metric(text, "bole_memory_plan_bytes", part="step_transient") == shared
+    total = sum(_metric(text, "bole_memory_plan_bytes", part=p) for p in s.slot_bytes)
+    total += _metric(text, "bole_memory_plan_bytes", part="prefix_cache")
+    assert total == _metric(text, "bole_memory_planned_bytes") == s.memory.planned_bytes
+    s.start(warmup=False)
+    try:
+        reqs = [s.submit([5 + i] * 8, RequestParams(max_tokens=4)) for i in range(3)]
+        for r in reqs:
+            assert r.result(timeout=120).finish_reason == "length", r.error
+    finally:
+        s.stop()
 
 
 def test_admission_never_exceeds_the_slots(llms):
