@@ -263,6 +263,17 @@ def test_serve_prints_the_plan_per_mode(llms, monkeypatch, capsys):
     assert [r[:2] + r[2:].split()[0] for r in rows] == ["  ar", "  chain", "* pernode", "  bole"]
 
 
+def _metrics_text(s) -> str:
+    """/metrics' text for scheduler s."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bole_jax.serving.metrics import EngineCollector
+
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(s))
+    return generate_latest(reg).decode()
+
+
 def _metric(text, name, **labels):
     lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     pat = rf"^{name}{{{lab}}} ([-+0-9.eE]+)$" if labels else rf"^{name} ([-+0-9.eE]+)$"
@@ -286,13 +297,7 @@ def test_metrics_export_the_plan(llms):
         llm, mode="bole", max_batch=8, max_context=MAX_CONTEXT, memory_gb=5.5 * per_bole / 2**30
     )
     assert s.num_slots == 4
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from bole_jax.serving.metrics import EngineCollector
-
-    reg = CollectorRegistry()
-    reg.register(EngineCollector(s))
-    text = generate_latest(reg).decode()
+    text = _metrics_text(s)
     for part, b in s.slot_bytes.items():
         assert _metric(text, "bole_memory_plan_bytes", part=part) == b * 5
         assert _metric(text, "bole_memory_plan_slot_bytes", mode="bole", part=part) == b
@@ -377,7 +382,8 @@ def test_decode_groups_hold_one_groups_step_transient(llms):
     assert split_transient(parts, 3) == (per - step, 3 * step)
     cap = int(6.5 * per)
     specs = {"pernode": spec, "ar": None}
-    one = plan_by_mode(
+    plan = functools.partial(
+        plan_by_mode,
         llm.cfg,
         MAX_CONTEXT,
         specs,
@@ -387,17 +393,7 @@ def test_decode_groups_hold_one_groups_step_transient(llms):
         prefix_cache_gb=0,
         device=FixedStats(None),
     )
-    grouped = plan_by_mode(
-        llm.cfg,
-        MAX_CONTEXT,
-        specs,
-        "float32",
-        64,
-        memory_gb=cap / 2**30,
-        prefix_cache_gb=0,
-        device=FixedStats(None),
-        group_rows=1,
-    )
+    one, grouped = plan(), plan(group_rows=1)
     assert one["pernode"].num_slots == cap // per - 1 == 5
     g = grouped["pernode"].plan
     assert g.num_slots == (cap - step) // (per - step) - 1 > 5
@@ -423,13 +419,7 @@ def test_decode_groups_hold_one_groups_step_transient(llms):
     assert s.memory.shared_bytes == shared
     assert s.num_slots == min(64, (cap - shared) // (per - step) - 1)
     assert s.memory.planned_bytes <= cap and len(s._groups) == s.num_slots
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from bole_jax.serving.metrics import EngineCollector
-
-    reg = CollectorRegistry()
-    reg.register(EngineCollector(s))
-    text = generate_latest(reg).decode()
+    text = _metrics_text(s)
     assert _metric(text, "bole_memory_plan_bytes", part="step_transient") == shared
     total = sum(_metric(text, "bole_memory_plan_bytes", part=p) for p in s.slot_bytes)
     total += _metric(text, "bole_memory_plan_bytes", part="prefix_cache")
@@ -508,12 +498,6 @@ def test_slots_are_replanned_from_the_compiled_step(llms):
             assert r.result(timeout=120).finish_reason == "length", r.error
     finally:
         s.stop()
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from bole_jax.serving.metrics import EngineCollector
-
-    reg = CollectorRegistry()
-    reg.register(EngineCollector(s))
-    text = generate_latest(reg).decode()
+    text = _metrics_text(s)
     assert _metric(text, "bole_memory_step_temp_bytes") == temp
     assert _metric(text, "bole_memory_plan_slots", mode="pernode") == s.num_slots
