@@ -14,12 +14,6 @@ from bole_jax.model.config import ModelConfig
 from bole_jax.model.layers import attend, attn_out, attn_qkv, mlp, rms_norm
 
 
-def write_rows(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """buf [B, S, ...] <- rows [B, T, ...] at slots [B, T] (slots >= S are dropped)."""
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, slots].set(rows.astype(buf.dtype), mode="drop")
-
-
 def write_kv(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     """KV buffer buf [B, Hkv, S, D] <- rows [B, T, Hkv, D] at slots [B, T] (slots >= S: dropped)."""
     b = jnp.arange(buf.shape[0])[:, None, None]

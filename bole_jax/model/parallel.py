@@ -409,7 +409,7 @@ def gdn_cache_specs(
 
 
 def attn_cache_specs(cfg: ModelConfig) -> AttnCache:
-    """k, v [B, S, Hkv, D] split on Hkv (replicated when tp does not divide Hkv)."""
+    """k, v [B, Hkv, S, D] split on Hkv (replicated when tp does not divide Hkv)."""
     spec = split_at(1) if shards(cfg, cfg.num_kv_heads) > 1 else P()
     return AttnCache(k=spec, v=spec)
 

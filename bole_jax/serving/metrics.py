@@ -324,7 +324,7 @@ class EngineCollector:
             "known.",
             labels=["part"],
         )
-        shared = mem.get("shared_step_bytes", 0)  # decode groups: one group's step, held once
+        shared = mem["shared_step_bytes"]  # decode groups: one group's step, held once
         for part, b in s["slot_bytes"].items():
             plan.add_metric(
                 [part], shared if part == "step_transient" and shared else b * (slots + 1)

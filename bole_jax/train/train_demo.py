@@ -257,14 +257,8 @@ def target_hidden(p, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         else:
             h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
             q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
-            x = mlp_block(
-                lp,
-                x
-                + attn_out(
-                    lp["attn"], attend(q, heads_major(k), heads_major(v), mask, cfg), gate, cfg
-                ),
-                cfg,
-            )
+            o = attend(q, heads_major(k), heads_major(v), mask, cfg)
+            x = mlp_block(lp, x + attn_out(lp["attn"], o, gate, cfg), cfg)
     return rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
 
 
