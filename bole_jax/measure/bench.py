@@ -212,7 +212,6 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
     path's factor rows) besides the conv-state and KV commits, and the verify folds the previous
     step's path rows into the states and writes them back (the state write moves from the commit
     into the verify)."""
-    from bole_jax.model import logits as lm_logits
     from bole_jax.spec_decode import drafter, loop, step, verify
     from bole_jax.spec_decode.acceptance import accept
 
@@ -226,6 +225,8 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
         return step.select(spec, state, pool)
 
     def verify_(params, tree, cache):
+        # The step packs the active requests' nodes; the stage packs every request's.
+        tree, packing = step.packed_tree(spec, tree, None)
         hidden, cache, auxs = verify.verify_forward(
             params,
             cfg,
@@ -234,8 +235,9 @@ def stage_functions(cfg: ModelConfig, spec) -> dict:
             mode=spec.mode,
             backend=spec.backend,
             depth_bound=spec.shape.path_nodes,
+            packing=packing,
         )
-        return lm_logits(params, cfg, hidden), hidden, cache, auxs
+        return verify.verify_logits(params, cfg, hidden, packing), hidden, cache, auxs
 
     def accept_(tree, logits, state):
         return accept(

@@ -41,14 +41,24 @@ def attention_layer(
     slots: jax.Array,
     mask: jax.Array,
     cfg: ModelConfig,
+    packing=None,
 ):
     """One gated-attention decoder layer.
 
     x [B, T, H]; positions [B, T] (RoPE); the new keys/values are written at slots [B, T] (>= S:
     dropped) before attending with mask [B, T, S]. Returns (x' [B, T, H], cache').
+
+    packing (the tree verify's `verify.RowPacking`): x [1, P, H] and positions [1, P] are packed
+    rows; the queries, keys and values are unpacked to the [B, T] layout of slots and mask for
+    the attention, whose output is packed again.
     """
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
     q, k, v, gate = attn_qkv(lp["attn"], h, positions, cfg)
+    if packing is not None:
+        q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
     cache = AttnCache(k=write_kv(cache.k, k, slots), v=write_kv(cache.v, v, slots))
-    x = x + attn_out(lp["attn"], attend(q, cache.k, cache.v, mask, cfg), gate, cfg)
+    o = attend(q, cache.k, cache.v, mask, cfg)
+    if packing is not None:
+        o = packing.pack(o)
+    x = x + attn_out(lp["attn"], o, gate, cfg)
     return mlp_block(lp, x, cfg), cache

@@ -16,6 +16,7 @@ them at import.
     commit_fold         BOLE_COMMIT_FOLD          auto | unroll | dot | loop (default auto)
     lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
+    packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _ENV = dict(
     commit_fold="BOLE_COMMIT_FOLD",
     lazy_rows="BOLE_LAZY_ROWS",
     gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
+    packed_verify="BOLE_PACKED_VERIFY",
 )
+_BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,10 @@ class KernelOptions:
       `PendingCommit`).
     gdn_decode_backend: the one-token GDN decode rule: "auto" (the in-place Pallas kernel on
       GPU, the jnp rule elsewhere), "pallas" or "reference".
+    packed_verify: with a batch-wide budget smaller than every request's N nodes, the tree
+      verify's matmuls (projections, MLP, lm_head) run over the budget's rows packed together
+      (`verify.RowPacking`) instead of B x N rows. False: B x N rows, nodes not verified
+      included. Same outputs at the verified nodes.
     """
 
     tree_gdn_bf16: bool = True
@@ -61,9 +68,10 @@ class KernelOptions:
     commit_fold: str = "auto"
     lazy_rows: str = "path"
     gdn_decode_backend: str = "auto"
+    packed_verify: bool = True
 
     def __post_init__(self):
-        for name in ("tree_gdn_bf16", "mosaic"):
+        for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"KernelOptions.{name} must be a bool, got {getattr(self, name)!r}"
@@ -88,7 +96,7 @@ class KernelOptions:
             if var not in environ:
                 continue
             value = environ[var]
-            if name in ("tree_gdn_bf16", "mosaic"):
+            if name in _BOOLS:
                 kw[name] = value != "0"
             else:
                 kw[name] = value

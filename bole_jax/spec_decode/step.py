@@ -16,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import Cache, GDNCache, pending_nodes, pending_rows
 from bole_jax.model.config import ModelConfig
 from bole_jax.pallas.options import KernelOptions
@@ -200,6 +199,15 @@ def select(spec: SpecConfig, state: DecodeState, pool) -> tree_mod.Tree:
     return tree_mod.truncate(t, room)
 
 
+def packed_tree(spec: SpecConfig, tree: tree_mod.Tree, active: jax.Array | None):
+    """(tree, verify.RowPacking) for a verify over the batch-wide budget's rows packed together
+    (`KernelOptions.packed_verify`, where the budget is below B x N rows), else (tree, None)."""
+    rows = verify.packed_rows(tree.tokens.shape[0], spec.shape.num_nodes, spec.budget)
+    if rows is None or not spec.kernels.packed_verify:
+        return tree, None
+    return verify.pack_rows(tree, active, rows)
+
+
 def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig) -> DecodeState:
     """One step; each stage under its named scope (`stage`), the verify's lm_head included in
     "verify" and the drafter's bookkeeping (after_accept) in "emit", as bench.stage_functions
@@ -218,6 +226,7 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
     with stage("select"):
         tree = select(spec, state, pool)
     with stage("verify"):
+        tree, packing = packed_tree(spec, tree, active)
         hidden, cache, auxs = verify.verify_forward(
             params,
             cfg,
@@ -226,8 +235,9 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
             mode=spec.mode,
             backend=spec.backend,
             depth_bound=spec.shape.path_nodes,
+            packing=packing,
         )
-        logits = lm_logits(params, cfg, hidden)
+        logits = verify.verify_logits(params, cfg, hidden, packing)
     with stage("accept"):
         if spec.simulate_accept is None:
             acc = accept(

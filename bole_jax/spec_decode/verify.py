@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from bole_jax.model import logits as lm_logits
 from bole_jax.model import parallel
 from bole_jax.model.blocks import attention_layer, mlp_block, take_kv, write_kv
 from bole_jax.model.cache import (
@@ -48,6 +49,7 @@ from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted
 from bole_jax.spec_decode.tree import Tree
+from bole_jax.spec_decode.tree import truncate as tree_truncate
 
 GDN_MODES = ("bole", "pernode", "chain")
 
@@ -69,6 +71,68 @@ class GDNVerifyOut:
     factors: Any = None
     node_states: Any = None
     conv_windows: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPacking:
+    """The nodes a step verifies, packed into `rows` rows (`pack_rows`).
+
+    The target's matmuls (projections, MLP, lm_head) run over the packed rows, so their work is
+    set by the batch-wide budget instead of every request's N node slots; the tree GDN kernels
+    and the attention run on the [B, N] layout, unpacked (zeros at nodes not verified).
+    src [P]: the flat node index b * N + i of packed row k (0 for spare rows); dest [B, N]: the
+    packed row of node (b, i), P where the node is not verified; shape: (B, N)."""
+
+    src: jax.Array
+    dest: jax.Array
+    shape: tuple[int, int]
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """[B, N, ...] -> [1, P, ...]."""
+        b, n = self.shape
+        return x.reshape(b * n, *x.shape[2:])[self.src][None]
+
+    def unpack(self, y: jax.Array) -> jax.Array:
+        """[1, P, ...] -> [B, N, ...], zeros at the nodes not verified."""
+        y = jnp.concatenate([y[0], jnp.zeros((1, *y.shape[2:]), y.dtype)])
+        return y[self.dest]
+
+
+def packed_rows(batch: int, num_nodes: int, budget: int | None) -> int | None:
+    """Rows of a packed verify: the batch-wide budget, or the B active roots where it is smaller
+    (`budget.select_counts` always verifies them); None (no packing) where that is every slot."""
+    if budget is None:
+        return None
+    rows = max(budget, batch)
+    return rows if rows < batch * num_nodes else None
+
+
+def pack_rows(tree: Tree, active: jax.Array | None, rows: int) -> tuple[Tree, RowPacking]:
+    """The tree's nodes of active requests, in request order, packed into `rows` rows.
+
+    A request whose nodes would run past the last row is truncated there (a suffix of its nodes:
+    a parent always precedes its children); with `packed_rows` and the budget's selection none
+    is. Inactive requests (active False) verify nothing: their rows read zeros."""
+    b, n = tree.tokens.shape
+    if active is None:
+        active = jnp.ones((b,), bool)
+    count = jnp.where(active, tree.num_nodes, 0)
+    start = jnp.cumsum(count) - count
+    tree = tree_truncate(tree, jnp.where(active, rows - start, n))
+    keep = (tree.valid & active[:, None]).reshape(-1)
+    rank = jnp.cumsum(keep) - 1
+    dest = jnp.where(keep, rank, rows).astype(jnp.int32)
+    src = (
+        jnp.zeros((rows,), jnp.int32).at[dest].set(jnp.arange(b * n, dtype=jnp.int32), mode="drop")
+    )
+    return tree, RowPacking(src=src, dest=dest.reshape(b, n), shape=(b, n))
+
+
+def verify_logits(params, cfg: ModelConfig, hidden: jax.Array, packing: RowPacking | None):
+    """fp32 logits [B, N, V] of the verify's hidden [B, N, H]: the lm_head over the packed rows."""
+    if packing is None:
+        return lm_logits(params, cfg, hidden)
+    return packing.unpack(lm_logits(params, cfg, packing.pack(hidden)))
 
 
 def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) -> jax.Array:
@@ -172,10 +236,14 @@ def _gdn_tree_layer(
     mode: str,
     backend: str,
     depth_bound: int | None = None,
+    packing: RowPacking | None = None,
 ):
     """One GDN layer's verify: (output [B, N, H], GDNVerifyOut, the layer's cache afterwards: its
-    pending commit, if any, folded into the state and cleared)."""
+    pending commit, if any, folded into the state and cleared). With a packing, x and the output
+    are packed rows [1, P, H]; the conv and the tree kernels run on the [B, N] layout."""
     qkv, z, g, beta = gdn_in_proj(p, x, cfg)
+    if packing is not None:
+        qkv, g, beta = packing.unpack(qkv), packing.unpack(g), packing.unpack(beta)
     # Tensor parallelism: the kernels run per device on its own heads (parallel.py).
     heads = parallel.split_at(2)
     aux_specs = (
@@ -209,6 +277,8 @@ def _gdn_tree_layer(
     o, aux, state = core(p["conv_w"], qkv, g, beta, cache, tree, ts)
     if lazy:  # the pending rows are in `state` now
         cache = GDNCache(conv=cache.conv, state=state, pending=empty_pending_like(cache.pending))
+    if packing is not None:
+        o = packing.pack(o)
     return gdn_out(p, o.astype(x.dtype), z, cfg), aux, cache
 
 
@@ -221,6 +291,7 @@ def verify_forward(
     mode: str = "bole",
     backend: str = "auto",
     depth_bound: int | None = None,
+    packing: RowPacking | None = None,
 ):
     """Run all tree nodes through the target.
 
@@ -229,7 +300,9 @@ def verify_forward(
     any, is folded into its state and cleared: the committed state is the same), and one
     GDNVerifyOut per GDN layer (None for attention layers). depth_bound: the most nodes on a root
     path of these trees (the tree shape's depth + 1, which no tree of the step exceeds), or None:
-    lets the bole kernel unroll its inverse for that depth (`tree_gdn_verify`).
+    lets the bole kernel unroll its inverse for that depth (`tree_gdn_verify`). packing
+    (`pack_rows`, with the tree it returns): the matmuls run over its packed rows; hidden is
+    returned unpacked (zeros at the nodes not verified).
     """
     if mode not in GDN_MODES:
         raise ValueError(f"unknown GDN verify mode {mode!r}; expected one of {GDN_MODES}")
@@ -238,7 +311,12 @@ def verify_forward(
     n = tree.tokens.shape[1]
     slots = jnp.where(tree.valid, cache.lengths[:, None] + jnp.arange(n)[None], 2**30)
     mask = None
-    x = parallel.embed_lookup(params["embed"], tree.tokens, cfg)
+    tokens = tree.tokens
+    if packing is not None:
+        tokens, positions_in = packing.pack(tokens), packing.pack(positions)
+    else:
+        positions_in = positions
+    x = parallel.embed_lookup(params["embed"], tokens, cfg)
     layers, auxs = [], []
     for i, (lp, c) in enumerate(zip(params["layers"], cache.layers)):
         if cfg.layer_types[i] == LINEAR:
@@ -252,16 +330,19 @@ def verify_forward(
                 mode,
                 backend,
                 depth_bound,
+                packing,
             )
             x = mlp_block(lp, x + h, cfg)
         else:
             if mask is None:
                 mask = tree_attention_mask(cache.lengths, ts, c.capacity)
-            x, c = attention_layer(lp, x, positions, c, slots, mask, cfg)
+            x, c = attention_layer(lp, x, positions_in, c, slots, mask, cfg, packing)
             aux = None
         layers.append(c)
         auxs.append(aux)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if packing is not None:
+        hidden = packing.unpack(hidden)
     return hidden, Cache(layers=tuple(layers), lengths=cache.lengths), tuple(auxs)
 
 

@@ -145,13 +145,13 @@ def _verify_outputs(s) -> int:
         seen.append(auxs)
         return hidden, cache, auxs
 
-    real_logits, real_verify = step_mod.lm_logits, verify.verify_forward
+    real_logits, real_verify = verify.lm_logits, verify.verify_forward
     with pytest.MonkeyPatch.context() as mp:
         if s.spec is None:
             mp.setattr(loop, "lm_logits", logits)
             fn = functools.partial(loop.ar_step, cfg=cfg)
         else:
-            mp.setattr(step_mod, "lm_logits", logits)
+            mp.setattr(verify, "lm_logits", logits)
             mp.setattr(verify, "verify_forward", verify_forward)
             fn = functools.partial(step_mod.spec_step, cfg=cfg, spec=s.spec)
         jax.eval_shape(fn, llm.params, s._state)

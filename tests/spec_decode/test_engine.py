@@ -330,6 +330,101 @@ def test_commit_equals_ar_cache(mode):
     np.testing.assert_array_equal(np.asarray(acc.bonus), expect_bonus)
 
 
+def _random_tree(rng, num_nodes, n, vocab):
+    b = len(num_nodes)
+    parents = np.full((b, n), -1, np.int32)
+    for i in range(b):
+        for j in range(1, num_nodes[i]):
+            parents[i, j] = rng.integers(0, j)
+    num = jnp.asarray(num_nodes, jnp.int32)
+    valid = np.arange(n)[None] < np.asarray(num_nodes)[:, None]
+    return tree_mod.Tree(
+        tokens=jnp.asarray(np.where(valid, rng.integers(1, vocab, (b, n)), 0), jnp.int32),
+        parents=jnp.asarray(parents),
+        depth=tree_mod.depths(jnp.asarray(parents), num),
+        num_nodes=num,
+        score=jnp.asarray(np.where(valid, 0.0, -np.inf), jnp.float32),
+    )
+
+
+def test_pack_rows_layout_and_truncation():
+    """Active requests' nodes fill the rows in request order; an inactive request verifies
+    nothing; a request running past the last row keeps the nodes before it."""
+    tree = _random_tree(np.random.default_rng(0), [5, 2, 7, 4], 8, 50)
+    active = jnp.asarray([True, True, False, True])
+    t, pk = verify.pack_rows(tree, active, 9)
+    np.testing.assert_array_equal(t.num_nodes, [5, 2, 7, 2])  # request 3: rows 7 and 8 only
+    dest = np.asarray(pk.dest)
+    np.testing.assert_array_equal(dest[0, :5], np.arange(5))
+    np.testing.assert_array_equal(dest[1, :2], [5, 6])
+    np.testing.assert_array_equal(dest[3, :2], [7, 8])
+    assert (dest[2] == 9).all() and (dest[0, 5:] == 9).all() and (dest[3, 2:] == 9).all()
+    np.testing.assert_array_equal(pk.src, [0, 1, 2, 3, 4, 8, 9, 24, 25])
+    x = jnp.arange(4 * 8, dtype=jnp.float32).reshape(4, 8) + 1
+    back = np.asarray(pk.unpack(pk.pack(x)))
+    np.testing.assert_array_equal(back, np.where(dest < 9, np.asarray(x), 0))
+    assert verify.packed_rows(4, 8, None) is None and verify.packed_rows(4, 8, 32) is None
+    assert verify.packed_rows(4, 8, 9) == 9 and verify.packed_rows(16, 8, 9) == 16
+
+
+@pytest.mark.parametrize("mode", ["bole", "pernode", "chain"])
+def test_packed_verify_matches_the_unpacked_one(mode):
+    """The verify over packed rows gives the unpacked verify's outputs at every verified node:
+    hidden states, and after a greedy accept + commit the same caches for active requests."""
+    cfg = _cfg("qwen3_next")
+    params = init_params(cfg, jax.random.key(3), "float32")
+    rng = np.random.default_rng(7)
+    b, cap, n = 4, 64, 8
+    lens = np.array([6, 11, 3, 9], np.int32)
+    toks = np.where(
+        np.arange(12)[None] < lens[:, None], rng.integers(1, cfg.vocab_size, (b, 12)), 0
+    )
+    cache = init_cache(cfg, b, cap, jnp.float32)
+    _, cache = _forward(params, cfg, jnp.asarray(toks, jnp.int32), cache, jnp.asarray(lens))
+    sizes = [6, 6, 6, 6] if mode == "chain" else [5, 2, 7, 4]
+    tree = _random_tree(rng, sizes, n, cfg.vocab_size)
+    if mode == "chain":
+        tree = tree_mod.chain_tree(tree.tokens, tree.num_nodes)
+    active = jnp.asarray([True, True, False, True])
+    rows = int(sum(s for s, a in zip(sizes, active) if a))
+    t_pk, pk = verify.pack_rows(tree, active, rows)
+    np.testing.assert_array_equal(t_pk.num_nodes, tree.num_nodes)  # nothing truncated
+    outs = {}
+    for name, packing in (("full", None), ("packed", pk)):
+        hid, vcache, auxs = verify.verify_forward(
+            params, cfg, tree, cache, mode=mode, packing=packing
+        )
+        logits = verify.verify_logits(params, cfg, hid, packing)
+        acc = _accept(tree, jnp.argmax(logits, -1).astype(jnp.int32), 8)
+        outs[name] = (hid, logits, acc, _commit(vcache, auxs, tree, acc, active, mode=mode))
+    (h0, l0, a0, c0), (h1, l1, a1, c1) = outs["full"], outs["packed"]
+    kept = np.asarray(tree.valid & active[:, None])
+    np.testing.assert_allclose(np.asarray(h1)[kept], np.asarray(h0)[kept], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(l1)[kept], np.asarray(l0)[kept], rtol=1e-5, atol=1e-5)
+    assert (np.asarray(h1)[~kept] == 0).all()
+    on = np.asarray(active)
+    np.testing.assert_array_equal(np.asarray(a1.num_accepted)[on], np.asarray(a0.num_accepted)[on])
+    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
+    for x1, x0 in zip(jax.tree.leaves(c1.layers), jax.tree.leaves(c0.layers)):
+        np.testing.assert_allclose(np.asarray(x1)[on], np.asarray(x0)[on], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bole", "pernode", "chain"])
+def test_greedy_spec_with_a_packed_budget_equals_ar(model, mode):
+    """A batch-wide budget below B x N: the verify runs over the budget's packed rows
+    (`KernelOptions.packed_verify`, the default), lossless; the same tokens without packing."""
+    cfg, params, prompts, ar = model
+    if mode != "bole" and (cfg.num_experts or cfg.family != "qwen3_next"):
+        pytest.skip("the packing is of the target's matmuls: the baselines on one family")
+    opts = dict(SYNTHETIC, budget=10)
+    out = LLM(cfg, params=params, spec_options=opts).generate(
+        prompts, max_new_tokens=NEW, spec=mode, oracle=[o.token_ids for o in ar]
+    )
+    for a, o in zip(ar, out):
+        assert o.token_ids == a.token_ids
+    assert np.mean([o.stats["tokens_per_step"] for o in out]) > 1.5
+
+
 def test_start_batch_exact_rows_is_lossless(model):
     """`start_batch(rows=n)` lays the state out with exactly n rows (the fixed-memory benchmark's
     and the server's slot layout, no power-of-two padding): 3 prompts in 3 rows decode with bole
