@@ -36,7 +36,7 @@ from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.budget import simulated_accept_prob, spec_options_for
-from bole_jax.spec_decode.drafter import DraftState
+from bole_jax.spec_decode.drafter import DraftState, draft_cache_capacity
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -428,7 +428,7 @@ class LLM:
         if spec:
             draft_kv = parallel.zeros(
                 lambda: init_mtp_cache(
-                    self.cfg, batch, capacity + spec.shape.draft_slots + 1, dtype
+                    self.cfg, batch, draft_cache_capacity(capacity, spec.shape), dtype
                 ),
                 self.cfg,
             )

@@ -39,6 +39,7 @@ from bole_jax.model.cache import AttnCache, with_pending
 from bole_jax.spec_decode import budget
 from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob  # noqa: F401
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
+from bole_jax.spec_decode.drafter import draft_cache_capacity
 
 # Short, generic prompts (prose, code, lists, dialogue): what the acceptance is measured on.
 CALIBRATION_PROMPTS = (
@@ -111,7 +112,7 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
         ds = None
     else:
         ds = base.extra
-        rows = base.cache.capacity + spec.shape.draft_slots + 1  # as LLM.start_batch sizes it
+        rows = draft_cache_capacity(base.cache.capacity, spec.shape)  # as LLM.start_batch sizes it
         assert rows <= ds.kv[0].capacity, (rows, ds.kv[0].k.shape)
         ds = dataclasses.replace(
             ds,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
+from bole_jax.spec_decode.drafter import draft_cache_capacity
 from bole_jax.spec_decode.step import SpecConfig
 
 
@@ -90,7 +91,7 @@ def slot_bytes(
     else:
         n, path = spec.shape.num_nodes, spec.shape.path_nodes
         parts["drafter"] = (
-            cfg.mtp_num_layers * (capacity + spec.shape.draft_slots + 1) * kv_per_token
+            cfg.mtp_num_layers * draft_cache_capacity(capacity, spec.shape) * kv_per_token
             + path * (cfg.hidden_size * it + 4)
             + 4
         )

@@ -45,6 +45,40 @@ class Accepted:
         return jnp.take_along_axis(self.path, (self.num_accepted - 1)[:, None], axis=1)[:, 0]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NodeLogits:
+    """The verify's fp32 logits of a packed verify (`verify.RowPacking`), left packed: rows [P, V]
+    the verified nodes' logits, dest [B, N] the row of node (b, i) (P where it is not verified:
+    read as zeros, as `RowPacking.unpack` gives). The acceptance reads a few nodes' rows
+    (`node_rows`) and the argmax of every node (`node_argmax`), so the [B, N, V] array (B x N x V x
+    4 bytes written and read again) is never formed. Everything here also takes plain [B, N, V]
+    logits."""
+
+    rows: jax.Array
+    dest: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.dest.shape, self.rows.shape[-1])
+
+
+def node_rows(logits: jax.Array | NodeLogits, nodes: jax.Array) -> jax.Array:
+    """[B, K, V] logits of nodes [B, K] (node indices per request)."""
+    if isinstance(logits, NodeLogits):
+        idx = jnp.take_along_axis(logits.dest, nodes, axis=1)
+        return jnp.take(logits.rows, idx, axis=0, mode="fill", fill_value=0)
+    return jnp.take_along_axis(logits, nodes[:, :, None], axis=1)
+
+
+def node_argmax(logits: jax.Array | NodeLogits) -> jax.Array:
+    """[B, N] int32 argmax token of every node (0 at a node not verified of a packed verify)."""
+    if isinstance(logits, NodeLogits):
+        ids = jnp.argmax(logits.rows, axis=-1).astype(jnp.int32)
+        return jnp.concatenate([ids, jnp.zeros((1,), jnp.int32)])[logits.dest]
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def _children(tree: Tree, node: jax.Array, max_children: int) -> tuple[jax.Array, jax.Array]:
     """First `max_children` children of `node [B]` in index order: (idx [B, C], valid [B, C])."""
     n = tree.parents.shape[1]
@@ -92,20 +126,21 @@ def accept_greedy(tree: Tree, target_tok: jax.Array, max_depth: int) -> Accepted
 
 def accept_stochastic(
     tree: Tree,
-    logits: jax.Array,
+    logits: jax.Array | NodeLogits,
     sp: SamplingParams,
     key: jax.Array,
     max_depth: int,
     max_children: int,
 ) -> Accepted:
-    """Multi-candidate tree speculative sampling (module docstring). logits [B, N, V]."""
+    """Multi-candidate tree speculative sampling (module docstring). logits [B, N, V] or
+    NodeLogits."""
     b, n, _ = logits.shape
     path = jnp.zeros((b, max_depth + 1), jnp.int32)
 
     def level(d, carry):
         path, num, cur, alive, resid, key = carry
         key, k_try = jax.random.split(key)
-        row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+        row = node_rows(logits, cur[:, None])[:, 0]  # [B, V]
         r = target_probs(row, sp)
         kids, kid_ok = _children(tree, cur, max_children)
         kid_tok = jnp.take_along_axis(tree.tokens, kids, axis=1)  # [B, C]
@@ -140,7 +175,7 @@ def accept_stochastic(
     )
     path, num, cur, alive, resid, _ = jax.lax.fori_loop(0, max_depth, level, carry)
     # Walks that reached max_depth still alive stop at a leaf-by-depth: sample from its full p.
-    row = jnp.take_along_axis(logits, cur[:, None, None], axis=1)[:, 0]
+    row = node_rows(logits, cur[:, None])[:, 0]
     resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
     bonus = sample_from_probs(resid, k_bonus, sp)
     return _finish(tree, path, num, bonus)
@@ -166,7 +201,7 @@ def deepest_path(tree: Tree, max_depth: int) -> tuple[jax.Array, jax.Array]:
 
 def accept_simulated(
     tree: Tree,
-    logits: jax.Array,
+    logits: jax.Array | NodeLogits,
     sp: SamplingParams,
     key: jax.Array,
     accept_prob: float,
@@ -192,11 +227,10 @@ def accept_simulated(
     last = jnp.take_along_axis(path, (num - 1)[:, None], axis=1)  # [B, 1]
 
     def greedy():  # the argmax at every node, as accept_greedy computes it (the same cost)
-        target_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return jnp.take_along_axis(target_tok, last, axis=1)[:, 0]
+        return jnp.take_along_axis(node_argmax(logits), last, axis=1)[:, 0]
 
     def sampled():
-        row = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
+        row = node_rows(logits, last)[:, 0]
         return sample_from_probs(target_probs(row, sp), k_bonus, sp)
 
     bonus = jax.lax.cond(jnp.all(sp.temperature <= 0.0), greedy, sampled)
@@ -205,7 +239,7 @@ def accept_simulated(
 
 def accept(
     tree: Tree,
-    logits: jax.Array,
+    logits: jax.Array | NodeLogits,
     sp: SamplingParams,
     key: jax.Array,
     *,
@@ -215,7 +249,7 @@ def accept(
     """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise."""
     return jax.lax.cond(
         jnp.all(sp.temperature <= 0.0),
-        lambda: accept_greedy(tree, jnp.argmax(logits, axis=-1).astype(jnp.int32), max_depth),
+        lambda: accept_greedy(tree, node_argmax(logits), max_depth),
         lambda: accept_stochastic(tree, logits, sp, key, max_depth, max_children),
     )
 

@@ -30,6 +30,14 @@ from bole_jax.spec_decode.draft_vocab import draft_top_k
 
 BIG = 2**30
 
+# The MTP cache's slot count is rounded up to a multiple of this. On the GPU, XLA pads the
+# operands of a bf16 dot to multiples of 8 (for cuBLAS), and the drafter's attention dots take the
+# whole MTP cache as an operand: an unaligned slot count (capacity + draft slots + 1 is odd for
+# every power-of-two capacity) made every draft level copy the MTP keys and values into padded
+# temporaries. Measured on one H200 (Qwen3.5-9B dims, 16k context, B = 32): those copies were 7.4
+# of the draft stage's 15.0 ms (docs/design-decisions.md).
+DRAFT_SLOT_ALIGN = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
@@ -57,6 +65,13 @@ class TreeShape:
     def draft_slots(self) -> int:
         """MTP-cache slots needed after the committed entries for the draft queries."""
         return (self.depth - 1) * self.topk
+
+
+def draft_cache_capacity(capacity: int, shape: TreeShape) -> int:
+    """MTP-cache slots for a target KV capacity: slot 0 unused (position 0 has no MTP entry), the
+    committed entries, a step's draft slots, rounded up to a multiple of DRAFT_SLOT_ALIGN."""
+    need = capacity + shape.draft_slots + 1
+    return -(-need // DRAFT_SLOT_ALIGN) * DRAFT_SLOT_ALIGN
 
 
 @jax.tree_util.register_dataclass

@@ -22,7 +22,7 @@ from bole_jax.pallas.options import KernelOptions
 from bole_jax.spec_decode import budget as budget_mod
 from bole_jax.spec_decode import drafter, verify
 from bole_jax.spec_decode import tree as tree_mod
-from bole_jax.spec_decode.acceptance import accept, accept_simulated
+from bole_jax.spec_decode.acceptance import accept, accept_simulated, node_rows
 from bole_jax.spec_decode.drafter import TreeShape
 from bole_jax.spec_decode.loop import DecodeState, emit
 
@@ -260,9 +260,5 @@ def spec_step(params, state: DecodeState, *, cfg: ModelConfig, spec: SpecConfig)
             state, cache=cache, extra=ds, key=key, steps=state.steps + active.astype(jnp.int32)
         )
         # Token j of the accepted run was drawn at path node j (a draft accepted there, or the bonus).
-        at_path = (
-            None
-            if state.logprobs is None
-            else jnp.take_along_axis(logits, acc.path[:, :, None], axis=1)
-        )
+        at_path = None if state.logprobs is None else node_rows(logits, acc.path)
         return emit(state, acc.tokens, acc.num_accepted, at_path)

@@ -47,7 +47,7 @@ from bole_jax.pallas import tree_conv, tree_gdn, tree_gdn_commit, tree_pernode
 from bole_jax.pallas.factors import PendingPath, TreeFactors
 from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
 from bole_jax.spec_decode import state_factors
-from bole_jax.spec_decode.acceptance import Accepted
+from bole_jax.spec_decode.acceptance import Accepted, NodeLogits
 from bole_jax.spec_decode.tree import Tree
 from bole_jax.spec_decode.tree import truncate as tree_truncate
 
@@ -129,10 +129,11 @@ def pack_rows(tree: Tree, active: jax.Array | None, rows: int) -> tuple[Tree, Ro
 
 
 def verify_logits(params, cfg: ModelConfig, hidden: jax.Array, packing: RowPacking | None):
-    """fp32 logits [B, N, V] of the verify's hidden [B, N, H]: the lm_head over the packed rows."""
+    """fp32 logits of the verify's hidden [B, N, H]: [B, N, V], or with a packing the lm_head over
+    its packed rows, left packed (`acceptance.NodeLogits`: the acceptance reads them by node)."""
     if packing is None:
         return lm_logits(params, cfg, hidden)
-    return packing.unpack(lm_logits(params, cfg, packing.pack(hidden)))
+    return NodeLogits(rows=lm_logits(params, cfg, packing.pack(hidden))[0], dest=packing.dest)
 
 
 def tree_attention_mask(lengths: jax.Array, ts: TreeStructure, capacity: int) -> jax.Array:

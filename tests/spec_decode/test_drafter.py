@@ -227,3 +227,26 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
     pool, _ = jax.jit(fn)(llm.params, state)
     assert int(pool.levels) == spec.shape.depth
+
+
+@pytest.mark.parametrize("mode", ["bole", "chain"])
+def test_mtp_cache_slots_are_aligned(tiny, mode):
+    """The MTP cache holds the target's capacity plus a step's draft slots and slot 0, rounded up
+    to DRAFT_SLOT_ALIGN (a multiple of 8: XLA on the GPU pads a bf16 dot's unaligned operand, which
+    for the drafter's attention is a copy of the whole MTP cache per level)."""
+    cfg, params, prompts = tiny
+    assert drafter.DRAFT_SLOT_ALIGN % 8 == 0
+    llm = LLM(cfg, params=params, spec_options=dict(num_nodes=6, topk=3, depth=4))
+    shape = llm._spec_config(mode).shape
+    for new in (16, 100):
+        state = llm.start_batch(prompts, new, mode=mode)
+        cap = state.cache.capacity
+        for c in state.extra.kv:
+            slots = c.k.shape[2]
+            assert slots == drafter.draft_cache_capacity(cap, shape)
+            assert slots % drafter.DRAFT_SLOT_ALIGN == 0
+            assert (
+                cap + shape.draft_slots + 1
+                <= slots
+                < cap + shape.draft_slots + 1 + drafter.DRAFT_SLOT_ALIGN
+            )

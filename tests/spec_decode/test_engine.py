@@ -26,8 +26,9 @@ from bole_jax.model.cache import (
     with_pending,
 )
 from bole_jax.pallas.factors import PendingCommit, PendingPath
+from bole_jax.sampling import SamplingParams
+from bole_jax.spec_decode import acceptance, verify
 from bole_jax.spec_decode import tree as tree_mod
-from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.acceptance import accept_greedy
 from bole_jax.spec_decode.step import spec_step
 
@@ -220,6 +221,9 @@ def test_forward_folds_a_pending_commit():
 _forward = jax.jit(forward, static_argnums=1)
 _verify = jax.jit(verify.verify_forward, static_argnums=1, static_argnames=("mode",))
 _accept = jax.jit(accept_greedy, static_argnums=2)
+_accept_stochastic = jax.jit(
+    lambda tree, logits, sp, key: acceptance.accept_stochastic(tree, logits, sp, key, 8, 4)
+)
 _commit = jax.jit(verify.commit, static_argnames=("mode",))
 
 
@@ -370,7 +374,8 @@ def test_pack_rows_layout_and_truncation():
 @pytest.mark.parametrize("mode", ["bole", "pernode", "chain"])
 def test_packed_verify_matches_the_unpacked_one(mode):
     """The verify over packed rows gives the unpacked verify's outputs at every verified node:
-    hidden states, and after a greedy accept + commit the same caches for active requests."""
+    hidden states, logits (left packed: `acceptance.NodeLogits`, read by node), the same greedy
+    and stochastic acceptance, and after the commit the same caches for active requests."""
     cfg = _cfg("qwen3_next")
     params = init_params(cfg, jax.random.key(3), "float32")
     rng = np.random.default_rng(7)
@@ -395,15 +400,23 @@ def test_packed_verify_matches_the_unpacked_one(mode):
             params, cfg, tree, cache, mode=mode, packing=packing
         )
         logits = verify.verify_logits(params, cfg, hid, packing)
-        acc = _accept(tree, jnp.argmax(logits, -1).astype(jnp.int32), 8)
-        outs[name] = (hid, logits, acc, _commit(vcache, auxs, tree, acc, active, mode=mode))
-    (h0, l0, a0, c0), (h1, l1, a1, c1) = outs["full"], outs["packed"]
+        assert isinstance(logits, acceptance.NodeLogits) == (packing is not None)
+        dense = acceptance.node_rows(logits, jnp.broadcast_to(jnp.arange(n), (b, n)))
+        acc = _accept(tree, acceptance.node_argmax(logits), 8)
+        stoch = _accept_stochastic(tree, logits, SamplingParams.make(b, 1.0), jax.random.key(5))
+        c = _commit(vcache, auxs, tree, acc, active, mode=mode)
+        outs[name] = (hid, dense, acc, stoch, c)
+    (h0, l0, a0, s0, c0), (h1, l1, a1, s1, c1) = outs["full"], outs["packed"]
     kept = np.asarray(tree.valid & active[:, None])
     np.testing.assert_allclose(np.asarray(h1)[kept], np.asarray(h0)[kept], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(l1)[kept], np.asarray(l0)[kept], rtol=1e-5, atol=1e-5)
-    assert (np.asarray(h1)[~kept] == 0).all()
+    assert (np.asarray(h1)[~kept] == 0).all() and (np.asarray(l1)[~kept] == 0).all()
     on = np.asarray(active)
-    np.testing.assert_array_equal(np.asarray(a1.num_accepted)[on], np.asarray(a0.num_accepted)[on])
+    for x1, x0 in ((a1, a0), (s1, s0)):
+        for f in ("num_accepted", "path", "tokens"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(x1, f))[on], np.asarray(getattr(x0, f))[on]
+            )
     np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
     for x1, x0 in zip(jax.tree.leaves(c1.layers), jax.tree.leaves(c0.layers)):
         np.testing.assert_allclose(np.asarray(x1)[on], np.asarray(x0)[on], rtol=1e-5, atol=1e-5)
