@@ -20,6 +20,7 @@ from bole_jax.model import parallel
 from bole_jax.model.cache import GDNCache, settle
 from bole_jax.model.config import ModelConfig
 from bole_jax.pallas import moe_gmm
+from bole_jax.pallas.attention import attend_reference, attend_split_s
 from bole_jax.pallas.gdn_decode import gdn_decode
 from bole_jax.pallas.gdn_ref import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from bole_jax.pallas.tree_utils import resolve_backend
@@ -93,21 +94,13 @@ def attn_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
 
 
 def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, cfg: ModelConfig):
-    """Masked GQA softmax attention (softmax in fp32).
-
-    q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D] (heads-major, as the cache stores them);
-    mask [B, T, S] bool (True = may attend). Every query row must allow at least one slot.
-    Returns o [B, T, Hq, D] in q.dtype."""
-    B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * (D**-0.5)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    # The dot writes heads-major; the [B, T, heads, D] transpose is of the T query rows only.
-    o = jnp.einsum("bkgts,bksd->bkgtd", probs, v_cache, preferred_element_type=jnp.float32)
-    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    """Masked GQA softmax attention (softmax in fp32): `attend_reference`, or with
+    `KernelOptions.attention_backend` "pallas" / "auto" (on the GPU) the split-S kernel of
+    `pallas/attention.py` (not under tensor parallelism, whose heads XLA partitions)."""
+    backend = cfg.kernels.attention_backend
+    if backend == "reference" or cfg.tp > 1:
+        return attend_reference(q, k_cache, v_cache, mask)
+    return attend_split_s(q, k_cache, v_cache, mask, backend=backend)
 
 
 def attn_out(p: dict, o: jax.Array, gate: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -17,6 +17,7 @@ them at import.
     lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
+    attention_backend   BOLE_ATTENTION_BACKEND    auto | pallas | reference (default reference)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _ENV = dict(
     lazy_rows="BOLE_LAZY_ROWS",
     gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
     packed_verify="BOLE_PACKED_VERIFY",
+    attention_backend="BOLE_ATTENTION_BACKEND",
 )
 _BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
 
@@ -61,6 +63,10 @@ class KernelOptions:
       verify's matmuls (projections, MLP, lm_head) run over the budget's rows packed together
       (`verify.RowPacking`) instead of B x N rows. False: B x N rows, nodes not verified
       included. Same outputs at the verified nodes.
+    attention_backend: the softmax attention of the full-attention layers and the MTP head
+      (`layers.attend`): "reference" (plain jnp; XLA writes the fp32 scores out), "pallas" (the
+      split-S kernel of `pallas/attention.py`, interpret mode off the GPU) or "auto" (the kernel
+      on the GPU, the reference elsewhere). Not under tensor parallelism.
     """
 
     tree_gdn_bf16: bool = True
@@ -69,6 +75,7 @@ class KernelOptions:
     lazy_rows: str = "path"
     gdn_decode_backend: str = "auto"
     packed_verify: bool = True
+    attention_backend: str = "reference"
 
     def __post_init__(self):
         for name in _BOOLS:
@@ -80,6 +87,7 @@ class KernelOptions:
             ("commit_fold", COMMIT_FOLDS),
             ("lazy_rows", LAZY_ROWS),
             ("gdn_decode_backend", BACKENDS),
+            ("attention_backend", BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
