@@ -36,6 +36,11 @@ from bole_jax.pallas.tree_utils import next_pow2, resolve_backend
 __all__ = ["attend_reference", "attend_split_s", "split_count"]
 
 TARGET_PROGRAMS = 528  # about four programs per SM on an H200 (132 SMs)
+# The most query rows (G x T) of one program: its query block and accumulator live on chip. A
+# prefill chunk (T = 256, G = 4: 1024 rows) asked an H200 for 272 KiB of shared memory (227 KiB
+# available) and failed to launch; a 16-node verify is 64 rows. Wider queries run the reference,
+# whose scores are amortised over many query rows there.
+MAX_ROWS = 64
 
 
 def attend_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array):
@@ -185,13 +190,18 @@ def attend_split_s(
 
     q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D] heads-major; mask [B, T, S] bool (True = may
     attend). Returns o [B, T, Hq, D] in q.dtype. backend "auto": the kernel on GPU, the reference
-    elsewhere; "pallas" (interpret mode off the GPU) | "reference". A slot count that is not a
-    multiple of block_s (a power of two >= 16) runs the reference."""
+    elsewhere, and only for 16-bit inputs (in fp32 the kernel's IEEE dots measured 3-15x slower
+    than the reference on an H200); "pallas" (interpret mode off the GPU) | "reference". More
+    than MAX_ROWS query rows per KV head (prefill chunks), or a slot count that is not a multiple
+    of block_s (a power of two >= 16), run the reference."""
+    auto = backend == "auto"
     backend, interpret = resolve_backend(backend, interpret)
     s_len, d = k_cache.shape[2], k_cache.shape[3]
+    rows = q.shape[1] * (q.shape[2] // k_cache.shape[1])
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s={block_s} must be a power of two >= 16")
-    if backend == "reference" or s_len % block_s or d & (d - 1):
+    wide = auto and jnp.dtype(q.dtype).itemsize > 2
+    if backend == "reference" or wide or rows > MAX_ROWS or s_len % block_s or d & (d - 1):
         return attend_reference(q, k_cache, v_cache, mask)
     return _attend_pallas(
         q,

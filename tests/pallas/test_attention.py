@@ -16,7 +16,7 @@ import pytest
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
-from bole_jax.pallas.attention import attend_reference, attend_split_s, split_count
+from bole_jax.pallas.attention import MAX_ROWS, attend_reference, attend_split_s, split_count
 from bole_jax.pallas.options import KernelOptions
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -83,8 +83,12 @@ def test_kernel_matches_reference_in_bf16(seed):
     assert _rel(got, want) < 1e-2, (seed, _rel(got, want))
 
 
-def test_unaligned_slots_and_bad_block_fall_back_or_fail():
+def test_unaligned_slots_wide_queries_and_bad_block_fall_back_or_fail():
     q, k, v, mask = _inputs(1, 1, 2, 2, 1, 40, 16)  # 40 slots: not a multiple of 16
+    got = attend_split_s(q, k, v, mask, backend="pallas", interpret=True, block_s=16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(attend_reference(q, k, v, mask)))
+    q, k, v, mask = _inputs(2, 1, 20, 8, 2, 64, 16)  # 80 query rows per KV head > MAX_ROWS
+    assert 20 * 4 > MAX_ROWS
     got = attend_split_s(q, k, v, mask, backend="pallas", interpret=True, block_s=16)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(attend_reference(q, k, v, mask)))
     with pytest.raises(ValueError, match="block_s"):
