@@ -6,7 +6,8 @@ at long context (Qwen3.5-9B dims: 16 query heads, 4 KV heads, head dim 256).
 
 Queries: 1 = an AR step, 4 = a draft level (top-k 4), 16 = a 16-node tree verify. The mask is a
 verify's: a committed prefix of ragged length, then the tree slots of random ancestor sets. The
-KV bytes floor (K and V read once at 4.8 TB/s) is printed beside each time. Prints a table and
+KV bytes floor (K and V read once at the device's peak bandwidth, `bench.peak_gbps`: 4.8 TB/s
+on an H200; none on a device it does not list) is printed beside each time. Prints a table and
 writes bench_attention.json (command, git commit, GPU, jax version).
 """
 
@@ -15,42 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bole_jax.measure import bench
 from bole_jax.measure.bench import print_table, write_json
 from bole_jax.measure.env import environment
 from bole_jax.pallas.attention import attend_reference, attend_split_s
-
-PEAK_GBPS = 4800.0
-
-
-def _inputs(seed, b, t, hq, hkv, s, d, dtype):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
-    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
-    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
-    lens = rng.integers(s // 2, s - t + 1, b)
-    anc = rng.random((b, t, t)) < 0.4
-    anc[:, np.arange(t), np.arange(t)] = True
-    tree = np.zeros((b, t, s), bool)
-    for i in range(b):
-        tree[i, :, lens[i] : lens[i] + t] = anc[i]
-    mask = (np.arange(s)[None, None] < lens[:, None, None]) | tree
-    return q, k, v, jnp.asarray(mask)
-
-
-def _ms(fn, args, reps):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+from bole_jax.pallas.testing import random_attention_inputs
 
 
 def main(argv=None):
@@ -68,17 +43,24 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     ref = jax.jit(attend_reference)
     ker = jax.jit(lambda *x: attend_split_s(*x, backend="pallas"))
+    gbps = bench.peak_gbps()
     rows = []
     for dtype in a.dtypes:
         for s in a.slots:
             for b in a.batch:
                 for t in a.queries:
-                    args = _inputs(len(rows), b, t, a.heads, a.kv_heads, s, a.head_dim, dtype)
+                    rng = np.random.default_rng(len(rows))
+                    lens = rng.integers(s // 2, s - t + 1, b)
+                    args = random_attention_inputs(
+                        rng, lens, t, a.heads, a.kv_heads, s, a.head_dim, dtype
+                    )
                     want = np.asarray(ref(*args), np.float32)
                     got = np.asarray(ker(*args), np.float32)
                     kv_bytes = 2 * b * a.kv_heads * s * a.head_dim * jnp.dtype(dtype).itemsize
-                    floor = kv_bytes / (PEAK_GBPS * 1e6)
-                    r_ms, k_ms = _ms(ref, args, a.reps), _ms(ker, args, a.reps)
+                    floor = kv_bytes / (gbps * 1e6) if gbps else None
+                    # Both ran once above (compiled, warm).
+                    r_ms = bench._median_ms(lambda _: ref(*args), a.reps)
+                    k_ms = bench._median_ms(lambda _: ker(*args), a.reps)
                     rows.append(
                         dict(
                             dtype=dtype,
@@ -90,7 +72,7 @@ def main(argv=None):
                             kernel_ms=k_ms,
                             speedup=r_ms / k_ms,
                             floor_ms=floor,
-                            kernel_x_floor=k_ms / floor,
+                            kernel_x_floor=k_ms / floor if floor else None,
                         )
                     )
                     print(rows[-1], file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """Masked GQA attention over a heads-major KV cache: a split-S (flash-decoding) Pallas kernel.
 
-Maths: `attend_reference` below (plain jnp, what `model.layers.attend` runs by default): per request b, KV head h
-and query row r (one of the h's G = Hq / Hkv query heads at one of the T query positions),
+Maths: `attend_reference` below (plain jnp, what `model.layers.attend` runs by default): per
+request b, KV head h and query row r (one of h's G = Hq / Hkv query heads at one of the T query
+positions),
     s_j = (q_r . k_j) / sqrt(D)  over the slots j the mask allows,   o_r = sum_j softmax(s)_j v_j.
 
 Why a kernel: at long context the reference writes the fp32 scores [B, Hkv, G, T, S] and reads
@@ -97,9 +98,9 @@ def _kernel(
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision) * scale
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_ref_ = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing allowed yet
-        alpha = jnp.exp(m - m_ref_)
-        p = jnp.exp(s - m_ref_[:, None])
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing allowed yet
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
         return acc * alpha[:, None] + pv, m_new, l

@@ -106,3 +106,30 @@ def random_gdn_inputs(
         beta=rng.uniform(0.05, 0.95, (batch, n, hv)).astype(np.float32),
         state=(rng.standard_normal((batch, hv, dk, dv)) / np.sqrt(dk)).astype(np.float32),
     )
+
+
+def random_attention_inputs(
+    rng: np.random.Generator,
+    lengths: np.ndarray,
+    t: int,
+    hq: int,
+    hkv: int,
+    s: int,
+    d: int,
+    dtype=jnp.float32,
+):
+    """Random inputs of the attention (`pallas/attention.py`) with a tree verify's mask: request
+    b's committed prefix of lengths[b] slots, then its T tree slots, each query seeing a random
+    subset of them (itself always). Returns q [B, T, Hq, D], k, v [B, Hkv, S, D] in `dtype` and
+    mask [B, T, S] bool (jax arrays)."""
+    b = len(lengths)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    anc = rng.random((b, t, t)) < 0.4
+    anc[:, np.arange(t), np.arange(t)] = True
+    tree = np.zeros((b, t, s), bool)
+    for i, n in enumerate(lengths):
+        tree[i, :, n : n + t] = anc[i]
+    mask = (np.arange(s)[None, None] < np.asarray(lengths)[:, None, None]) | tree
+    return q, k, v, jnp.asarray(mask)

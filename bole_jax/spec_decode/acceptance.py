@@ -75,7 +75,7 @@ def node_argmax(logits: jax.Array | NodeLogits) -> jax.Array:
     """[B, N] int32 argmax token of every node (0 at a node not verified of a packed verify)."""
     if isinstance(logits, NodeLogits):
         ids = jnp.argmax(logits.rows, axis=-1).astype(jnp.int32)
-        return jnp.concatenate([ids, jnp.zeros((1,), jnp.int32)])[logits.dest]
+        return jnp.take(ids, logits.dest, axis=0, mode="fill", fill_value=0)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

@@ -1,5 +1,5 @@
 """The split-S attention kernel (pallas/attention.py) against the plain-jnp attention
-(`layers.attend_reference`).
+(`attend_reference`, beside it).
 
 CPU: the kernel runs in Pallas interpret mode on fresh random inputs (seed in failure messages)
 plus a fixed seed, with tree-shaped masks (a committed prefix plus ancestor sets), ragged
@@ -18,6 +18,7 @@ from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
 from bole_jax.pallas.attention import MAX_ROWS, attend_reference, attend_split_s, split_count
 from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.testing import random_attention_inputs
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -26,22 +27,11 @@ SEEDS = [0, RUN_SEED]
 
 
 def _inputs(seed, b, t, hq, hkv, s, d, dtype=jnp.float32):
+    # Ragged committed lengths, the shortest (0) and the longest (S - T) included.
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
-    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
-    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
-    # A committed prefix of ragged length, then T tree slots each query sees a random subset of
-    # (itself always): the verify's mask shape; lengths near 0 and near S - T included.
     lens = rng.integers(0, s - t + 1, b)
     lens[0], lens[-1] = 0, s - t
-    slot = np.arange(s)[None, None]
-    anc = rng.random((b, t, t)) < 0.4
-    anc[:, np.arange(t), np.arange(t)] = True
-    tree = np.zeros((b, t, s), bool)
-    for i in range(b):
-        tree[i, :, lens[i] : lens[i] + t] = anc[i]
-    mask = (slot < lens[:, None, None]) | tree
-    return q, k, v, jnp.asarray(mask)
+    return random_attention_inputs(rng, lens, t, hq, hkv, s, d, dtype)
 
 
 def _rel(a, b):
