@@ -543,10 +543,31 @@ def attribute(e: Event, ops: dict[str, HloOp], by_kernel: dict[str, str]) -> str
 OTHER = "other"  # kernels of no stage: the loop's own ops, XLA's copies, runtime memcpys
 
 
+def between_stages(stages: list[str]) -> list[str]:
+    """Stages of a stream's kernels in launch order, "" where a kernel's op names none, each ""
+    filled with the stage of the kernels on both sides of it where the two agree (a kernel XLA
+    created without metadata, such as the TopK custom call its sort became, inside one stage's
+    run of kernels); left "" at a boundary between two stages, and at either end."""
+    out = list(stages)
+    prev = [""] * len(out)
+    last = ""
+    for i, st in enumerate(out):
+        prev[i] = last
+        last = st or last
+    nxt = ""
+    for i in range(len(out) - 1, -1, -1):
+        if out[i]:
+            nxt = out[i]
+        elif prev[i] and prev[i] == nxt:
+            out[i] = nxt
+    return out
+
+
 def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
     """Kernel time of one program's trace per repetition: totals, and the time by kernel name,
     by HLO op, by category, by source line and by step stage (the "stage_*" named scope in the
-    op's metadata, `stage_of`; OTHER where none) (rows sorted by time; share = of busy time)."""
+    op's metadata, `stage_of`; a kernel of no stage between two of one stage on its stream takes
+    theirs, `between_stages`; OTHER where none) (rows sorted by time; share = of busy time)."""
     module, ops = parse_hlo(hlo_text)
     by_kernel = kernel_names(ops)
     where, work, others = op_events(events, module, ops)
@@ -554,8 +575,17 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
     busy = sum(own)
     groups = {t: {} for t in ("kernel", "hlo_op", "category", "source", "stage")}
     attributed = 0.0
-    for e, ns in zip(work, own):
-        op = attribute(e, ops, by_kernel)
+    names = [attribute(e, ops, by_kernel) for e in work]
+    stage = {}  # event index -> stage, per stream in launch order
+    for line in {(e.plane, e.line) for e in work}:
+        idx = sorted(
+            (i for i, e in enumerate(work) if (e.plane, e.line) == line),
+            key=lambda i: work[i].start_ns,
+        )
+        filled = between_stages([ops[names[i]].stage if names[i] in ops else "" for i in idx])
+        stage.update(zip(idx, filled))
+    for i, (e, ns) in enumerate(zip(work, own)):
+        op = names[i]
         attributed += ns if op in ops and ops[op].opcode not in CONTAINER_OPCODES else 0.0
         info = ops.get(op, HloOp("", "", "", ""))
         cat = category(f"{e.name} {op} {info.opcode} {info.target}", info.op_leaf)
@@ -564,7 +594,7 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
             hlo_op=op,
             category=cat,
             source=info.source or "(unknown)",
-            stage=info.stage or OTHER,
+            stage=stage.get(i) or OTHER,
         )
         for table, key in keys.items():
             g = groups[table].setdefault(
@@ -614,7 +644,11 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
 
 
 def stage_split(
-    r: dict, stages: tuple[str, ...], floors: dict | None = None, gbps: float | None = None
+    r: dict,
+    stages: tuple[str, ...],
+    floors: dict | None = None,
+    gbps: float | None = None,
+    step_ms: float | None = None,
 ) -> list[dict]:
     """Per-step time of a loop program's trace (`summarise` result r, reps = loop steps) split by
     stage: one row per stage in `stages`, then "other" (kernels of no stage, and "mixed(...)"
@@ -623,9 +657,12 @@ def stage_split(
     with idle they sum to the wall time where kernels do not overlap (one GPU stream: busy =
     active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
     active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
-    times are computed at."""
+    times are computed at. step_ms: the step time of the loop as timed (the traced program is
+    then a twin compiled for the trace, bench.TRACE_COMPILER_OPTIONS, whose launch gaps differ):
+    idle is step_ms - busy and the shares are of step_ms, so the rows sum to the timed step."""
     ms = {row["stage"]: row["ms_per_rep"] for row in r.get("stages", [])}
-    wall = r["wall_ms_per_rep"]
+    wall = r["wall_ms_per_rep"] if step_ms is None else step_ms
+    active = r["active_ms_per_rep"] if step_ms is None else r["busy_ms_per_rep"]
     out = []
     for st in stages:
         row = dict(stage=st, ms_per_step=ms.pop(st, 0.0))
@@ -642,7 +679,7 @@ def stage_split(
             detail={k: v for k, v in sorted(ms.items(), key=lambda kv: -kv[1])},
         )
     )
-    out.append(dict(stage="idle", ms_per_step=max(wall - r["active_ms_per_rep"], 0.0)))
+    out.append(dict(stage="idle", ms_per_step=max(wall - active, 0.0)))
     for row in out:
         row["share_of_wall"] = row["ms_per_step"] / wall if wall else 0.0
     return out

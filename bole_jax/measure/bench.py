@@ -9,6 +9,7 @@ actually emitted in the timed window. Random-weight models use the synthetic-acc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -454,9 +455,23 @@ def _profile_step_module():
     )
 
 
-def loop_profile(run, params, state, steps: int, n: int, cfg: ModelConfig, spec):
+# The in-loop profile traces a twin of the timed loop program compiled with these options, per
+# backend. On the GPU, XLA captures runs of kernels into CUDA command buffers (graphs), whose
+# kernels the trace attributes to the command buffer rather than to their HLO ops: at Qwen3.5-9B
+# dims B = 16 that left 6.3 of a 13.0 ms step in no stage (commit faeb9fc). Without command
+# buffers every kernel keeps its op and its stage; the kernels are the same, the launch gaps are
+# not, so the split takes the busy time per stage from the twin and the gaps from the timed step.
+TRACE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
+TRACE = "trace"  # the compiled twin's key beside (batch, mode)
+
+
+def loop_profile(
+    run, params, state, steps: int, n: int, cfg: ModelConfig, spec, step_ms: float | None = None
+):
     """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
     loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
+    `step_ms`: the timed step of the program `run` is a twin of (TRACE_COMPILER_OPTIONS); the
+    split's "idle" row is then that step less the traced busy time, so the rows sum to it.
     Returns (profile dict, the state after the traced steps)."""
     import tempfile
 
@@ -479,9 +494,10 @@ def loop_profile(run, params, state, steps: int, n: int, cfg: ModelConfig, spec)
     r = ps.summarise(events, nsteps, ps._hlo_text(run))
     r["wall_ms_per_rep"] = 1e3 * dt / nsteps
     gbps = peak_gbps()
-    split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps)
+    split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps, step_ms=step_ms)
     prof = dict(
         steps=nsteps,
+        step_ms=step_ms,
         wall_ms_per_step=r["wall_ms_per_rep"],
         busy_ms_per_step=r["busy_ms_per_rep"],
         active_ms_per_step=r["active_ms_per_rep"],
@@ -926,6 +942,12 @@ def run_e2e(a) -> dict:
         )
         low = pl["llms"][m].segment_fn(rm).lower(params, shapes, jnp.int32(0))
         jobs[b, m] = workers.submit(low.compile)
+        if prof_steps and TRACE_COMPILER_OPTIONS.get(jax.default_backend()):
+            jobs[b, m, TRACE] = workers.submit(
+                functools.partial(
+                    low.compile, compiler_options=TRACE_COMPILER_OPTIONS[jax.default_backend()]
+                )
+            )
     if bd_batch:
         for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
             if m == "engine":  # the chosen configuration's stages are those of its mode
@@ -1014,7 +1036,14 @@ def run_e2e(a) -> dict:
                 if prof_steps:  # after the timed window: the trace's overhead stays out of it
                     try:
                         r["loop_profile"], state = loop_profile(
-                            run, params, state, prof_steps, n, cfg, spec
+                            progs.get((b, m, TRACE), run),
+                            params,
+                            state,
+                            prof_steps,
+                            n,
+                            cfg,
+                            spec,
+                            step_ms=r["step_ms"],
                         )
                     except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
                         errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))

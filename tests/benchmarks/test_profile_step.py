@@ -356,6 +356,63 @@ ENTRY %main (p: f32[8]) -> f32[8] {
     }
 
 
+def test_between_stages():
+    """A kernel of no stage takes the stage of the kernels on both sides of it where they agree;
+    at a stage boundary and at either end it stays unattributed."""
+    assert ps.between_stages([]) == []
+    assert ps.between_stages(["", "draft", "", "", "draft", "", "verify", "", ""]) == [
+        "",
+        "draft",
+        "draft",
+        "draft",
+        "draft",
+        "",
+        "verify",
+        "",
+        "",
+    ]
+    assert ps.between_stages(["ar", "", "ar", "mixed(a+b)", "", "ar"]) == [
+        "ar",
+        "ar",
+        "ar",
+        "mixed(a+b)",
+        "",
+        "ar",
+    ]
+
+
+def test_stage_split_sums_to_the_timed_step():
+    """With the timed step given (the traced program is a twin compiled for the trace), the idle
+    row is that step less the traced busy time and the rows sum to the step; without it, idle is
+    the trace's wall - active."""
+    r = dict(
+        stages=[dict(stage="draft", ms_per_rep=2.0), dict(stage="verify", ms_per_rep=5.0)]
+        + [dict(stage="other", ms_per_rep=0.5)],
+        wall_ms_per_rep=12.0,
+        busy_ms_per_rep=7.5,
+        active_ms_per_rep=7.5,
+    )
+    rows = {x["stage"]: x for x in ps.stage_split(r, ("draft", "verify"), step_ms=8.0)}
+    assert rows["idle"]["ms_per_step"] == pytest.approx(0.5)
+    assert sum(x["ms_per_step"] for x in rows.values()) == pytest.approx(8.0)
+    assert rows["verify"]["share_of_wall"] == pytest.approx(5.0 / 8.0)
+    rows = {x["stage"]: x for x in ps.stage_split(r, ("draft", "verify"))}
+    assert rows["idle"]["ms_per_step"] == pytest.approx(4.5)
+
+
+def test_trace_compiler_options_are_valid():
+    """The options the bench compiles its traced twin with are options XLA knows, with values it
+    accepts (XLA checks them on any backend: a typo would fail only on the GPU otherwise)."""
+    from bole_jax.measure import bench
+
+    low = jax.jit(lambda x: x * 2.0).lower(jnp.ones(3))
+    assert bench.TRACE_COMPILER_OPTIONS
+    for opts in bench.TRACE_COMPILER_OPTIONS.values():
+        assert float(low.compile(compiler_options=opts)(jnp.ones(3))[0]) == 2.0
+    with pytest.raises(Exception, match="compile option"):
+        low.compile(compiler_options={"xla_gpu_enable_command_bufferz": ""})
+
+
 def test_loop_stage_split_tiny(tmp_path):
     """The engine's AR and bole loops on the tiny preset (CPU: host thunk events): the split of
     the loop's kernel time covers every stage, the stage rows and "other" sum to the busy time,
@@ -478,6 +535,11 @@ def test_bench_e2e_profile_loop(tmp_path):
         assert all(split[st]["ms_per_step"] > 0 and split[st]["floor_mib"] > 0 for st in stages)
         assert sum(split[st]["ms_per_step"] for st in (*stages, "other")) == pytest.approx(
             lp["busy_ms_per_step"], rel=1e-6
+        )
+        # the idle row closes the timed step (CPU host threads can be busier than the wall)
+        assert lp["step_ms"] == rows[m]["step_ms"]
+        assert split["idle"]["ms_per_step"] == pytest.approx(
+            max(lp["step_ms"] - lp["busy_ms_per_step"], 0.0)
         )
     assert rows["bole"]["ar_agreement"] == 1.0  # the profiled steps are decode steps too
     saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
