@@ -143,9 +143,12 @@ class TreeGDNConfig:
         nodes: int,
         depth_bound: int | None = None,
         options: KernelOptions = KernelOptions(),
+        dv: int | None = None,
     ) -> "TreeGDNConfig":
         """The launch measured fastest at Qwen3-Next dims on the H200 (docs/kernels.md, launch
-        table). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
+        table), for value heads of dv columns (None: 128); a head narrower than the table's
+        columns per program takes one tile per program (the demo model's dv = 64 at B > 4 and
+        more than 16 nodes: the table's two 64-column tiles would be a 128-column head). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
         B = 1: 32 columns per program; up to 16 nodes the state tile loaded first and the matrix
         inverse, squaring per tile above; B <= 4: 64 columns, 4 warps, the matrix inverse;
         B > 4: 64 columns on 2 warps up to 16 nodes, else a whole value head as two 64-column
@@ -153,6 +156,14 @@ class TreeGDNConfig:
         lazy verify's fold: unrolled for paths of <= UNROLL_MAX_ROWS rows (above 8 nodes at
         B > 4; its loads issued first at B <= 4), else the dot at B <= 4 up to 64 nodes, else
         the rank-1 loop."""
+        cfg = cls._auto(batch, nodes, depth_bound, options)
+        if dv is not None and cfg.tiles_per_program > 1:
+            tiles = max(next_pow2(dv) // min(cfg.block_v, next_pow2(dv)), 1)
+            cfg = dataclasses.replace(cfg, tiles_per_program=min(cfg.tiles_per_program, tiles))
+        return cfg
+
+    @classmethod
+    def _auto(cls, batch, nodes, depth_bound, options) -> "TreeGDNConfig":
         short = depth_bound is not None and depth_bound <= UNROLL_MAX_ROWS  # rows to unroll
         if batch <= 4:
             fold = "unroll" if short else "dot" if nodes <= 64 else "loop"
@@ -824,7 +835,7 @@ def tree_gdn_verify(
     cfg = config or (
         TreeGDNConfig(depth_bound=depth_bound)
         if interpret
-        else TreeGDNConfig.auto(b, n, depth_bound, options)
+        else TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
     )
     if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS or cfg.fold not in _FOLDS:
         raise ValueError(
