@@ -102,6 +102,47 @@ def test_rule_never_changes_the_selection(n, topk, depth, bud, forced):
         assert stops > 0  # the rule does fire on these pools
 
 
+def _can_gain_pool_wide(rule, scores, front):
+    """can_gain's budget threshold G taken over the whole pool (its first form): the reference
+    for the form that takes it over each request's N-1 best."""
+    b, m = scores.shape
+    active = np.ones(b, bool) if rule.active is None else np.asarray(rule.active)
+    best_f = front.max(-1)
+    n1 = min(rule.num_select, m)
+    top = -np.sort(-scores, axis=1)[:, :n1]
+    thr = np.full(b, -np.inf) if rule.num_select > m else top[:, -1]
+    gain = best_f > thr
+    cap = np.clip(np.asarray(rule.cap), 0, n1)
+    v_cap = top[np.arange(b), np.maximum(cap - 1, 0)]
+    takeable = active[:, None] & (cap[:, None] >= 1) & (scores > v_cap[:, None])
+    takeable &= np.isfinite(scores)
+    spare = rule.budget - active.sum()
+    vals = -np.sort(-np.where(takeable, scores, -np.inf).reshape(-1))
+    g = np.inf if spare < 1 else vals[spare - 1] if spare <= vals.size else -np.inf
+    return gain & (best_f >= g) & active
+
+
+@pytest.mark.parametrize("n, topk, depth", [(4, 3, 5), (8, 4, 4), (16, 4, 6), (2, 2, 3)])
+def test_budget_threshold_over_top_equals_pool_wide(n, topk, depth):
+    """The budget's threshold taken over each request's N-1 best gives can_gain's pool-wide
+    answer, on random partial pools with many exact ties, inactive rows, caps from 0 to N-1 and
+    budgets below, at and above what the batch can take."""
+    rng = np.random.default_rng()
+    b = 6
+    for _ in range(30):
+        pools = [_expansion(rng, topk, depth, rng.random() < 0.3) for _ in range(b)]
+        s = rng.integers(1, depth)
+        part = np.stack([p[0] for p in pools])
+        part[:, topk + (s - 1) * topk**2 :] = -np.inf
+        front = np.stack([p[1][s - 1] for p in pools])
+        active = rng.random(b) < 0.8
+        cap = rng.integers(0, n, b).astype(np.int32)
+        for bud in (1, b, 3 * b, b * n, 4 * b * n):
+            rule = drafter.StopRule(n - 1, bud, jnp.asarray(cap), jnp.asarray(active))
+            got = np.asarray(CAN_GAIN(rule, jnp.asarray(part), jnp.asarray(front)))
+            np.testing.assert_array_equal(got, _can_gain_pool_wide(rule, part, front))
+
+
 def _cfg():
     return ModelConfig.tiny("qwen3_next", vocab_size=96, mtp_num_layers=1)
 
