@@ -238,6 +238,23 @@ def calibrate(
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
         for b in batch_buckets:
+            if deadline is not None and time.perf_counter() > deadline and entries:
+                # Past the budget: no prefill, lowering or compilation for this bucket. Its
+                # compilations used to be submitted and then skipped, running on in the pool's
+                # threads, which the process waits for at exit (Qwen3.5-9B dims, four buckets,
+                # --time-budget 170: two buckets timed, the run ended after 345 s). Its candidates
+                # are listed untimed at the capacity of the bucket before it (the same prompts),
+                # so the table chooses nothing there rather than another bucket's choice.
+                entries.append(
+                    dict(
+                        batch=b,
+                        kv=entries[-1]["kv"],
+                        candidates=[dict(c, note="skipped (time budget)") for c in cands],
+                    )
+                )
+                if bar is not None:
+                    bar.update(len(cands))
+                continue
             ids = [ids_all[i % len(ids_all)] for i in range(b)]
             entry, measured = _calibrate_bucket(
                 llm,

@@ -520,6 +520,34 @@ def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
 
 
+def test_calibrate_past_the_budget_starts_no_bucket(tiny, monkeypatch):
+    """Buckets reached after the time budget are not prefilled, lowered or compiled: they are
+    listed with every candidate untimed, so the table chooses nothing for them (the engine then
+    decodes ar there), never another bucket's choice."""
+    from bole_jax.llm import LLM
+
+    cfg, params = tiny
+    started = []
+
+    def fake_bucket(llm, ids, cands, *a, **k):
+        started.append(len(ids))
+        time.sleep(0.3)  # the first bucket uses up the budget
+        rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
+        return dict(batch=len(ids), kv=96, candidates=rows), {}
+
+    monkeypatch.setattr(calibrate, "_calibrate_bucket", fake_bucket)
+    llm = LLM(cfg, params=params, max_batch_size=8)
+    table = calibrate.calibrate(
+        llm, (1, 4, 8), (4,), (2,), time_budget=0.1, progress=False, accept_prob=0.5
+    )
+    assert started == [1]
+    assert [(e["batch"], e["kv"]) for e in table["entries"]] == [(1, 96), (4, 96), (8, 96)]
+    for e in table["entries"][1:]:
+        assert all(c["note"] == "skipped (time budget)" for c in e["candidates"])
+        assert e["choice"] is None and budget.choose(table, e["batch"]) is None
+    assert budget.choose(table, 1).mode == "ar"
+
+
 def test_cli_calibrate_model_writes_the_user_cache(model_dir, tmp_path, monkeypatch, capsys):
     """`bole-jax calibrate --model DIR` measures that checkpoint and stores the table under its
     key in the user cache, where the engine loading DIR finds it."""
