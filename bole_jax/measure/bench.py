@@ -1035,8 +1035,9 @@ def run_e2e(a) -> dict:
                 r, state = timed_segment(run, params, state, a.warm, a.steps, n)
                 if prof_steps:  # after the timed window: the trace's overhead stays out of it
                     try:
+                        twin = progs.get((b, m, TRACE))
                         r["loop_profile"], state = loop_profile(
-                            progs.get((b, m, TRACE), run),
+                            twin or run,
                             params,
                             state,
                             prof_steps,
@@ -1045,6 +1046,9 @@ def run_e2e(a) -> dict:
                             spec,
                             step_ms=r["step_ms"],
                         )
+                        # the timed program itself where no twin was compiled (CPU, or its
+                        # compilation missed the deadline): command buffers then hide stages
+                        r["loop_profile"]["traced"] = "twin" if twin else "timed program"
                     except (RuntimeError, OSError) as e:  # a trace that cannot be read is a result
                         errors.append(dict(batch=b, mode=m, error=f"profile: {_short(e)}"))
                 if m == "ar":  # continue to the end of the generation budget

@@ -17,11 +17,12 @@ from bole_jax.model.layers import attend, attn_out, attn_qkv, mlp, rms_norm
 def write_kv(buf: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     """KV buffer buf [B, Hkv, S, D] <- rows [B, T, Hkv, D] at slots [B, T] (slots >= S: dropped).
 
-    With one row in all (decode at B = 1) the k / v projections are vector-matrix products,
-    which XLA on the GPU rewrites into reductions and fused into this scatter, each updated
-    element then reducing over the hidden size inside the scatter kernel: 71 us per layer at
-    Qwen3.5-9B dims on an H200, 11% of the AR step (docs/design-decisions.md). The barrier keeps
-    the rows computed by their own kernels."""
+    With one row in all (decode at B = 1) the barrier keeps the rows' producers (the k / v
+    projections, vector-matrix products there) out of the scatter's fusion. Compiled without
+    CUDA command buffers (the in-loop profile's program, bench.TRACE_COMPILER_OPTIONS), that
+    scatter fusion took 71 us per layer at Qwen3.5-9B dims on an H200 and the AR step's kernels
+    5.55 ms, against 5.06 ms in the timed program; with the barrier 5.12 ms, and the timed step
+    unchanged within noise (5.18 against 5.22 ms; docs/design-decisions.md)."""
     if rows.shape[0] * rows.shape[1] == 1:
         rows = jax.lax.optimization_barrier(rows)
     b = jnp.arange(buf.shape[0])[:, None, None]

@@ -517,7 +517,9 @@ def add_bench_args(ap) -> None:
         default=0,
         metavar="STEPS",
         help="after each point's timed window, trace STEPS more steps of its jitted "
-        "loop and split them by stage, with each stage's bytes floor (0 = off)",
+        "loop (on a GPU a twin compiled without CUDA command buffers, so that every kernel "
+        "keeps its stage) and split them by stage, with each stage's bytes floor; the idle "
+        "row closes the timed step (0 = off)",
     )
     ap.add_argument(
         "--quick",

@@ -530,6 +530,7 @@ def test_bench_e2e_profile_loop(tmp_path):
     for m, stages in (("ar", ("ar",)), ("bole", ps.STAGES)):
         lp = rows[m]["loop_profile"]
         assert lp["steps"] == 3 and lp["wall_ms_per_step"] > 0
+        assert lp["traced"] == "timed program"  # CPU: no twin (no command buffers there)
         split = {x["stage"]: x for x in lp["stage_split"]}
         assert list(split) == [*stages, "other", "idle"]
         assert all(split[st]["ms_per_step"] > 0 and split[st]["floor_mib"] > 0 for st in stages)
