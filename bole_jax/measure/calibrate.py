@@ -57,6 +57,14 @@ DEFAULT_BATCHES = (1, 4, 16, 64)
 DEFAULT_NODES = (4, 8, 16, 32, 64)
 DEFAULT_DEPTHS = (8,)
 CPU_NODES = (4, 8)  # CPU: the tree kernels run as references (interpret mode): few widths
+# Automatic calibration on an accelerator: the widths timed for a batch bucket below / from
+# AUTO_LARGE_BATCH. Measured at Qwen3.5-9B dims (one H200, 5799bea, docs/benchmarks.md section
+# 2): from B = 16 on, 32 and 64 nodes were 1.8-4.8x slower per step than 8 (B = 16: 20.0 and
+# 32.4 ms against 10.8; B = 64: 65 and 119 against 25.0) and the fastest bole point at B = 64
+# was 4 nodes (10907 tok/s against 8611 with 8).
+AUTO_NODES = (8, 16, 32, 64)
+AUTO_NODES_LARGE = (4, 8, 16, 32)
+AUTO_LARGE_BATCH = 16
 AUTO_SECONDS = 60.0  # automatic calibration on first use: at most about this long
 AUTO_STEPS, AUTO_REPEATS, AUTO_WARM = 4, 2, 2
 
@@ -579,7 +587,13 @@ def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
         AUTO_SECONDS,
         budget.llm_command(llm),
     )
-    nodes = CPU_NODES if jax.default_backend() == "cpu" else (8, 16, 32, 64)
+    nodes = (
+        CPU_NODES
+        if jax.default_backend() == "cpu"
+        else AUTO_NODES_LARGE
+        if b >= AUTO_LARGE_BATCH
+        else AUTO_NODES
+    )
     new = calibrate(
         llm,
         [b],

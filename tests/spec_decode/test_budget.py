@@ -548,6 +548,31 @@ def test_calibrate_past_the_budget_starts_no_bucket(tiny, monkeypatch):
     assert budget.choose(table, 1).mode == "ar"
 
 
+@pytest.mark.parametrize(
+    "batch, widths",
+    [(1, (8, 16, 32, 64)), (4, (8, 16, 32, 64)), (16, (4, 8, 16, 32)), (33, (4, 8, 16, 32))],
+)
+def test_auto_calibration_widths_by_batch(tiny, tmp_path, monkeypatch, batch, widths):
+    """On an accelerator, first-use calibration times the widths measured to matter at the
+    bucket: up to 64 nodes below B = 16, from 4 to 32 nodes from B = 16 on."""
+    from bole_jax.llm import LLM
+
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate.jax, "default_backend", lambda: "gpu")
+    seen = {}
+
+    def fake(llm, buckets, nodes, *a, **k):
+        seen.update(buckets=list(buckets), nodes=tuple(nodes))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    llm = LLM(cfg, params=params, max_batch_size=64, spec_options=dict(auto_calibrate=True))
+    with pytest.raises(RuntimeError, match="stop here"):
+        calibrate.ensure_table(llm, batch)
+    assert seen == dict(buckets=[budget.batch_bucket(batch)], nodes=widths)
+
+
 def test_cli_calibrate_model_writes_the_user_cache(model_dir, tmp_path, monkeypatch, capsys):
     """`bole-jax calibrate --model DIR` measures that checkpoint and stores the table under its
     key in the user cache, where the engine loading DIR finds it."""
