@@ -459,8 +459,10 @@ def _profile_step_module():
 # backend. On the GPU, XLA captures runs of kernels into CUDA command buffers (graphs), whose
 # kernels the trace attributes to the command buffer rather than to their HLO ops: at Qwen3.5-9B
 # dims B = 16 that left 6.3 of a 13.0 ms step in no stage (commit faeb9fc). Without command
-# buffers every kernel keeps its op and its stage; the kernels are the same, the launch gaps are
-# not, so the split takes the busy time per stage from the twin and the gaps from the timed step.
+# buffers every kernel keeps its op and its stage. The launch gaps differ, so the split takes the
+# busy time per stage from the twin and the gaps from the timed step; the kernels should be the
+# same (one difference found, AR's KV scatter at B = 1, is removed: blocks.write_kv), which the
+# profile shows as a busy time above the timed step.
 TRACE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
 TRACE = "trace"  # the compiled twin's key beside (batch, mode)
 
