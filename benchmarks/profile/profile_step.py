@@ -58,6 +58,7 @@ import concurrent.futures as cf
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
@@ -577,11 +578,9 @@ def summarise(events: list[Event], reps: int, hlo_text: str) -> dict:
     attributed = 0.0
     names = [attribute(e, ops, by_kernel) for e in work]
     stage = {}  # event index -> stage, per stream in launch order
-    for line in {(e.plane, e.line) for e in work}:
-        idx = sorted(
-            (i for i, e in enumerate(work) if (e.plane, e.line) == line),
-            key=lambda i: work[i].start_ns,
-        )
+    order = sorted(range(len(work)), key=lambda i: (work[i].plane, work[i].line, work[i].start_ns))
+    for _, stream in itertools.groupby(order, key=lambda i: (work[i].plane, work[i].line)):
+        idx = list(stream)
         filled = between_stages([ops[names[i]].stage if names[i] in ops else "" for i in idx])
         stage.update(zip(idx, filled))
     for i, (e, ns) in enumerate(zip(work, own)):

@@ -944,11 +944,10 @@ def run_e2e(a) -> dict:
         )
         low = pl["llms"][m].segment_fn(rm).lower(params, shapes, jnp.int32(0))
         jobs[b, m] = workers.submit(low.compile)
-        if prof_steps and TRACE_COMPILER_OPTIONS.get(jax.default_backend()):
+        trace_opts = TRACE_COMPILER_OPTIONS.get(jax.default_backend())
+        if prof_steps and trace_opts:
             jobs[b, m, TRACE] = workers.submit(
-                functools.partial(
-                    low.compile, compiler_options=TRACE_COMPILER_OPTIONS[jax.default_backend()]
-                )
+                functools.partial(low.compile, compiler_options=trace_opts)
             )
     if bd_batch:
         for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:

@@ -148,7 +148,8 @@ class TreeGDNConfig:
         """The launch measured fastest at Qwen3-Next dims on the H200 (docs/kernels.md, launch
         table), for value heads of dv columns (None: 128); a head narrower than the table's
         columns per program takes one tile per program (the demo model's dv = 64 at B > 4 and
-        more than 16 nodes: the table's two 64-column tiles would be a 128-column head). bf16 q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
+        more than 16 nodes: the table's two 64-column tiles would be a 128-column head). bf16
+        q/k/state operands (`options.tree_gdn_bf16`; False: fp32, same shapes).
         B = 1: 32 columns per program; up to 16 nodes the state tile loaded first and the matrix
         inverse, squaring per tile above; B <= 4: 64 columns, 4 warps, the matrix inverse;
         B > 4: 64 columns on 2 warps up to 16 nodes, else a whole value head as two 64-column
@@ -158,7 +159,8 @@ class TreeGDNConfig:
         the rank-1 loop."""
         cfg = cls._auto(batch, nodes, depth_bound, options)
         if dv is not None and cfg.tiles_per_program > 1:
-            tiles = max(next_pow2(dv) // min(cfg.block_v, next_pow2(dv)), 1)
+            dvp = next_pow2(dv)
+            tiles = dvp // min(cfg.block_v, dvp)
             cfg = dataclasses.replace(cfg, tiles_per_program=min(cfg.tiles_per_program, tiles))
         return cfg
 
