@@ -107,7 +107,9 @@ def write_json(path, payload: dict) -> None:
 # Offline decode throughput of every mode side by side (`bole-jax bench`,
 # benchmarks/bench_e2e.py). docs/budget.md explains the method.
 
-E2E_MODES = ("ar", "bole", "pernode", "chain", "engine")
+E2E_MODES = ("ar", "bole", "pernode", "chain", "bole-chain", "engine")
+# "bole-chain": the chain's shape (one child per node, N = depth + 1) drafted like the chain and
+# verified and committed by bole (tree closed form, factors) instead of per-node state snapshots.
 # "engine": what `LLM.generate` decodes with when no mode is given (the calibration table's best
 # configuration over ar / chain / bole for the batch, `budget.choice_for(mode=None)`), timed as
 # its own point so that the choice can be compared with the modes it chose between.
@@ -688,7 +690,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     )
     cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
 
-    def table_choice(mode):  # the table's choice for this batch ("bole"; None: any mode)
+    def table_choice(mode):  # the table's choice for this batch ("bole": its best tree of
+        # --topk children per node; None: any mode and shape)
         return budget_mod.choice_for(
             cfg,
             dtype,
@@ -699,6 +702,7 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
             mode=mode,
             identity=ident,
             command=cmd,
+            topk=None if mode is None else a.topk,
         )
 
     if a.nodes == "auto":
@@ -708,6 +712,18 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)
     llms, real, echoice = {}, {}, None
     for m in (["ar"] if run_ar else []) + spec_modes:
+        if m == "bole-chain":
+            opts = dict(
+                topk=1,
+                depth=a.depth,
+                num_nodes=a.depth + 1,
+                backend=a.backend,
+                synthetic_accept=p,
+                lazy_commit=getattr(a, "lazy_commit", False),
+            )
+            llms[m] = LLM(cfg, params=params, max_batch_size=b, spec_options=opts)
+            real[m] = "bole"
+            continue
         if m == "engine":
             echoice = table_choice(None)
             real[m] = echoice.mode
@@ -953,9 +969,9 @@ def run_e2e(a) -> dict:
         for m in [m for m in spec_modes if m in (a.breakdown_modes or spec_modes)]:
             if m == "engine":  # the chosen configuration's stages are those of its mode
                 continue
-            spec = plan[bd_batch]["specs"][m]
+            spec, rm = plan[bd_batch]["specs"][m], plan[bd_batch]["real"][m]
             shapes = parallel.annotate(
-                jax.eval_shape(lambda s: _derive_state(s, m, spec, cfg), shapes_of[bd_batch]),
+                jax.eval_shape(lambda s: _derive_state(s, rm, spec, cfg), shapes_of[bd_batch]),
                 cfg,
             )
             for name, low in lower_stages(stage_functions(cfg, spec), params, shapes).items():
@@ -1081,7 +1097,11 @@ def run_e2e(a) -> dict:
                 nodes=nodes,
                 budget=(spec.budget if spec else None) or "-",
                 width_from=(
-                    ec.source if ec else pl["choice"].source if spec and m != "chain" else "-"
+                    ec.source
+                    if ec
+                    else pl["choice"].source
+                    if spec and m not in ("chain", "bole-chain")
+                    else "-"
                 ),
                 chosen=(
                     None

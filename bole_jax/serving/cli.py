@@ -24,7 +24,9 @@ import sys
 from bole_jax import compile_cache
 
 SPEC_CHOICES = ("ar", "bole", "pernode", "chain")
-BENCH_MODES = (*SPEC_CHOICES, "engine")  # engine: the default choice (the calibration table's)
+BENCH_MODES = (*SPEC_CHOICES, "bole-chain", "engine")
+# bole-chain: the chain shape (k = 1, N = depth + 1) verified by bole; engine: the default choice
+# (the calibration table's)
 XLA_CACHE = compile_cache.flag_default()  # persistent compilation cache of every command
 
 

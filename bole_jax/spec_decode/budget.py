@@ -351,18 +351,26 @@ def rank_candidates(table: dict, entry: dict, modes: Sequence[str] | None = None
 
 
 def choose(
-    table: dict, batch: int, kv: int | None = None, source: str = "table", mode: str | None = None
+    table: dict,
+    batch: int,
+    kv: int | None = None,
+    source: str = "table",
+    mode: str | None = None,
+    topk: int | None = None,
 ) -> BudgetChoice | None:
     """The table's choice for a batch of `batch` requests (bucket: the smallest >= batch, else the
     largest): the timed candidate with the most expected tokens per second, among all modes
     (mode None) or of one mode (an explicit spec: "bole" / "pernode" take the best bole tree,
     "chain" the best chain depth). None when the table timed no candidate of that mode there.
-    kv: the KV capacity (the smallest bucket >= kv; None: the largest, the conservative one)."""
+    kv: the KV capacity (the smallest bucket >= kv; None: the largest, the conservative one).
+    topk: only bole candidates with this many children per node (the bole chain has 1)."""
     b = _bucket(sorted({e["batch"] for e in table["entries"]}), batch)
     s = _bucket(sorted({e["kv"] for e in table["entries"] if e["batch"] == b}), kv)
     e = next(e for e in table["entries"] if e["batch"] == b and e["kv"] == s)
     want = None if mode is None else ("bole",) if mode in ("bole", "pernode") else (mode,)
     ranked = rank_candidates(table, e, want)
+    if topk is not None:
+        ranked = [c for c in ranked if c["mode"] != "bole" or int(c["topk"]) == topk]
     if not ranked:
         return None
     c = ranked[0]
@@ -454,16 +462,18 @@ def choice_for(
     mode: str | None = "bole",
     identity: dict | None = None,
     command: str | None = None,
+    topk: int | None = None,
 ) -> BudgetChoice:
     """The decode configuration for `batch` requests from the matching table (see `find_table`):
-    mode None = the best of every mode; a mode name = that mode's best shape. Without a table (or
+    mode None = the best of every mode; a mode name = that mode's best shape (topk: of bole
+    trees with that many children per node only). Without a table (or
     a table that timed no candidate of `mode`): mode None -> `untabled_mode()`; an explicit mode
     keeps it at `default_choice`'s width; one notice per model and device, naming `command`."""
     table, where = find_table(
         cfg, param_dtype, path=calibration, model_dir=model_dir, identity=identity
     )
     if table is not None:
-        c = choose(table, batch, kv, source=where, mode=mode)
+        c = choose(table, batch, kv, source=where, mode=mode, topk=topk)
         if c is not None:
             return c
         where = f"{where} timed no {mode} configuration"
