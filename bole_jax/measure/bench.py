@@ -1109,6 +1109,7 @@ def run_e2e(a) -> dict:
                     else ec.mode
                     if ec.mode == "ar"
                     else f"{ec.mode} N={spec.shape.num_nodes} d={spec.shape.depth}"
+                    + (f" k={spec.shape.topk}" if ec.mode == "bole" else "")
                     + (f" K={spec.budget}" if spec.budget else "")
                 ),
                 **{k: v for k, v in r.items() if k != "batch"},

@@ -6,7 +6,8 @@ model being calibrated: `warm` untimed steps, then `repeats` timed windows of `s
 fastest window's loop wall time per step (draft, select, verify, accept, commit, emit: everything a step does, fused as
 the engine runs it). The acceptance estimate is the tokens emitted per request per step in the
 same runs, pooled over the buckets: measured with the model's real MTP head on the built-in
-prompts (`CALIBRATION_PROMPTS`, generic text and code, never a benchmark's evaluation set), or,
+prompts (`CALIBRATION_PROMPTS`, generic text and code, never a benchmark's evaluation set) or on
+the user's own (`prompts`, `bole-jax calibrate --prompts-file`: text like the workload's), or,
 for random weights with the synthetic drafter, the synthetic acceptance
 1 + p + ... + p^min(d, N-1). The choice per bucket (`budget.choose`): the candidate with the most
 expected tokens per second, acceptance / step time.
@@ -193,7 +194,19 @@ def check_calibration_args(batch_buckets, node_buckets, depths, *, steps=16, war
 # ---------------------------------------------------------------- the measurement
 
 
-def _prompt_ids(llm, prompt_len: int, synthetic: bool, seed: int) -> list[list[int]]:
+def _prompt_ids(
+    llm, prompt_len: int, synthetic: bool, seed: int, prompts: Sequence[str] | None = None
+) -> list[list[int]]:
+    if prompts is not None:
+        if synthetic or llm.tokenizer is None:
+            raise ValueError(
+                "calibration prompts need a checkpoint with a tokenizer and its MTP head (the "
+                "synthetic drafter's acceptance does not depend on the prompts)"
+            )
+        ids = [t for t in (llm.tokenizer.encode(p)[-prompt_len:] for p in prompts) if t]
+        if not ids:
+            raise ValueError("no calibration prompt has a token")
+        return ids
     if llm.tokenizer is not None and not synthetic:
         ids = [llm.tokenizer.encode(p)[-prompt_len:] for p in CALIBRATION_PROMPTS]
         return [t for t in ids if t]
@@ -219,6 +232,8 @@ def calibrate(
     workers: int | None = None,
     progress: bool = True,
     seed: int = 0,
+    prompts: Sequence[str] | None = None,
+    prompts_source: str | None = None,
 ) -> dict:
     """Time whole decode steps of every candidate and estimate their acceptance (module docstring).
 
@@ -230,6 +245,12 @@ def calibrate(
       then `repeats` timed windows of `steps` steps: the step time is the fastest window's (a
       machine shared with other jobs slows some windows), the acceptance counts all of them.
       time_budget: seconds; candidates not started by then are skipped.
+    prompts: the texts the acceptance is measured on (default `CALIBRATION_PROMPTS`); a batch
+      bucket of B requests takes the first B (cycled), each cut to its last `prompt_len` tokens.
+      The table's choice weighs step time against acceptance, and the acceptance of a tree over
+      a chain depends on the text: on the demo model the built-in prompts gave the 32-node tree
+      1.28x the chain's tokens per step, HumanEval at B = 16 1.11x, where the tree the table
+      chose ran at 0.84x the chain (docs/budget.md). prompts_source: recorded in the table.
     Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
     """
     batch_buckets, node_buckets, depths = check_calibration_args(
@@ -248,7 +269,7 @@ def calibrate(
             "the candidates must include ar (the reference every choice is safe against)"
         )
     synthetic = accept_prob is not None
-    ids_all = _prompt_ids(llm, prompt_len, synthetic, seed)
+    ids_all = _prompt_ids(llm, prompt_len, synthetic, seed, prompts)
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     gen = 1 + (warm + repeats * steps) * (max(depths) + 1)  # no request finishes while timed
     entries, acc = [], {}
@@ -331,9 +352,11 @@ def calibrate(
         identity=identity,
         key=budget.table_key(identity),
         drafter="mtp" if not synthetic else f"synthetic p={accept_prob:.4f}",
-        prompts="built-in (bole_jax.measure.calibrate.CALIBRATION_PROMPTS)"
-        if not synthetic
-        else "random tokens",
+        prompts="random tokens"
+        if synthetic
+        else "built-in (bole_jax.measure.calibrate.CALIBRATION_PROMPTS)"
+        if prompts is None
+        else f"{prompts_source or 'given'} ({len(ids_all)} prompts)",
         backend=backend,
         steps=steps,
         repeats=repeats,

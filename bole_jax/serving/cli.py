@@ -355,7 +355,19 @@ def _cmd_calibrate(args) -> int:
         budget.check_writable_location(args.out)
     from bole_jax.llm import LLM
 
-    p = None
+    p, prompts = None, None
+    if args.prompts_file is not None:
+        if args.preset is not None:
+            raise SystemExit(
+                "bole-jax calibrate: --prompts-file needs a checkpoint (--model): the synthetic "
+                "drafter of --preset accepts independently of the prompts"
+            )
+        from bole_jax.measure.bench import load_prompts
+
+        try:
+            prompts = load_prompts(args.prompts_file)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"bole-jax calibrate: {e}") from None
     if args.preset is None:  # a checkpoint folder, else the embedded demo model
         llm = LLM(args.model, dtype=args.dtype, tp=args.tp, draft_vocab=args.draft_vocab)
     else:
@@ -391,6 +403,8 @@ def _cmd_calibrate(args) -> int:
         workers=args.compile_workers,
         time_budget=args.time_budget,
         progress=not args.no_progress,
+        prompts=prompts,
+        prompts_source=args.prompts_file,
     )
     print(calibrate.format_table(table))
     print(f"wrote {calibrate.store(table, args.out, merge=not args.no_merge)}")
@@ -906,6 +920,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--depth", type=int, nargs="+", default=[8], help="draft depths (chain and bole)"
     )
     c.add_argument("--topk", type=int, default=4, help="bole: children per node")
+    c.add_argument(
+        "--prompts-file",
+        help="the texts the acceptance is measured on, like the workload's: .jsonl with "
+        "'prompt' (HumanEval) or 'turns' (Spec-Bench), .jsonl.gz, or one prompt per line "
+        "(default: short built-in prose and code prompts)",
+    )
     c.add_argument(
         "--modes",
         nargs="+",

@@ -266,6 +266,45 @@ def test_choice_never_loses_on_a_hand_made_table(tiny):
     assert budget.choose(t2, 1).mode == "ar" and budget.choose(t2, 1, mode="bole") is None
 
 
+def test_the_bole_chain_is_a_candidate_and_can_be_chosen(tiny):
+    """Calibration times the chain's shape verified by bole (k = 1, N = d + 1) beside the trees;
+    where it is the fastest the engine decodes with it, and an explicit topk keeps to the trees."""
+    assert [calibrate.candidate_id(c) for c in calibrate.candidates([4, 8], [2, 8])] == [
+        "ar",
+        "chain d=2",
+        "chain d=8",
+        "bole N=3 d=2 k=1",
+        "bole N=9 d=8 k=1",
+        "bole N=4 d=2 k=4",
+        "bole N=4 d=8 k=4",
+        "bole N=8 d=2 k=4",
+        "bole N=8 d=8 k=4",
+    ]
+    # With topk 1 the trees are the bole chain already: no duplicate candidate.
+    ids = [calibrate.candidate_id(c) for c in calibrate.candidates([9], [8], topk=1)]
+    assert ids == ["ar", "chain d=8", "bole N=9 d=8 k=1"]
+    cfg, _ = tiny
+    e = dict(
+        batch=16,
+        kv=1024,
+        candidates=[
+            cand("ar", 1, 0.33),
+            cand("chain", 9, 0.75),
+            cand("bole", 9, 0.60, topk=1),
+            cand("bole", 8, 1.20),
+        ],
+    )
+    accept = dict(ACCEPT, **{"bole N=9 d=8 k=1": dict(tokens_per_step=2.9)})
+    t = hand_table(cfg, jnp.float32, [e], accept)
+    c = budget.choose(t, 16)  # 2.9 / 0.60 = 4.8 tok/ms: chain 3.9, tree 3.0, ar 3.0
+    assert (c.mode, c.num_nodes, c.topk, c.budget) == ("bole", 9, 1, 16 * 9)
+    assert c.spec_options() == dict(num_nodes=9, budget=144, depth=8, topk=1)
+    assert budget.choose(t, 16, mode="bole").topk == 1
+    tree = budget.choose(t, 16, mode="bole", topk=4)
+    assert (tree.num_nodes, tree.topk) == (8, 4)
+    assert budget.choose(t, 16, mode="chain").mode == "chain"
+
+
 def test_acceptance_weighting():
     """Expected throughput = acceptance / step time: a faster step loses to a slower one that
     emits proportionally more tokens; the table-level (pooled) acceptance wins over a candidate's
@@ -617,6 +656,46 @@ def test_cli_calibrate_model_writes_the_user_cache(model_dir, tmp_path, monkeypa
     assert calibrate.decode_mode(llm, None, 1) == table["entries"][0]["choice"]["mode"]
 
 
+def test_calibrate_measures_acceptance_on_the_given_prompts(model_dir, tmp_path, monkeypatch):
+    """`bole-jax calibrate --prompts-file F`: the buckets decode F's prompts (cycled to the batch,
+    each cut to its last prompt_len tokens), the table names them; clear errors otherwise."""
+    from bole_jax.llm import LLM
+
+    seen = []
+
+    def fake_bucket(llm, ids, cands, *a, **k):
+        seen.append(ids)
+        rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
+        return dict(batch=len(ids), kv=96, candidates=rows), {}
+
+    monkeypatch.setattr(calibrate, "_calibrate_bucket", fake_bucket)
+    llm = LLM(model_dir)
+    texts = ["def add(a, b):\n    return", "Translate to French: good morning", "x = [1, 2,"]
+    table = calibrate.calibrate(
+        llm, (4,), (4,), (2,), progress=False, prompts=texts, prompts_source="mine.jsonl"
+    )
+    enc = [llm.tokenizer.encode(t) for t in texts]
+    assert seen == [enc + enc[:1]] and table["prompts"] == "mine.jsonl (3 prompts)"
+    seen.clear()
+    calibrate.calibrate(llm, (2,), (4,), (2,), progress=False, prompts=texts, prompt_len=2)
+    assert seen == [[e[-2:] for e in enc[:2]]]
+    # The CLI reads the file (HumanEval / Spec-Bench records) and refuses presets and bad files.
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"turns": [t, "more"]}) for t in texts))
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    argv = ["calibrate", "--model", str(model_dir), "--batch", "2", "--depth", "2"]
+    argv += ["--nodes", "4", "--compile-cache", "none", "--no-progress"]
+    seen.clear()
+    assert cli.main(argv + ["--prompts-file", str(f)]) == 0
+    assert seen == [enc[:2]]
+    with pytest.raises(SystemExit, match="needs a checkpoint"):
+        cli.main(["calibrate", "--preset", "tiny", "--prompts-file", str(f)])
+    with pytest.raises(SystemExit, match="prompts file not found"):
+        cli.main(argv + ["--prompts-file", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError, match="synthetic drafter"):
+        calibrate.calibrate(llm, (1,), (4,), (2,), progress=False, prompts=texts, accept_prob=0.5)
+
+
 def table_prompts_measured(table):
     return table["prompts"].startswith("built-in") and all(
         a["source"] == "measured" for a in table["acceptance"].values()
@@ -752,9 +831,13 @@ def test_bench_e2e_tiny(tmp_path):
     res = bench.run_e2e(args)
     assert res["errors"] == [] and res["skipped"] == []
     rows = {r["mode"]: r for r in res["rows"]}
-    assert set(rows) == {"ar", "bole", "pernode", "chain", "engine"}
+    assert set(rows) == {"ar", "bole", "pernode", "chain", "bole-chain", "engine"}
     # no calibration table in this session's cache: the engine decodes with AR
     assert rows["engine"]["chosen"] == "ar" and rows["engine"]["tokens_per_step"] == 1.0
+    # bole-chain: the chain's shape (depth + 1 nodes) with bole's factors, not per-node states
+    assert rows["bole-chain"]["nodes"] == rows["chain"]["nodes"] == 3
+    assert rows["bole-chain"]["budget"] == "-"
+    assert rows["chain"]["verify_state_mib"] > 5 * rows["bole-chain"]["verify_state_mib"]
     for m, r in rows.items():
         assert r["ar_agreement"] == 1.0, m  # greedy fp32: lossless, also with the budget binding
         assert r["ar_first_divergence"] == [None, None], m
@@ -768,7 +851,7 @@ def test_bench_e2e_tiny(tmp_path):
     assert bd["commit_kind"] == "eager"  # SpecConfig.lazy_commit is off by default (--lazy-commit)
     saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
     assert {"device", "jax", "git_commit"} <= set(saved["env"]) and saved["command"]
-    assert len(saved["rows"]) == 5
+    assert len(saved["rows"]) == 6
 
 
 @pytest.mark.parametrize("winner", ["chain", "bole"])
@@ -803,7 +886,7 @@ def test_bench_engine_row_decodes_with_the_table_choice(tmp_path, winner):
     assert res["errors"] == [] and res["skipped"] == []
     rows = {r["mode"]: r for r in res["rows"]}
     e = rows["engine"]
-    want = "chain N=3 d=2 K=6" if winner == "chain" else "bole N=4 d=2 K=8"
+    want = "chain N=3 d=2 K=6" if winner == "chain" else "bole N=4 d=2 k=2 K=8"
     assert e["chosen"] == want and e["width_from"] == str(path)
     assert e["ar_agreement"] == 1.0 and e["tokens_per_step"] > 1.0
 

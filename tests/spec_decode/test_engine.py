@@ -74,7 +74,7 @@ def bole_llms(model):
     }
 
 
-@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode", "chain"])
+@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "pernode", "chain", "bole-chain"])
 def test_greedy_spec_equals_ar_synthetic(model, bole_llms, mode):
     cfg, params, prompts, ar = model
     if mode != "bole" and (cfg.num_experts or cfg.family != "qwen3_next"):
@@ -82,7 +82,11 @@ def test_greedy_spec_equals_ar_synthetic(model, bole_llms, mode):
             "baselines and the lazy commit differ only in GDN state handling: one family "
             "covers them"
         )
-    if mode.startswith("bole"):
+    if mode == "bole-chain":  # the chain's shape, verified and committed by bole
+        chain = dict(SYNTHETIC, topk=1, num_nodes=SYNTHETIC["depth"] + 1)
+        llm, mode = LLM(cfg, params=params, spec_options=chain), "bole"
+        assert llm._spec_config("bole").shape.topk == 1
+    elif mode.startswith("bole"):
         llm, mode = bole_llms[mode == "bole-lazy"], "bole"
     else:
         llm = LLM(cfg, params=params, spec_options=SYNTHETIC)
@@ -123,15 +127,19 @@ def test_greedy_bole_with_draft_vocab_equals_ar(model):
     assert llm.params["mtp"]["draft_head"].shape == (cfg.hidden_size, 24)
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("lazy", [False, True, "chain"], ids=["eager", "lazy", "chain"])
 def test_greedy_bole_with_pallas_kernels_equals_ar(model, lazy):
     """The engine on the Pallas kernels (interpret mode here; the GPU default): the tree verify
     with the step's static depth bound (tree depth + 1; a request past it would get NaN), the
-    dot-fold commit kernel (eager) or the verify's fold (lazy), the tree conv kernel."""
+    dot-fold commit kernel (eager) or the verify's fold (lazy), the tree conv kernel; "chain": the
+    bole chain (one child per node, every node on the accepted path's depth bound)."""
     cfg, params, prompts, ar = model
     if cfg.num_experts or cfg.family != "qwen3_next":
         pytest.skip("kernel plumbing, not model family: one family covers it")
-    llm = LLM(cfg, params=params, spec_options=dict(SYNTHETIC, backend="pallas", lazy_commit=lazy))
+    opts = dict(SYNTHETIC, backend="pallas", lazy_commit=lazy is True)
+    if lazy == "chain":
+        opts.update(topk=1, num_nodes=SYNTHETIC["depth"] + 1)
+    llm = LLM(cfg, params=params, spec_options=opts)
     out = llm.generate(
         prompts[:2], max_new_tokens=24, spec="bole", oracle=[o.token_ids for o in ar[:2]]
     )
