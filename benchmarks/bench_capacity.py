@@ -6,7 +6,8 @@
 
 The serving engine's memory plan (`bole_jax.serving.memory`: per request the KV cache at
 --context tokens, the GDN and conv states, the drafter's cache, and each mode's verify transient:
-bole's token-level factors, pernode's and chain's full state per node) decides, for each mode and
+bole's token-level factors (also for the bole chain), pernode's and chain's full state per node)
+decides, for each mode and
 each budget, how many requests fit: budget = (free device memory after the weights) x 0.9 x
 fraction, or --memory-gb. Each mode is then timed at its own largest batch (capped by
 --max-batch) with `bole-jax bench`'s harness, one decode state on the device at a time, the KV of
@@ -39,7 +40,9 @@ from bole_jax.serving.memory import plan_memory, slot_bytes  # noqa: E402
 from bole_jax.spec_decode.acceptance import synthetic_accept_prob  # noqa: E402
 from bole_jax.spec_decode.step import SpecConfig  # noqa: E402
 
-MODES = ("ar", "chain", "pernode", "bole")
+MODES = ("ar", "chain", "pernode", "bole", "bole-chain")
+# bole-chain: the chain's shape (one child per node, depth + 1 nodes) verified by bole: the chain's
+# draft and acceptance, bole's factors instead of the chain's per-position state snapshots.
 
 
 def parse(argv=None):
@@ -109,6 +112,10 @@ def free_bytes(cfg, dtype) -> int | None:
 def spec_for(mode: str, a, p: float) -> SpecConfig | None:
     if mode == "ar":
         return None
+    if mode == "bole-chain":
+        return SpecConfig.for_mode(
+            "bole", topk=1, depth=a.depth, num_nodes=a.depth + 1, synthetic_accept=p
+        )
     return SpecConfig.for_mode(
         mode, topk=a.topk, depth=a.depth, num_nodes=a.nodes, synthetic_accept=p
     )

@@ -48,6 +48,9 @@ def test_capacity_bench_tiny(tmp_path):
         # per-node states cost more than factors: pernode never admits more than bole
         assert row["pernode"]["request_mib"] > row["bole"]["request_mib"]
         assert row["pernode"]["admitted"] <= row["bole"]["admitted"]
+        # the bole chain holds factors for depth + 1 nodes, the chain a state per position
+        assert row["chain"]["request_mib"] > row["bole-chain"]["request_mib"]
+        assert row["chain"]["admitted"] <= row["bole-chain"]["admitted"]
     assert half["pernode"]["admitted"] < full["pernode"]["admitted"]
 
 
