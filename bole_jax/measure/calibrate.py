@@ -521,6 +521,58 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def rescore_synthetic(table: dict, accept_mean: float, source: str | None = None) -> dict:
+    """A synthetic-drafter table re-weighed at another acceptance, its step times kept.
+
+    With the synthetic drafter a step's cost does not depend on p: the forced chain keeps the
+    top score, so every draft level runs whatever p is, and every other stage has fixed shapes.
+    Measured on one H200 at Qwen3.5-9B dims: the 24 candidates timed at acceptance 3.5 (5799bea)
+    and at 6.4 (7f0cccc) agree within 3.5% (docs/budget.md). So a table for another acceptance
+    needs only the acceptance recomputed (1 + p + ... + p^min(d, N - 1) at the new p) and the
+    choice made again, not a second calibration (about 7 minutes of compilation at 9B dims).
+    The result names where its timings came from (`timings_from`)."""
+    drafter = str(table.get("drafter", ""))
+    if not drafter.startswith("synthetic"):
+        raise ValueError(
+            f"only a synthetic-drafter table can be re-weighed (this one: drafter {drafter!r}): "
+            "a real drafter's acceptance is measured, so calibrate again"
+        )
+    p = synthetic_accept_prob(accept_mean, max(table["depths"]))
+    acceptance = {}
+    for e in table["entries"]:
+        for c in e["candidates"]:
+            if c["mode"] != "ar":
+                acceptance[candidate_id(c)] = dict(
+                    tokens_per_step=expected_tokens_per_step(p, min(c["depth"], c["nodes"] - 1)),
+                    source="synthetic",
+                )
+    out = json.loads(json.dumps(table))  # a deep copy
+    identity = dict(out["identity"], drafter=f"synthetic p={p:.4f}")
+    out.update(
+        identity=identity,
+        key=budget.table_key(identity, out["device"], out["jax"]),
+        drafter=f"synthetic p={p:.4f}",
+        acceptance=acceptance,
+        timings_from=dict(
+            source=source,
+            drafter=drafter,
+            git_commit=table.get("git_commit"),
+            created=table.get("created"),
+        ),
+    )
+    for e in out["entries"]:
+        for c in e["candidates"]:  # each candidate's own counts were the old p's
+            for k in ("tokens_per_step", "tokens_per_s"):
+                c.pop(k, None)
+        best = budget.choose(out, e["batch"], e["kv"])
+        e["choice"] = (
+            None
+            if best is None
+            else dict(mode=best.mode, nodes=best.num_nodes, depth=best.depth, topk=best.topk)
+        )
+    return out
+
+
 def save_table(table: dict, path: str | os.PathLike) -> Path:
     """Write `table` (never inside the installed package: `budget.check_writable_location`)."""
     path = budget.check_writable_location(path)

@@ -347,6 +347,30 @@ def _cmd_calibrate(args) -> int:
     from bole_jax.measure import calibrate
     from bole_jax.spec_decode import budget
 
+    if args.timings_from is not None:
+        if args.preset is None or args.model is not None or args.prompts_file is not None:
+            raise SystemExit(
+                "bole-jax calibrate: --timings-from re-weighs a --preset table (synthetic "
+                "drafter) at --accept-mean; a checkpoint's acceptance is measured"
+            )
+        try:
+            old = budget.load_table(args.timings_from)
+            table = calibrate.rescore_synthetic(old, args.accept_mean, args.timings_from)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"bole-jax calibrate: {args.timings_from}: {e}") from None
+        from bole_jax.model import parallel
+        from bole_jax.model.presets import preset
+
+        cfg = preset(args.preset, mtp=True, tp=parallel.check_tp(args.tp))
+        want = calibrate.model_signature(cfg, table["model"].get("param_dtype", "bfloat16"))
+        if want != table["model"]:
+            raise SystemExit(
+                f"bole-jax calibrate: {args.timings_from} was measured on another model than "
+                f"--preset {args.preset}"
+            )
+        print(calibrate.format_table(table))
+        print(f"wrote {calibrate.store(table, args.out, merge=False)}")
+        return 0
     cpu = jax.default_backend() == "cpu"
     batches = args.batch or ([1] if cpu else list(calibrate.DEFAULT_BATCHES))
     nodes = args.nodes or list(calibrate.CPU_NODES if cpu else calibrate.DEFAULT_NODES)
@@ -920,6 +944,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--depth", type=int, nargs="+", default=[8], help="draft depths (chain and bole)"
     )
     c.add_argument("--topk", type=int, default=4, help="bole: children per node")
+    c.add_argument(
+        "--timings-from",
+        metavar="TABLE",
+        help="with --preset: re-weigh TABLE (a synthetic-drafter table of the same dims) at "
+        "--accept-mean, keeping its step times (they do not depend on the synthetic acceptance), "
+        "instead of timing again",
+    )
     c.add_argument(
         "--prompts-file",
         help="the texts the acceptance is measured on, like the workload's: .jsonl with "

@@ -696,6 +696,76 @@ def test_calibrate_measures_acceptance_on_the_given_prompts(model_dir, tmp_path,
         calibrate.calibrate(llm, (1,), (4,), (2,), progress=False, prompts=texts, accept_prob=0.5)
 
 
+def test_a_synthetic_table_re_weighed_at_another_acceptance(tiny, tmp_path, monkeypatch, capsys):
+    """`calibrate --preset P --accept-mean X --timings-from T`: T's step times, the synthetic
+    acceptance at X, the choice made again, the key of the new drafter; refused for a real
+    drafter's table, a checkpoint, or other dims."""
+    from bole_jax.model.presets import preset
+
+    cfg = preset("tiny", mtp=True)
+    p_lo = calibrate.synthetic_accept_prob(2.0, 8)
+    ident = budget.model_identity(cfg, jnp.float32, drafter=f"synthetic p={p_lo:.4f}")
+    e = dict(
+        batch=4,
+        kv=1024,
+        candidates=[
+            cand("ar", 1, 1.0, tokens_per_step=1.0),
+            cand("chain", 9, 3.0, tokens_per_step=1.9),
+            cand("bole", 4, 1.8, tokens_per_step=1.6),
+        ],
+    )
+    low = hand_table(
+        cfg,
+        jnp.float32,
+        [e],
+        {
+            "chain d=8": dict(tokens_per_step=2.0, source="synthetic"),
+            "bole N=4 d=8 k=4": dict(tokens_per_step=1.85, source="synthetic"),
+        },
+        identity=ident,
+        depths=[8],
+        git_commit="abc1234",
+    )
+    low["drafter"] = ident["drafter"]
+    # at acceptance 2: ar 1.0 tok/ms, chain 0.67, the 4-node tree 1.03 -> the tree
+    assert budget.choose(low, 4).mode == "bole"
+    high = calibrate.rescore_synthetic(low, 6.4, "t.json")
+    p = calibrate.synthetic_accept_prob(6.4, 8)
+    acc = high["acceptance"]
+    assert acc["chain d=8"]["tokens_per_step"] == pytest.approx(
+        calibrate.expected_tokens_per_step(p, 8)
+    )
+    assert acc["bole N=4 d=8 k=4"]["tokens_per_step"] == pytest.approx(
+        calibrate.expected_tokens_per_step(p, 3)
+    )
+    # the same step times, chosen again: chain 6.4 / 3.0 = 2.1 tok/ms beats the tree's 1.9
+    steps = lambda t: [c["step_ms"] for c in t["entries"][0]["candidates"]]  # noqa: E731
+    assert steps(high) == steps(low)
+    assert (
+        high["entries"][0]["choice"]["mode"] == "chain" and budget.choose(high, 4).mode == "chain"
+    )
+    assert high["drafter"] == high["identity"]["drafter"] == f"synthetic p={p:.4f}"
+    assert high["key"] == budget.table_key(high["identity"], high["device"], high["jax"])
+    assert high["timings_from"] == dict(
+        source="t.json", drafter=low["drafter"], git_commit="abc1234", created=None
+    )
+    assert "tokens_per_step" not in high["entries"][0]["candidates"][1]  # the old p's counts
+    assert budget.choose(low, 4).mode == "bole"  # the source table is unchanged
+    with pytest.raises(ValueError, match="only a synthetic-drafter table"):
+        calibrate.rescore_synthetic(dict(low, drafter="mtp"), 6.4)
+    # the CLI: writes the re-weighed table; refuses a checkpoint or another preset's table
+    src, dst = tmp_path / "low.json", tmp_path / "high.json"
+    src.write_text(json.dumps(low))
+    argv = ["calibrate", "--accept-mean", "6.4", "--timings-from", str(src)]
+    assert cli.main(argv + ["--preset", "tiny", "--out", str(dst)]) == 0
+    assert "<- chosen" in capsys.readouterr().out
+    assert json.loads(dst.read_text())["acceptance"] == high["acceptance"]
+    with pytest.raises(SystemExit, match="re-weighs a --preset table"):
+        cli.main(argv + ["--model", "DIR"])
+    with pytest.raises(SystemExit, match="another model"):
+        cli.main(argv + ["--preset", "qwen3.5-9b", "--out", str(dst)])
+
+
 def table_prompts_measured(table):
     return table["prompts"].startswith("built-in") and all(
         a["source"] == "measured" for a in table["acceptance"].values()
