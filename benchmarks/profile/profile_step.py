@@ -648,6 +648,8 @@ def stage_split(
     floors: dict | None = None,
     gbps: float | None = None,
     step_ms: float | None = None,
+    flops: dict | None = None,
+    tflops: float | None = None,
 ) -> list[dict]:
     """Per-step time of a loop program's trace (`summarise` result r, reps = loop steps) split by
     stage: one row per stage in `stages`, then "other" (kernels of no stage, and "mixed(...)"
@@ -656,10 +658,13 @@ def stage_split(
     with idle they sum to the wall time where kernels do not overlap (one GPU stream: busy =
     active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
     active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
-    times are computed at. step_ms: the step time of the loop as timed (the traced program is
+    times are computed at. flops: {stage: matmul flops} (bench.stage_floor_flops); tflops: the
+    peak rate: a stage whose flops take longer than its bytes gets that floor (bound "compute").
+    step_ms: the step time of the loop as timed (the traced program is
     then a twin compiled for the trace, bench.TRACE_COMPILER_OPTIONS, whose launch gaps differ):
     idle is step_ms - busy and the shares are of step_ms, so the rows sum to the timed step."""
     ms = {row["stage"]: row["ms_per_rep"] for row in r.get("stages", [])}
+    flops = flops or {}
     wall = r["wall_ms_per_rep"] if step_ms is None else step_ms
     active = r["active_ms_per_rep"] if step_ms is None else r["busy_ms_per_rep"]
     out = []
@@ -669,7 +674,15 @@ def stage_split(
             row["floor_mib"] = floors[st] / 2**20
             if gbps:
                 row["floor_ms"] = floors[st] / (gbps * 1e6)
-                row["x_floor"] = row["ms_per_step"] / row["floor_ms"] if row["floor_ms"] else None
+                row["bound"] = "bytes"
+        if st in flops:
+            row["floor_gflop"] = flops[st] / 1e9
+            if tflops:
+                row["flop_floor_ms"] = flops[st] / (tflops * 1e9)
+                if "floor_ms" in row and row["flop_floor_ms"] > row["floor_ms"]:
+                    row["floor_ms"], row["bound"] = row["flop_floor_ms"], "compute"
+        if "floor_ms" in row:
+            row["x_floor"] = row["ms_per_step"] / row["floor_ms"] if row["floor_ms"] else None
         out.append(row)
     out.append(
         dict(

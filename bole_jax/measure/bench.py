@@ -339,6 +339,58 @@ def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
     )
 
 
+def _matrix_elems(tree) -> int:
+    """Elements of the matrices (ndim >= 2) in a params tree: what a row's matmuls multiply."""
+    return sum(int(x.size) for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0) >= 2)
+
+
+def stage_floor_flops(cfg: ModelConfig, params, state, spec) -> dict:
+    """Fewest matmul flops of the stages that multiply weight matrices, {stage: flops}: 2 x the
+    weight matrices' elements x the rows they multiply (attention scores and every elementwise
+    op left out, so a floor).
+
+      draft   the MTP layer and the draft head over B rows (the root's level), then B x topk rows
+              at each of the depth - 1 levels below it (the catch-up of accepted tokens and the
+              early stop left out)
+      verify  the target's matrices over the verified rows: B x N, or the batch-wide budget's
+              packed rows (`KernelOptions.packed_verify`)
+      ar      (spec None) the target's matrices over B rows
+    MoE models: {} (which experts a row takes is data-dependent)."""
+    if cfg.num_experts:
+        return {}
+    b = state.next_token.shape[0]
+    target = _matrix_elems({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+    if cfg.tie_word_embeddings:
+        target += int(params["embed"].size)
+    if spec is None:
+        return dict(ar=2 * target * b)
+    n, d, k = spec.shape.num_nodes, spec.shape.depth, spec.shape.topk
+    mtp = params["mtp"]
+    draft_w = _matrix_elems({k_: v for k_, v in mtp.items() if k_ != "draft_ids"})
+    if "draft_head" not in mtp:  # the whole lm_head scores the drafts
+        draft_w += int((params["embed"] if cfg.tie_word_embeddings else params["lm_head"]).size)
+    rows = b * n
+    if spec.budget is not None and cfg.kernels.packed_verify:
+        rows = max(min(spec.budget, rows), b)
+    return dict(draft=2 * draft_w * b * (1 + (d - 1) * k), verify=2 * target * rows)
+
+
+# Peak dense bf16 matmul rate (TFLOP/s) by device kind, for the compute floors: datasheet figures.
+PEAK_TFLOPS_BF16 = {
+    "NVIDIA H200": 989.0,
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+}
+
+
+def peak_tflops(dtype, device_kind: str | None = None) -> float | None:
+    """The bf16 peak for bf16 weights (None for other dtypes or an unknown device)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return None
+    kind = device_kind or jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_TFLOPS_BF16.items() if kind.startswith(k)), None)
+
+
 # Peak HBM bandwidth (GB/s) by device kind, for the floors' times: the datasheet figures.
 PEAK_GBPS = {
     "NVIDIA H200": 4800.0,
@@ -473,7 +525,8 @@ def loop_profile(
     run, params, state, steps: int, n: int, cfg: ModelConfig, spec, step_ms: float | None = None
 ):
     """Trace `steps` iterations of the compiled loop `run` on `state` (donated) and split the
-    loop's device time by stage (profile_step.stage_split, with each stage's bytes floor).
+    loop's device time by stage (profile_step.stage_split, with each stage's floor: its bytes at
+    the peak bandwidth, or its matmul flops at the bf16 peak where that is longer).
     `step_ms`: the timed step of the program `run` is a twin of (TRACE_COMPILER_OPTIONS); the
     split's "idle" row is then that step less the traced busy time, so the rows sum to it.
     Returns (profile dict, the state after the traced steps)."""
@@ -498,7 +551,16 @@ def loop_profile(
     r = ps.summarise(events, nsteps, ps._hlo_text(run))
     r["wall_ms_per_rep"] = 1e3 * dt / nsteps
     gbps = peak_gbps()
-    split = ps.stage_split(r, ("ar",) if spec is None else STAGES, floors, gbps, step_ms=step_ms)
+    tflops = peak_tflops(params["embed"].dtype)
+    split = ps.stage_split(
+        r,
+        ("ar",) if spec is None else STAGES,
+        floors,
+        gbps,
+        step_ms=step_ms,
+        flops=stage_floor_flops(cfg, params, state, spec),
+        tflops=tflops,
+    )
     prof = dict(
         steps=nsteps,
         step_ms=step_ms,
@@ -508,6 +570,7 @@ def loop_profile(
         events_from=r["events_from"],
         attributed_share=r["attributed_share"],
         peak_gbps=gbps,
+        peak_tflops=tflops,
         trace=how,
         stage_split=split,
     )
@@ -1297,11 +1360,16 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
             )
         )
         key = "x_floor" if gbps else "floor_mib"
+
+        def cell(x):
+            v = x.get(key)
+            return f"{v:.3g}*" if v is not None and x.get("bound") == "compute" else v
+
         ratio.append(
             dict(
                 batch=r["batch"],
                 mode=r["mode"],
-                **{k: split[k].get(key) for k in (*STAGES, "ar") if k in split},
+                **{k: cell(split[k]) for k in (*STAGES, "ar") if k in split},
             )
         )
     print(
@@ -1314,8 +1382,11 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
         f"{k}_ms" for k in names if any(f"{k}_ms" in t for t in table)
     ]
     out = print_table(table, cols)
+    tf = rows[0]["loop_profile"].get("peak_tflops")
     how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"
-    print(f"\neach stage over its bytes floor ({how})")
+    if gbps and tf:
+        how += f", or at {tf:.0f} TFLOP/s where the stage's matmuls take longer (marked *)"
+    print(f"\neach stage over its floor ({how})")
     print_table(
         ratio, ["batch", "mode"] + [k for k in (*STAGES, "ar") if any(k in t for t in ratio)]
     )

@@ -400,6 +400,63 @@ def test_stage_split_sums_to_the_timed_step():
     assert rows["idle"]["ms_per_step"] == pytest.approx(4.5)
 
 
+def test_stage_floor_is_the_longer_of_bytes_and_flops():
+    """A stage's floor time is its bytes at the peak bandwidth, or its matmul flops at the peak
+    rate where those take longer (bound "compute"); x_floor is over that floor."""
+    r = dict(
+        stages=[dict(stage="draft", ms_per_rep=4.0), dict(stage="verify", ms_per_rep=6.0)],
+        wall_ms_per_rep=10.0,
+        busy_ms_per_rep=10.0,
+        active_ms_per_rep=10.0,
+    )
+    floors = dict(draft=1e9, verify=3e9)  # 1 / 3 GB: 0.25 / 0.75 ms at 4000 GB/s
+    flops = dict(draft=1e12, verify=1e12)  # 1 TFLOP: 2 ms at 500 TFLOP/s
+    rows = {
+        x["stage"]: x
+        for x in ps.stage_split(r, ("draft", "verify"), floors, 4000.0, flops=flops, tflops=500.0)
+    }
+    d, v = rows["draft"], rows["verify"]
+    assert d["bound"] == v["bound"] == "compute"
+    assert d["floor_ms"] == pytest.approx(2.0) and d["x_floor"] == pytest.approx(2.0)
+    assert d["floor_gflop"] == pytest.approx(1000.0)
+    flops["verify"] = 1e11  # 0.2 ms of matmuls < 0.75 ms of bytes
+    rows = {
+        x["stage"]: x
+        for x in ps.stage_split(r, ("draft", "verify"), floors, 4000.0, flops=flops, tflops=500.0)
+    }
+    assert rows["verify"]["bound"] == "bytes"
+    assert rows["verify"]["floor_ms"] == pytest.approx(0.75)
+    assert rows["verify"]["flop_floor_ms"] == pytest.approx(0.2)
+    rows = {x["stage"]: x for x in ps.stage_split(r, ("draft",), floors, 4000.0, flops=flops)}
+    assert rows["draft"]["bound"] == "bytes" and "flop_floor_ms" not in rows["draft"]
+
+
+def test_stage_floor_flops_counts_the_rows_each_stage_multiplies():
+    """Draft: B rows at the root's level, B x topk at each level below; verify: B x N rows, or the
+    budget's packed rows; both over the weight matrices (vectors left out)."""
+    from bole_jax.llm import LLM
+    from bole_jax.measure import bench
+    from bole_jax.model import ModelConfig, init_params
+    from bole_jax.spec_decode.step import SpecConfig
+
+    cfg = ModelConfig.tiny("qwen3_5", mtp_num_layers=1)
+    params = init_params(cfg, jax.random.key(0), "float32")
+    llm = LLM(cfg, params=params, max_batch_size=4)
+    spec = SpecConfig.for_mode("bole", topk=3, depth=4, num_nodes=8, budget=20)
+    state = llm.start_batch([[1, 2, 3]] * 4, 8)  # the floors read only its batch rows
+    f = bench.stage_floor_flops(cfg, params, state, spec)
+    mats = lambda t: sum(x.size for x in jax.tree.leaves(t) if x.ndim >= 2)  # noqa: E731
+    target = mats({k: v for k, v in params.items() if k not in ("embed", "mtp")})
+    draft_w = mats(params["mtp"]) + (0 if cfg.tie_word_embeddings else params["lm_head"].size)
+    assert f["draft"] == 2 * draft_w * 4 * (1 + 3 * 3)
+    assert f["verify"] == 2 * target * 20  # packed: the budget's 20 rows, not 4 x 8
+    nobudget = SpecConfig.for_mode("bole", topk=3, depth=4, num_nodes=8)
+    assert bench.stage_floor_flops(cfg, params, state, nobudget)["verify"] == 2 * target * 32
+    assert bench.stage_floor_flops(cfg, params, state, None) == dict(ar=2 * target * 4)
+    assert bench.peak_tflops("bfloat16", "NVIDIA H200") == 989.0
+    assert bench.peak_tflops("float32", "NVIDIA H200") is None
+
+
 def test_trace_compiler_options_are_valid():
     """The options the bench compiles its traced twin with are options XLA knows, with values it
     accepts (XLA checks them on any backend: a typo would fail only on the GPU otherwise)."""
