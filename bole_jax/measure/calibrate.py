@@ -13,10 +13,12 @@ for random weights with the synthetic drafter, the synthetic acceptance
 expected tokens per second, acceptance / step time.
 
 One prefill per bucket is shared by every candidate (same prompts, same first token, the same KV
-capacity). Programs are lowered in this thread and compiled in `workers` threads, and each is
-compiled before anything is timed (XLA autotunes on the device while it compiles). With
-`time_budget`, candidates not started by then are skipped (marked in the table): the choice is
-then made among those measured (ar is always first, so a table always has a safe choice).
+capacity). Every bucket is prefilled and its programs lowered in this thread first, all of them
+compiled in `workers` threads, and only then are the buckets timed in order (XLA autotunes on
+the device while it compiles; no compilation runs beside a timed loop). With `time_budget`,
+candidates not compiled by then are skipped, and buckets not reached by then are neither
+prefilled nor compiled (both marked in the table): the choice is then made among those measured
+(ar is always first, so a table always has a safe choice).
 """
 
 from __future__ import annotations
@@ -244,7 +246,8 @@ def calibrate(
     depths: draft depths d (chain verifies d + 1 nodes). warm: untimed loop steps per candidate,
       then `repeats` timed windows of `steps` steps: the step time is the fastest window's (a
       machine shared with other jobs slows some windows), the acceptance counts all of them.
-      time_budget: seconds; candidates not started by then are skipped.
+      time_budget: seconds; candidates not compiled by then are skipped (those compiled are then
+      timed).
     prompts: the texts the acceptance is measured on (default `CALIBRATION_PROMPTS`); a batch
       bucket of B requests takes the first B (cycled), each cut to its last `prompt_len` tokens.
       The table's choice weighs step time against acceptance, and the acceptance of a tree over
@@ -276,43 +279,50 @@ def calibrate(
     bar = progress_bar(len(batch_buckets) * len(cands), "calibrate", "prog") if progress else None
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
+        # Every bucket is prefilled and lowered first and all programs compile together in the
+        # pool (one bucket at a time left most workers idle: 7 programs per bucket, 4 buckets of
+        # about 70 s compiles each at 9B dims, 365 s in all on a 16-core host); then the buckets
+        # are timed in order, with no compilation running beside a timed loop.
+        prepared = []  # (batch, prepared bucket or None: past the time budget)
         for b in batch_buckets:
-            if deadline is not None and time.perf_counter() > deadline and entries:
-                # Past the budget: no prefill, lowering or compilation for this bucket. Its
-                # compilations used to be submitted and then skipped, running on in the pool's
-                # threads, which the process waits for at exit (Qwen3.5-9B dims, four buckets,
-                # --time-budget 170: two buckets timed, the run ended after 345 s). Its candidates
-                # are listed untimed at the capacity of the bucket before it (the same prompts),
-                # so the table chooses nothing there rather than another bucket's choice.
-                entries.append(
-                    dict(
-                        batch=b,
-                        kv=entries[-1]["kv"],
-                        candidates=[dict(c, note="skipped (time budget)") for c in cands],
-                    )
+            if deadline is not None and time.perf_counter() > deadline and prepared:
+                # Past the budget: no prefill, lowering or compilation for this bucket (its
+                # compilations would run on in the pool's threads, which the process waits for at
+                # exit: Qwen3.5-9B dims, four buckets, --time-budget 170 once ran 345 s). Its
+                # candidates are listed untimed, so the table chooses nothing there rather than
+                # another bucket's choice.
+                prepared.append((b, None))
+                continue
+            ids = [ids_all[i % len(ids_all)] for i in range(b)]
+            prepared.append((b, _prepare_bucket(llm, ids, cands, gen, accept_prob, backend, pool)))
+        jobs = [f for _, prep in prepared if prep is not None for f in prep["jobs"].values()]
+        concurrent.futures.wait(
+            jobs, timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+        )
+        # Past the budget: the queued compilations are dropped, and the ones running (at most one
+        # per worker) end before anything is timed: beside a timed loop they slowed the tiny
+        # preset's chain step on a 2-core CPU from 1.4 to 10.9 ms.
+        for f in jobs:
+            f.cancel()
+        concurrent.futures.wait([f for f in jobs if not f.cancelled()])
+        kv = None
+        for k, (b, prep) in enumerate(prepared):
+            if prep is None:
+                entry = dict(
+                    batch=b,
+                    kv=kv,
+                    candidates=[dict(c, note="skipped (time budget)") for c in cands],
                 )
                 if bar is not None:
                     bar.update(len(cands))
-                continue
-            ids = [ids_all[i % len(ids_all)] for i in range(b)]
-            entry, measured = _calibrate_bucket(
-                llm,
-                ids,
-                cands,
-                gen,
-                accept_prob,
-                backend,
-                warm,
-                steps,
-                repeats,
-                deadline,
-                pool,
-                bar,
-            )
+            else:
+                entry, measured = _time_bucket(llm, prep, cands, warm, steps, repeats, bar)
+                prepared[k] = (b, None)  # its states and programs are no longer needed
+                kv = entry["kv"]
+                for cid, (toks, nsteps) in measured.items():
+                    t0, s0 = acc.get(cid, (0, 0))
+                    acc[cid] = (t0 + toks, s0 + nsteps)
             entries.append(entry)
-            for cid, (toks, nsteps) in measured.items():
-                t0, s0 = acc.get(cid, (0, 0))
-                acc[cid] = (t0 + toks, s0 + nsteps)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         if bar is not None:
@@ -379,9 +389,10 @@ def calibrate(
     return table
 
 
-def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, deadline, pool, bar):
-    """One batch bucket: a shared prefill, then every candidate timed. Returns (entry, {candidate
-    id: (tokens, request steps)} of the speculative candidates measured)."""
+def _prepare_bucket(llm, ids, cands, gen, p, backend, pool) -> dict:
+    """One batch bucket's shared prefill, and every candidate's program lowered here (tracing
+    holds the GIL) and submitted to `pool` for compilation. Returns the bucket's base state, its
+    LLMs, specs and compile futures."""
     cfg, params = llm.cfg, llm.params
     b = len(ids)
     mk = type(llm)
@@ -417,7 +428,6 @@ def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, de
     )
     base = dataclasses.replace(base, eos=jnp.full_like(base.eos, -1))  # batches stay full
     jax.block_until_ready(base)
-    # Lower here (tracing holds the GIL), compile in the pool, time in order.
     jobs = {}
     for c in cands:
         cid = candidate_id(c)
@@ -429,18 +439,23 @@ def _calibrate_bucket(llm, ids, cands, gen, p, backend, warm, steps, repeats, de
         )
         low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
         jobs[cid] = pool.submit(low.compile)
-    # Every compilation ends before anything is timed: a compile thread beside a timed loop took
-    # the demo model's chain step on a 2-core CPU from ~20 to 110-150 ms. With a deadline, the
-    # programs not compiled by then are skipped.
-    concurrent.futures.wait(
-        list(jobs.values()),
-        timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0),
-    )
+    return dict(batch=b, base=base, llms=llms, specs=specs, jobs=jobs)
+
+
+def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
+    """Every candidate of a prepared bucket timed in order, each on a copy of the shared prefill.
+    Called once the compilations have ended or the time budget is spent: a candidate whose
+    program is not compiled by then is skipped (no compilation runs beside a timed loop: one
+    took the demo model's chain step on a 2-core CPU from ~20 to 110-150 ms). Returns (entry,
+    {candidate id: (tokens, request steps)} of the speculative candidates measured)."""
+    cfg, params = llm.cfg, llm.params
+    b, base, specs, jobs = prep["batch"], prep["base"], prep["specs"], prep["jobs"]
+    ready = {cid: f.done() and not f.cancelled() for cid, f in jobs.items()}
     rows, measured = [], {}
     for c in cands:
         cid = candidate_id(c)
         row = dict(c)
-        if deadline is not None and (time.perf_counter() > deadline or not jobs[cid].done()):
+        if not ready[cid]:
             row["note"] = "skipped (time budget)"
         else:
             try:

@@ -994,7 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget",
         type=float,
         default=None,
-        help="seconds; candidates not started by then are skipped (default: none)",
+        help="seconds; candidates not compiled by then are skipped (default: none)",
     )
     c.add_argument(
         "--compile-workers",

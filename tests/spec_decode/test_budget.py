@@ -541,6 +541,7 @@ def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert e["batch"] == 2 and [budget.candidate_id(c) for c in e["candidates"]] == [
         "ar",
         "chain d=2",
+        "bole N=3 d=2 k=1",
         "bole N=4 d=2 k=4",
     ]
     timed = [c for c in e["candidates"] if "step_ms" in c]
@@ -559,6 +560,12 @@ def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
 
 
+def fake_time(llm, prep, cands, *a, **k):
+    """`calibrate._time_bucket` without a model: made-up step times, 1 token per step."""
+    rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
+    return dict(batch=prep["batch"], kv=96, candidates=rows), {}
+
+
 def test_calibrate_past_the_budget_starts_no_bucket(tiny, monkeypatch):
     """Buckets reached after the time budget are not prefilled, lowered or compiled: they are
     listed with every candidate untimed, so the table chooses nothing for them (the engine then
@@ -568,13 +575,13 @@ def test_calibrate_past_the_budget_starts_no_bucket(tiny, monkeypatch):
     cfg, params = tiny
     started = []
 
-    def fake_bucket(llm, ids, cands, *a, **k):
+    def fake_prepare(llm, ids, cands, *a, **k):
         started.append(len(ids))
         time.sleep(0.3)  # the first bucket uses up the budget
-        rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
-        return dict(batch=len(ids), kv=96, candidates=rows), {}
+        return dict(batch=len(ids), jobs={})
 
-    monkeypatch.setattr(calibrate, "_calibrate_bucket", fake_bucket)
+    monkeypatch.setattr(calibrate, "_prepare_bucket", fake_prepare)
+    monkeypatch.setattr(calibrate, "_time_bucket", fake_time)
     llm = LLM(cfg, params=params, max_batch_size=8)
     table = calibrate.calibrate(
         llm, (1, 4, 8), (4,), (2,), time_budget=0.1, progress=False, accept_prob=0.5
@@ -663,12 +670,12 @@ def test_calibrate_measures_acceptance_on_the_given_prompts(model_dir, tmp_path,
 
     seen = []
 
-    def fake_bucket(llm, ids, cands, *a, **k):
+    def fake_prepare(llm, ids, cands, *a, **k):
         seen.append(ids)
-        rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
-        return dict(batch=len(ids), kv=96, candidates=rows), {}
+        return dict(batch=len(ids), jobs={})
 
-    monkeypatch.setattr(calibrate, "_calibrate_bucket", fake_bucket)
+    monkeypatch.setattr(calibrate, "_prepare_bucket", fake_prepare)
+    monkeypatch.setattr(calibrate, "_time_bucket", fake_time)
     llm = LLM(model_dir)
     texts = ["def add(a, b):\n    return", "Translate to French: good morning", "x = [1, 2,"]
     table = calibrate.calibrate(
