@@ -363,7 +363,8 @@ def choose(
     (mode None) or of one mode (an explicit spec: "bole" / "pernode" take the best bole tree,
     "chain" the best chain depth). None when the table timed no candidate of that mode there.
     kv: the KV capacity (the smallest bucket >= kv; None: the largest, the conservative one).
-    topk: only bole candidates with this many children per node (the bole chain has 1)."""
+    topk: only bole candidates with this many children per node (the bole chain has 1); mode
+    "pernode" without topk takes the best tree (more than one child per node)."""
     b = _bucket(sorted({e["batch"] for e in table["entries"]}), batch)
     s = _bucket(sorted({e["kv"] for e in table["entries"] if e["batch"] == b}), kv)
     e = next(e for e in table["entries"] if e["batch"] == b and e["kv"] == s)
@@ -371,6 +372,8 @@ def choose(
     ranked = rank_candidates(table, e, want)
     if topk is not None:
         ranked = [c for c in ranked if c["mode"] != "bole" or int(c["topk"]) == topk]
+    elif mode == "pernode":  # the per-node tree baseline: a tree, never the bole chain's shape
+        ranked = [c for c in ranked if int(c["topk"]) > 1]
     if not ranked:
         return None
     c = ranked[0]

@@ -300,6 +300,7 @@ def test_the_bole_chain_is_a_candidate_and_can_be_chosen(tiny):
     assert (c.mode, c.num_nodes, c.topk, c.budget) == ("bole", 9, 1, 16 * 9)
     assert c.spec_options() == dict(num_nodes=9, budget=144, depth=8, topk=1)
     assert budget.choose(t, 16, mode="bole").topk == 1
+    assert budget.choose(t, 16, mode="pernode").topk == 4  # the per-node baseline stays a tree
     tree = budget.choose(t, 16, mode="bole", topk=4)
     assert (tree.num_nodes, tree.topk) == (8, 4)
     assert budget.choose(t, 16, mode="chain").mode == "chain"
