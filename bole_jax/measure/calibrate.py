@@ -140,7 +140,7 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
 def candidates(
     nodes: Sequence[int],
     depths: Sequence[int],
-    topk: int = 4,
+    topk: int | Sequence[int] = 4,
     modes: Sequence[str] = ("ar", "chain", "bole"),
 ) -> list[dict]:
     """The configurations timed per bucket, in the order they are measured: ar, chain per depth,
@@ -152,15 +152,21 @@ def candidates(
     factor commit instead of the chain's per-node state snapshots. Measured on one H200 (Qwen3.5-9B
     dims, 7f0cccc): the snapshot chain's verify took 5.22 / 9.69 / 26.9 ms at B = 1 / 16 / 64
     against 4.86 / 7.09 / 16.4 ms for an 8-node bole tree, whose draft (four rows per request per
-    level) cost 1.88 / 2.74 / 5.34 ms against the chain's 1.64 / 1.62 / 2.34."""
+    level) cost 1.88 / 2.74 / 5.34 ms against the chain's 1.64 / 1.62 / 2.34.
+    topk: children per node of the trees, one value or several (each width and depth is then
+    timed with each: fewer children draft fewer MTP rows per level)."""
+    ks = sorted({int(topk)} if isinstance(topk, int) else {int(k) for k in topk})
     out = [dict(mode="ar", nodes=1, depth=0, topk=1)] if "ar" in modes else []
     if "chain" in modes:
         out += [dict(mode="chain", nodes=d + 1, depth=d, topk=1) for d in depths]
     if "bole" in modes:
-        if topk != 1:
-            out += [dict(mode="bole", nodes=d + 1, depth=d, topk=1) for d in depths]
+        out += [dict(mode="bole", nodes=d + 1, depth=d, topk=1) for d in depths]
         out += [
-            dict(mode="bole", nodes=n, depth=d, topk=topk) for n in sorted(nodes) for d in depths
+            dict(mode="bole", nodes=n, depth=d, topk=k)
+            for n in sorted(nodes)
+            for k in ks
+            for d in depths
+            if k > 1
         ]
     return out
 
@@ -222,7 +228,7 @@ def calibrate(
     node_buckets: Sequence[int] = DEFAULT_NODES,
     depths: Sequence[int] = DEFAULT_DEPTHS,
     *,
-    topk: int = 4,
+    topk: int | Sequence[int] = 4,
     modes: Sequence[str] = ("ar", "chain", "bole"),
     accept_prob: float | None = None,
     steps: int = 8,
@@ -261,6 +267,11 @@ def calibrate(
     )
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ks = [topk] if isinstance(topk, (int, np.integer)) else list(topk)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) for k in ks):
+        raise ValueError(f"topk: give positive integers, got {topk!r}")
+    if min(ks) < 1:
+        raise ValueError(f"topk: children per node must be >= 1, got {topk!r}")
     t_start = time.perf_counter()
     deadline = None if time_budget is None else t_start + time_budget
     cfg, params = llm.cfg, llm.params
@@ -374,7 +385,7 @@ def calibrate(
         batch_buckets=list(batch_buckets),
         node_buckets=list(node_buckets),
         depths=list(depths),
-        topk=topk,
+        topk=topk if isinstance(topk, int) else sorted({int(k) for k in topk}),
         acceptance=acceptance,
         seconds=round(time.perf_counter() - t_start, 1),
         entries=entries,

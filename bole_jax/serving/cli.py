@@ -375,6 +375,8 @@ def _cmd_calibrate(args) -> int:
     batches = args.batch or ([1] if cpu else list(calibrate.DEFAULT_BATCHES))
     nodes = args.nodes or list(calibrate.CPU_NODES if cpu else calibrate.DEFAULT_NODES)
     calibrate.check_calibration_args(batches, nodes, args.depth, steps=args.steps, warm=args.warm)
+    if min(args.topk) < 1:
+        raise SystemExit(f"bole-jax calibrate: --topk must be >= 1, got {args.topk}")
     if args.out is not None:
         budget.check_writable_location(args.out)
     from bole_jax.llm import LLM
@@ -943,7 +945,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--depth", type=int, nargs="+", default=[8], help="draft depths (chain and bole)"
     )
-    c.add_argument("--topk", type=int, default=4, help="bole: children per node")
+    c.add_argument(
+        "--topk",
+        type=int,
+        nargs="+",
+        default=[4],
+        help="bole trees: children per node, one or several values (each width is timed with "
+        "each; the bole chain, one child per node, is always timed)",
+    )
     c.add_argument(
         "--timings-from",
         metavar="TABLE",

@@ -283,6 +283,13 @@ def test_the_bole_chain_is_a_candidate_and_can_be_chosen(tiny):
     # With topk 1 the trees are the bole chain already: no duplicate candidate.
     ids = [calibrate.candidate_id(c) for c in calibrate.candidates([9], [8], topk=1)]
     assert ids == ["ar", "chain d=8", "bole N=9 d=8 k=1"]
+    # Several children counts: every width with each.
+    ids = [calibrate.candidate_id(c) for c in calibrate.candidates([8, 16], [8], topk=[4, 2, 1])]
+    assert ids == ["ar", "chain d=8", "bole N=9 d=8 k=1"] + [
+        f"bole N={n} d=8 k={k}" for n in (8, 16) for k in (2, 4)
+    ]
+    with pytest.raises(ValueError, match="topk"):
+        calibrate.calibrate(None, (1,), (4,), (2,), topk=[0, 4])
     cfg, _ = tiny
     e = dict(
         batch=16,
