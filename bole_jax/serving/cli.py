@@ -958,7 +958,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TABLE",
         help="with --preset: re-weigh TABLE (a synthetic-drafter table of the same dims) at "
         "--accept-mean, keeping its step times (they do not depend on the synthetic acceptance), "
-        "instead of timing again",
+        "instead of timing again (default: the candidates are timed)",
     )
     c.add_argument(
         "--prompts-file",
