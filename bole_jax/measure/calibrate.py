@@ -390,7 +390,12 @@ def calibrate(
         seconds=round(time.perf_counter() - t_start, 1),
         entries=entries,
     )
-    for e in entries:
+    return _with_choices(table)
+
+
+def _with_choices(table: dict) -> dict:
+    """`table` with each entry's `choice` (`budget.choose` at its batch and KV bucket) set."""
+    for e in table["entries"]:
         best = budget.choose(table, e["batch"], e["kv"])
         e["choice"] = (
             None
@@ -590,13 +595,7 @@ def rescore_synthetic(table: dict, accept_mean: float, source: str | None = None
         for c in e["candidates"]:  # each candidate's own counts were the old p's
             for k in ("tokens_per_step", "tokens_per_s"):
                 c.pop(k, None)
-        best = budget.choose(out, e["batch"], e["kv"])
-        e["choice"] = (
-            None
-            if best is None
-            else dict(mode=best.mode, nodes=best.num_nodes, depth=best.depth, topk=best.topk)
-        )
-    return out
+    return _with_choices(out)
 
 
 def save_table(table: dict, path: str | os.PathLike) -> Path:
