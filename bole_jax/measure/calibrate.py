@@ -106,6 +106,18 @@ def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
     ), state
 
 
+def settle_compiles(futures) -> int:
+    """Past a time budget: drop the compilations not yet started and wait for the running ones (at
+    most one per worker), so that nothing compiles beside a timed loop. Returns how many were
+    dropped. Why: a compilation beside a timed loop slowed the tiny preset's chain step on a
+    2-core CPU from 1.4 to 10.9 ms, and on an H200 (Qwen3.5-9B dims, B = 1) the AR step from 5.4
+    to 36.5 ms (a compile's GPU autotuning and its threads)."""
+    futures = list(futures)
+    dropped = sum(1 for f in futures if not f.done() and f.cancel())
+    concurrent.futures.wait([f for f in futures if not f.cancelled()])
+    return dropped
+
+
 def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
     prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
@@ -310,12 +322,7 @@ def calibrate(
         concurrent.futures.wait(
             jobs, timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0)
         )
-        # Past the budget: the queued compilations are dropped, and the ones running (at most one
-        # per worker) end before anything is timed: beside a timed loop they slowed the tiny
-        # preset's chain step on a 2-core CPU from 1.4 to 10.9 ms.
-        for f in jobs:
-            f.cancel()
-        concurrent.futures.wait([f for f in jobs if not f.cancelled()])
+        settle_compiles(jobs)
         kv = None
         for k, (b, prep) in enumerate(prepared):
             if prep is None:

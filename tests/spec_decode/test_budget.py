@@ -1018,3 +1018,24 @@ def test_divergence_info_ranks_both_tokens():
     assert info["ar_token_rank"] == 1 and info["ar_token_deficit"] == pytest.approx(0.1)
     assert info["top2_gap"] == pytest.approx(0.1)
     assert bench.divergence_info(lg, ar_token=1, token=3)["token_rank"] == 4
+
+
+def test_past_the_budget_running_compiles_end_before_timing():
+    """`settle_compiles` (bench and calibrate, past their time budget): the queued compilations
+    are dropped and the running ones awaited, so no compilation runs beside a timed loop."""
+    import concurrent.futures as cf
+    import threading
+
+    release = threading.Event()
+    pool = cf.ThreadPoolExecutor(1)
+    running = pool.submit(lambda: release.wait(5) and "compiled")
+    queued = pool.submit(lambda: "never")
+    done = pool.submit(lambda: "never either")
+    threading.Timer(0.3, release.set).start()
+    t = time.perf_counter()
+    assert calibrate.settle_compiles([running, queued, done]) == 2
+    assert time.perf_counter() - t > 0.2  # it waited for the running one
+    assert running.done() and running.result() == "compiled"
+    assert queued.cancelled() and done.cancelled()
+    pool.shutdown()
+    assert bench.settle_compiles is calibrate.settle_compiles
