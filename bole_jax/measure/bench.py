@@ -22,7 +22,10 @@ import numpy as np
 from bole_jax import compile_cache
 from bole_jax.measure.calibrate import (  # noqa: F401
     _copy,
+    eos_requests,
     expected_tokens_per_step,
+    ignore_eos,
+    prompt_token_ids,
     settle_compiles,
     synthetic_accept_prob,
     timed_segment,
@@ -661,8 +664,8 @@ def _e2e_model(a):
             raise ValueError(f"{a.model} has no tokenizer.json: prompts cannot be encoded")
         if any(m != "ar" for m in a.modes):
             require_mtp(llm.cfg, llm.params)
-        ids = [llm.tokenizer.encode(p)[-a.prompt_len :] for p in load_prompts(a.prompts_file)]
-        return llm.cfg, llm.params, [t for t in ids if t], False
+        ids = prompt_token_ids(llm.tokenizer, load_prompts(a.prompts_file), a.prompt_len)
+        return llm.cfg, llm.params, ids, False
     cfg = preset(a.preset, mtp=True, tp=parallel.check_tp(tp))
     dtype = a.dtype or "bfloat16"
     parallel.log_layout(cfg)
@@ -869,11 +872,8 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
         st = dataclasses.replace(
             st, cache=dataclasses.replace(st.cache, lengths=st.cache.lengths + pl["fill"])
         )
-    if not stop_at_eos:
-        # EOS is an ordinary token here, the first one included: only padding rows (nothing
-        # emitted) and rows at their length are done.
-        done = (st.num_out == 0) | (st.num_out >= st.max_out)
-        st = dataclasses.replace(st, eos=jnp.full_like(st.eos, -1), done=done)
+    if not stop_at_eos:  # EOS is an ordinary token, the first one included (`ignore_eos`)
+        st = ignore_eos(st)
     return jax.block_until_ready(st)
 
 
@@ -1155,6 +1155,13 @@ def run_e2e(a) -> dict:
             except Exception:  # noqa: BLE001 - backends without a memory analysis
                 temp = None
             ec = pl["engine_choice"] if m == "engine" else None
+            # requests whose text went past an EOS (kept as an ordinary token: `ignore_eos`); a
+            # real model's tokens there are no longer the workload's
+            n_eos = (
+                eos_requests(state, n, pl["llms"][m].eos_ids)
+                if p is None and not a.stop_at_eos
+                else None
+            )
             row = dict(
                 mode=m,
                 batch=b,
@@ -1179,6 +1186,7 @@ def run_e2e(a) -> dict:
                 **{k: v for k, v in r.items() if k != "batch"},
                 ar_agreement=agree,
                 ar_first_divergence=diverge,
+                eos_requests=n_eos,
                 kv_capacity=cap,
                 step_temp_mib=None if temp is None else temp / 2**20,
                 **memory_per_request(cfg, rm, nodes if spec else 0, cap, dtype),
@@ -1197,6 +1205,7 @@ def run_e2e(a) -> dict:
                 f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
                 f"  {r['tokens_per_step']:.2f} tok/step"
                 + (f"  agree {agree:.3f}" if agree is not None else "")
+                + (f"  EOS emitted by {n_eos} of {n} (decoded past it)" if n_eos else "")
             )
             stage_progs = {s: progs.get((b, m, s)) for s in STAGES}
             if b == bd_batch and all(stage_progs.values()) and time.perf_counter() > deadline:

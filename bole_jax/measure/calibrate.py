@@ -106,6 +106,39 @@ def timed_segment(run, params, state, warm_steps: int, steps: int, n: int):
     ), state
 
 
+def prompt_token_ids(tokenizer, prompts: Sequence[str], prompt_len: int) -> list[list[int]]:
+    """Token ids of measurement prompts (calibration, `bole-jax bench --prompts-file`): each text
+    with its trailing whitespace stripped, cut to its last `prompt_len` tokens; empty ones dropped.
+
+    Why strip: a prompt that ends in a bare newline stops at a token boundary the tokenizer never
+    makes mid-text (its newline merges with the next line's indentation), and a model reads it as
+    the end of a file. On the demo model 10 of the first 16 HumanEval prompts (each ends in
+    '\"\"\"\\n') got EOS as their first greedy token, and the continuation past it, a memorized
+    licence header, accepted 8.8 tokens per chain step: the bench's tokens per step at B = 16
+    were 6.67 (chain) and 7.31 (32-node tree) with the raw prompts, 5.48 and 6.84 stripped (CPU,
+    bf16). Code-evaluation harnesses strip HumanEval prompts for the same reason.
+    Spec-Bench's questions end in text and are unchanged by it."""
+    return [t for t in (tokenizer.encode(p.rstrip())[-prompt_len:] for p in prompts) if t]
+
+
+def ignore_eos(state):
+    """The state with EOS as an ordinary token, so that every request decodes to its length and
+    the batch stays full while it is timed: only padding rows (nothing emitted) and rows at their
+    length are done, whatever their first token was (`vLLM`'s `ignore_eos` for benchmarks). The
+    bench and the calibration share it, so their acceptance counts the same tokens; both record
+    how many requests emitted EOS (`eos_requests`), past which the text is no longer the
+    workload's."""
+    done = (state.num_out == 0) | (state.num_out >= state.max_out)
+    return dataclasses.replace(state, eos=jnp.full_like(state.eos, -1), done=done)
+
+
+def eos_requests(state, n: int, eos_ids) -> int:
+    """How many of the first `n` requests' outputs hold an EOS token."""
+    out, num = np.asarray(state.out), np.asarray(state.num_out)
+    ids = np.asarray([e for e in eos_ids if e >= 0], np.int32)
+    return int(sum(bool(np.isin(out[i, : num[i]], ids).any()) for i in range(n)))
+
+
 def settle_compiles(futures) -> int:
     """Past a time budget: drop the compilations not yet started and wait for the running ones (at
     most one per worker), so that nothing compiles beside a timed loop. Returns how many were
@@ -223,13 +256,12 @@ def _prompt_ids(
                 "calibration prompts need a checkpoint with a tokenizer and its MTP head (the "
                 "synthetic drafter's acceptance does not depend on the prompts)"
             )
-        ids = [t for t in (llm.tokenizer.encode(p)[-prompt_len:] for p in prompts) if t]
+        ids = prompt_token_ids(llm.tokenizer, prompts, prompt_len)
         if not ids:
             raise ValueError("no calibration prompt has a token")
         return ids
     if llm.tokenizer is not None and not synthetic:
-        ids = [llm.tokenizer.encode(p)[-prompt_len:] for p in CALIBRATION_PROMPTS]
-        return [t for t in ids if t]
+        return prompt_token_ids(llm.tokenizer, CALIBRATION_PROMPTS, prompt_len)
     rng = np.random.default_rng(seed)
     return rng.integers(1, llm.cfg.vocab_size, (len(CALIBRATION_PROMPTS), prompt_len)).tolist()
 
@@ -269,9 +301,8 @@ def calibrate(
     prompts: the texts the acceptance is measured on (default `CALIBRATION_PROMPTS`); a batch
       bucket of B requests takes the first B (cycled), each cut to its last `prompt_len` tokens.
       The table's choice weighs step time against acceptance, and the acceptance of a tree over
-      a chain depends on the text: on the demo model the built-in prompts gave the 32-node tree
-      1.28x the chain's tokens per step, HumanEval at B = 16 1.11x, where the tree the table
-      chose ran at 0.84x the chain (docs/budget.md). prompts_source: recorded in the table.
+      a chain depends on the text (docs/budget.md, "Which prompts"); trailing whitespace is
+      stripped (`prompt_token_ids`). prompts_source: recorded in the table.
     Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
     """
     batch_buckets, node_buckets, depths = check_calibration_args(
@@ -449,7 +480,7 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool) -> dict:
         oracle=oracle,
         extra_capacity=max(slack.values()) - slack[base_id],
     )
-    base = dataclasses.replace(base, eos=jnp.full_like(base.eos, -1))  # batches stay full
+    base = ignore_eos(base)  # batches stay full, as in the bench
     jax.block_until_ready(base)
     jobs = {}
     for c in cands:
@@ -488,6 +519,7 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
                 for w in range(repeats):
                     r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
                     windows.append(r)
+                eos = eos_requests(state, b, getattr(llm, "eos_ids", ()))
                 del state
                 # The fastest window: the programs are fixed-shape, so slower windows measure other
                 # processes sharing the machine, not the configuration.
@@ -499,6 +531,7 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
                     tokens_per_step=toks / max(req_steps, 1),
                     tokens_per_s=1e3 * b * toks / max(req_steps, 1) / fast["step_ms"],
                     window_step_ms=[r["step_ms"] for r in windows],
+                    eos_requests=eos,
                 )
                 if c["mode"] != "ar":
                     measured[cid] = (toks, req_steps)
@@ -556,6 +589,17 @@ def format_table(table: dict) -> str:
         "tok/step: acceptance (tokens per request per step, pooled over the buckets); "
         "tok/s = batch * tok/step / step time; chosen: the most tok/s"
     )
+    eos = [
+        (e["batch"], k)
+        for e in table["entries"]
+        if (k := max((c.get("eos_requests") or 0 for c in e["candidates"]), default=0))
+    ]
+    if eos and table.get("drafter") == "mtp":
+        lines.append(
+            "EOS: decoded past as an ordinary token by up to "
+            + ", ".join(f"{k} of {b}" for b, k in eos)
+            + " requests: their text past it is not the workload's"
+        )
     return "\n".join(lines)
 
 
