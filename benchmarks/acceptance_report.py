@@ -29,7 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def load_sets(n: int) -> dict[str, list[str]]:
     with open(os.path.join(HERE, "data", "humaneval_prompts.jsonl")) as f:
-        he = [json.loads(x)["prompt"] for x in f][:n]
+        # trailing newline stripped, as the bench and the calibration do (`calibrate.prompt_token_ids`:
+        # the demo model reads HumanEval's final bare newline as the end of a file)
+        he = [json.loads(x)["prompt"].rstrip() for x in f][:n]
     spec_path = os.environ.get(
         "SPEC_BENCH", os.path.join(HERE, "..", "..", "shared", "data", "spec_bench_question.jsonl")
     )
