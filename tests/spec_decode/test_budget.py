@@ -1052,8 +1052,9 @@ def test_bench_and_calibration_measure_the_same_acceptance_past_an_eos(model_dir
     from bole_jax.llm import LLM
 
     texts = ["def add(a, b):\n    return a +", "Translate to French: good", "x = [1, 2,"]
-    ids = calibrate.prompt_token_ids(LLM(model_dir).tokenizer, texts, 64)
-    first = LLM(model_dir).generate([ids[0]], max_new_tokens=1, spec="ar")[0].token_ids[0]
+    base = LLM(model_dir)
+    ids = calibrate.prompt_token_ids(base.tokenizer, texts, 64)
+    first = base.generate([ids[0]], max_new_tokens=1, spec="ar")[0].token_ids[0]
     d = tmp_path / "model"  # the same model, its EOS the first greedy token of prompt 0
     shutil.copytree(model_dir, d)
     conf = json.loads((d / "config.json").read_text())
