@@ -3,6 +3,7 @@
     python benchmarks/bench_capacity.py --preset qwen3.5-27b --context 4096 --out DIR
     python benchmarks/bench_capacity.py --preset qwen3.5-9b --context 16384 --fractions 1 0.5
     python benchmarks/bench_capacity.py --preset tiny --memory-gb 0.05 --context 256 --quick  # CPU
+    python benchmarks/bench_capacity.py --merge RUN1.json RUN2.json --out DIR  # one table
 
 The serving engine's memory plan (`bole_jax.serving.memory`: per request the KV cache at
 --context tokens, the GDN and conv states, the drafter's cache, and each mode's verify transient:
@@ -24,6 +25,7 @@ writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, ever
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -41,6 +43,7 @@ from bole_jax.spec_decode.acceptance import synthetic_accept_prob  # noqa: E402
 from bole_jax.spec_decode.step import SpecConfig  # noqa: E402
 
 MODES = ("ar", "chain", "pernode", "bole", "bole-chain")
+UNCAPPED = 1 << 20  # the plan's batch cap when counting what a budget admits
 # bole-chain: the chain's shape (one child per node, depth + 1 nodes) verified by bole: the chain's
 # draft and acceptance, bole's factors instead of the chain's per-position state snapshots.
 
@@ -84,6 +87,13 @@ def parse(argv=None):
     ap.add_argument("--quick", action="store_true", help="bench's smoke settings")
     ap.add_argument("--out", default="benchmarks/results/capacity")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="print and plot the rows of earlier runs' capacity JSONs together (one preset and "
+        "context; runs on separate machines or calls) into <out>; default: off, run the grid",
+    )
     a = ap.parse_args(argv)
     try:
         bench.check_context(a.context)
@@ -122,29 +132,32 @@ def spec_for(mode: str, a, p: float) -> SpecConfig | None:
 
 
 def admitted(cfg, a, p, dtype, budget_bytes: int, gen: int) -> dict:
-    """{mode: (largest batch, bytes per request by part)} under `budget_bytes`."""
+    """{mode: (timed batch, requests the budget admits, bytes per request by part)} under
+    `budget_bytes`; the timed batch is the admitted count capped by --max-batch."""
     out = {}
     for m in a.modes:
         parts = slot_bytes(cfg, a.context, gen, spec_for(m, a, p), dtype)
         try:
             plan = plan_memory(
                 sum(parts.values()),
-                a.max_batch,
+                UNCAPPED,
                 memory_gb=budget_bytes / 2**30,
                 prefix_cache_gb=0,
                 memory_fraction=1.0,
             )
-            n = plan.num_slots
+            slots = plan.num_slots
         except ValueError:  # not one request fits
-            n = 0
+            slots = 0
         # timed at exactly the admitted batch (capped by --max-batch), as the serving engine runs
         # its slots: the state is laid out with that many rows, no power-of-two padding
-        out[m] = (n, n, parts)
+        out[m] = (min(slots, a.max_batch), slots, parts)
     return out
 
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.merge:
+        return merge(a, argv)
     cfg = preset(a.preset, mtp=True)
     dtype = a.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     free = free_bytes(cfg, dtype)
@@ -222,6 +235,46 @@ def main(argv=None) -> int:
     return 0
 
 
+def merge(a, argv=None) -> int:
+    """The rows of several capacity JSONs in one table, JSON and plot; each row keeps its source
+    (file, command, commit). Runs of different presets, contexts or dtypes are refused."""
+    recs = []
+    for path in a.merge:
+        with open(path) as f:
+            recs.append((path, json.load(f)))
+    keys = {(r["args"]["preset"], r["args"]["context"], r["dtype"]) for _, r in recs}
+    if len(keys) != 1:
+        raise SystemExit(f"--merge: the runs differ in (preset, context, dtype): {sorted(keys)}")
+    preset_name = recs[0][1]["args"]["preset"]
+    rows, modes = [], set()
+    for path, r in recs:
+        for row in r["rows"]:
+            row = dict(row, source=path, max_batch=r["args"]["max_batch"])
+            rows.append(row)
+            modes |= {m for m in MODES if m in row}
+    modes = [m for m in MODES if m in modes]
+    rows.sort(key=lambda r: (r["accept_mean"], -r["budget_gib"]))
+    for acc in sorted({r["accept_mean"] for r in rows}):
+        print_rows([r for r in rows if r["accept_mean"] == acc], modes)
+    record = dict(
+        command=" ".join(sys.argv if argv is None else ["bench_capacity.py", *argv]),
+        sources=[
+            dict(path=path, command=r["command"], env=r["env"], args=r["args"]) for path, r in recs
+        ],
+        env=recs[0][1]["env"],
+        dtype=recs[0][1]["dtype"],
+        rows=rows,
+        method=recs[0][1].get("method"),
+    )
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"capacity_{preset_name}.json")
+    bench.write_json(path, record)
+    print(f"wrote {path}")
+    if not a.no_plots:
+        plot(rows, modes, os.path.join(a.out, f"capacity_{preset_name}.png"), preset_name)
+    return 0
+
+
 def compiled_fit(parts: dict, n: int, row: dict | None, budget: float) -> dict:
     """The plan checked against the compiled decode loop: the batch's state (every part but the
     step transient, n rows) plus the loop's temporaries (XLA's memory analysis; they hold the
@@ -255,7 +308,9 @@ def print_rows(rows, modes) -> None:
     table = []
     for r in rows:
         for m in modes:
-            c = r[m]
+            c = r.get(m)
+            if c is None:  # a merged run that did not time this mode
+                continue
             table.append(
                 dict(
                     acc=r["accept_mean"],
@@ -302,7 +357,11 @@ def plot(results, modes, path, tag) -> None:
             (r for r in results if r["accept_mean"] == acc), key=lambda r: r["budget_gib"]
         )
         for m in modes:
-            pts = [(r["budget_gib"], r[m]["tokens_per_s"]) for r in rows if r[m]["tokens_per_s"]]
+            pts = [
+                (r["budget_gib"], r[m]["tokens_per_s"])
+                for r in rows
+                if r.get(m) and r[m]["tokens_per_s"]
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
         ax.set(xlabel="memory budget (GiB)", ylabel="output tokens / s", title=f"{tag}, acc {acc}")

@@ -35,10 +35,13 @@ def test_capacity_bench_tiny(tmp_path):
         for m in cap.MODES:
             c = row[m]
             assert c["error"] is None and c["tokens_per_s"] > 0, (m, c)
-            # each mode is timed at exactly the batch the budget admits (<= --max-batch)
-            assert c["batch"] == c["admitted"] <= 8
-            # what the plan admits fits the budget (one request kept back for the prefill)
-            assert (c["admitted"] + 1) * c["request_mib"] <= row["budget_gib"] * 1024 + 1e-6
+            # each mode is timed at exactly the batch the budget admits, capped by --max-batch
+            assert c["batch"] == min(c["admitted"], 8) and c["batch"] >= 1
+            # what the plan admits fits the budget (one request kept back for the prefill), and
+            # one more request would not
+            budget_mib = row["budget_gib"] * 1024
+            assert (c["admitted"] + 1) * c["request_mib"] <= budget_mib + 1e-6
+            assert (c["admitted"] + 2) * c["request_mib"] > budget_mib
             # checked against the compiled loop too: its temporaries replace the estimate
             assert c["step_temp_mib"] > 0 and isinstance(c["fits_compiled"], bool), c
             state = c["request_mib"] - c["parts_mib"]["step_transient"]
@@ -52,6 +55,26 @@ def test_capacity_bench_tiny(tmp_path):
         assert row["chain"]["request_mib"] > row["bole-chain"]["request_mib"]
         assert row["chain"]["admitted"] <= row["bole-chain"]["admitted"]
     assert half["pernode"]["admitted"] < full["pernode"]["admitted"]
+
+    # --merge: the rows of separate runs in one table and JSON, each with its source
+    other = dict(rec, rows=[half], command="second run")
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    merged = tmp_path / "merged"
+    srcs = [str(out / "capacity_tiny.json"), str(tmp_path / "b.json")]
+    argv_m = ["--merge", *srcs, "--out", str(merged), "--no-plots"]
+    assert cap.main(argv_m) == 0
+    m = json.loads((merged / "capacity_tiny.json").read_text())
+    assert [s["command"] for s in m["sources"]] == [rec["command"], "second run"]
+    assert [(r["fraction"], r["source"]) for r in m["rows"]] == [
+        (1.0, srcs[0]),
+        (0.5, srcs[0]),
+        (0.5, srcs[1]),
+    ]
+    assert m["rows"][1]["bole"] == half["bole"]
+    # runs of another preset or context are refused
+    (tmp_path / "c.json").write_text(json.dumps(dict(rec, args=dict(rec["args"], context=512))))
+    with pytest.raises(SystemExit, match="differ"):
+        cap.main(["--merge", srcs[0], str(tmp_path / "c.json"), "--out", str(merged)])
 
 
 def test_capacity_bench_rejects_bad_context():
