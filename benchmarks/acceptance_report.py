@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from bole_jax.llm import LLM  # noqa: E402
 from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure.calibrate import measurement_text  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,16 +30,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def load_sets(n: int) -> dict[str, list[str]]:
     with open(os.path.join(HERE, "data", "humaneval_prompts.jsonl")) as f:
-        # trailing newline stripped, as the bench and the calibration do (`calibrate.prompt_token_ids`:
-        # the demo model reads HumanEval's final bare newline as the end of a file)
-        he = [json.loads(x)["prompt"].rstrip() for x in f][:n]
+        # stripped as the bench and the calibration strip them (the demo model reads HumanEval's
+        # final bare newline as the end of a file)
+        he = [measurement_text(json.loads(x)["prompt"]) for x in f][:n]
     spec_path = os.environ.get(
         "SPEC_BENCH", os.path.join(HERE, "..", "..", "shared", "data", "spec_bench_question.jsonl")
     )
     if not os.path.exists(spec_path):
         spec_path = os.path.join(HERE, "data", "spec_bench_question.jsonl")
     with open(spec_path) as f:
-        sb = [json.loads(x)["turns"][0] for x in f]
+        sb = [measurement_text(json.loads(x)["turns"][0]) for x in f]
     step = max(1, len(sb) // n)  # spread over the 6 categories
     return {"humaneval": he, "spec_bench": sb[::step][:n]}
 

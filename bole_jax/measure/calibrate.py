@@ -118,7 +118,13 @@ def prompt_token_ids(tokenizer, prompts: Sequence[str], prompt_len: int) -> list
     were 6.67 (chain) and 7.31 (32-node tree) with the raw prompts, 5.48 and 6.84 stripped (CPU,
     bf16). Code-evaluation harnesses strip HumanEval prompts for the same reason.
     Spec-Bench's questions end in text and are unchanged by it."""
-    return [t for t in (tokenizer.encode(p.rstrip())[-prompt_len:] for p in prompts) if t]
+    return [t for t in (tokenizer.encode(measurement_text(p))[-prompt_len:] for p in prompts) if t]
+
+
+def measurement_text(prompt: str) -> str:
+    """A measurement prompt as the bench, the calibration and the acceptance report feed it: its
+    trailing whitespace stripped (`prompt_token_ids` says why)."""
+    return prompt.rstrip()
 
 
 def ignore_eos(state):
@@ -493,7 +499,7 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool) -> dict:
         )
         low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
         jobs[cid] = pool.submit(low.compile)
-    return dict(batch=b, base=base, llms=llms, specs=specs, jobs=jobs)
+    return dict(batch=b, base=base, llms=llms, specs=specs, jobs=jobs, synthetic=p is not None)
 
 
 def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
@@ -519,7 +525,12 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
                 for w in range(repeats):
                     r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
                     windows.append(r)
-                eos = eos_requests(state, b, getattr(llm, "eos_ids", ()))
+                # random prompts and forced chains: no text whose end EOS could mark
+                eos = (
+                    None
+                    if prep["synthetic"]
+                    else eos_requests(state, b, getattr(llm, "eos_ids", ()))
+                )
                 del state
                 # The fastest window: the programs are fixed-shape, so slower windows measure other
                 # processes sharing the machine, not the configuration.

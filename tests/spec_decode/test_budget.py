@@ -1104,3 +1104,21 @@ def test_measurement_prompts_and_ignore_eos(model_dir):
     fake = types.SimpleNamespace(out=np.array([[5, 0, 3], [1, 2, 0]]), num_out=np.array([3, 2]))
     assert calibrate.eos_requests(fake, 2, (0,)) == 1
     assert calibrate.eos_requests(fake, 2, (-1,)) == 0
+
+
+def test_a_synthetic_calibration_counts_no_eos(tiny):
+    """The synthetic drafter decodes random prompts along forced chains: there is no text whose end
+    an EOS could mark, so its table records `eos_requests` as None (as the bench does), where a
+    real drafter's records a count."""
+    from bole_jax.llm import LLM
+
+    cfg, params = tiny
+    llm = LLM(cfg, params=params, max_batch_size=2)
+    table = calibrate.calibrate(
+        llm, (2,), (4,), (2,), topk=2, modes=("ar", "chain"), accept_prob=0.5, progress=False
+    )
+    timed = [c for c in table["entries"][0]["candidates"] if "step_ms" in c]
+    assert [c["mode"] for c in timed] == ["ar", "chain"]
+    assert all(c["eos_requests"] is None for c in timed)
+    table = calibrate.calibrate(llm, (2,), (4,), (2,), topk=2, modes=("ar",), progress=False)
+    assert table["entries"][0]["candidates"][0]["eos_requests"] in (0, 1, 2)
