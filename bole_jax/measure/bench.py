@@ -626,6 +626,13 @@ def _check_e2e_args(a) -> None:
         )
     if a.preset is not None and a.prompts_file is not None:
         raise ValueError("--prompts-file goes with --model (presets decode random prompts)")
+    if getattr(a, "prompt_sets", 1) < 1:
+        raise ValueError(f"--prompt-sets must be >= 1, got {a.prompt_sets}")
+    if getattr(a, "prompt_sets", 1) > 1 and a.model is None:
+        raise ValueError(
+            "--prompt-sets goes with --model (a preset's random prompts and synthetic drafter "
+            "measure the same acceptance in every set)"
+        )
     if a.prompts_file is not None and not os.path.isfile(a.prompts_file):
         raise FileNotFoundError(f"prompts file not found: {a.prompts_file}")
     if not a.batch or min(a.batch) < 1:
@@ -918,6 +925,86 @@ def unpark(p):
     return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
 
 
+def prompt_sets(ids: list, b: int, k: int) -> list[list]:
+    """Up to `k` disjoint sets of `b` prompts for a batch of `b` (`--prompt-sets`): set j holds
+    prompts j*b .. j*b + b - 1; as many whole sets as the prompts give, at least one (the first b,
+    cycled where there are fewer)."""
+    n = max(1, min(k, len(ids) // b))
+    return [[ids[(j * b + i) % len(ids)] for i in range(b)] for j in range(n)]
+
+
+def pool_windows(windows: list[dict]) -> dict:
+    """Timed windows of one program on several prompt sets as one measurement: their tokens,
+    steps and times summed (step time = total time / total loop steps)."""
+    if len(windows) == 1:
+        return windows[0]
+    tot = {k: sum(w[k] for w in windows) for k in ("time_s", "tokens", "loop_steps")}
+    req = sum(w["request_steps"] for w in windows)
+    return dict(
+        windows[0],
+        **tot,
+        request_steps=req,
+        step_ms=1e3 * tot["time_s"] / max(tot["loop_steps"], 1),
+        tokens_per_s=tot["tokens"] / tot["time_s"],
+        tokens_per_step=tot["tokens"] / max(req, 1),
+        set_step_ms=[w["step_ms"] for w in windows],
+        set_tokens_per_step=[w["tokens_per_step"] for w in windows],
+    )
+
+
+class _SetStates:
+    """A batch's further prompt sets (`--prompt-sets`, real drafters only): each prefilled once,
+    in the first set's layout and KV capacity, and decoded by every mode's compiled program like
+    the first set; AR's outputs kept as each set's agreement reference."""
+
+    def __init__(self, pl: dict, sets: list, gen: int, stop_at_eos: bool):
+        self.pl, self.sets, self.gen, self.stop_at_eos = pl, sets, gen, stop_at_eos
+        self.bases, self.ar_out, self.outs, self.eos = {}, {}, {}, {}
+        longest = max(map(len, pl["ids"]))
+        self.extra = {
+            j: pl["extra_capacity"] + longest - max(map(len, ids)) for j, ids in enumerate(sets)
+        }
+
+    def base(self, j: int):
+        if j not in self.bases:
+            pl = dict(self.pl, ids=self.sets[j], extra_capacity=self.extra[j])
+            self.bases[j] = _prefill(pl, self.gen, False, self.stop_at_eos)
+        return self.bases[j]
+
+    def run(self, m, run, params, rm, spec, cfg, warm, steps, gen) -> list[dict]:
+        """Mode `m`'s timed window on every further set (AR then runs to the end of `gen`)."""
+        windows, n = [], len(self.pl["ids"])
+        eos_ids = self.pl["llms"][m].eos_ids
+        for j in range(len(self.sets)):
+            state = _derive_state(self.base(j), rm, spec, cfg)
+            r, state = timed_segment(run, params, state, warm, steps, n)
+            windows.append(r)
+            if m == "ar":
+                state = run(params, state, jnp.int32(gen))
+                self.ar_out[j] = np.asarray(state.out)
+            self.outs[m, j] = (np.asarray(state.num_out), np.asarray(state.out))
+            if not self.stop_at_eos:
+                self.eos[m] = self.eos.get(m, 0) + eos_requests(state, n, eos_ids)
+            del state
+        return windows
+
+    def same(self, m) -> list:
+        """Per request of the further sets: its tokens equal to AR's (a boolean array)."""
+        out = []
+        for j in range(len(self.sets)):
+            if (m, j) not in self.outs or j not in self.ar_out:
+                continue
+            num, toks = self.outs[m, j]
+            ref = self.ar_out[j]
+            out += [toks[i, : num[i]] == ref[i, : num[i]] for i in range(len(self.pl["ids"]))]
+        return out
+
+    def close(self) -> None:
+        for st in self.bases.values():
+            _delete(st)
+        self.bases.clear()
+
+
 def run_e2e(a) -> dict:
     """Offline decode throughput of the selected modes at each batch size, side by side.
 
@@ -979,6 +1066,14 @@ def run_e2e(a) -> dict:
         )
         for b in a.batch
     }
+    sets = {b: prompt_sets(ids_all, b, getattr(a, "prompt_sets", 1)) for b in a.batch}
+    for b in a.batch:  # every set of a batch prefilled to the same KV capacity (one program)
+        pad = max(len(x) for st in sets[b] for x in st) - max(map(len, plan[b]["ids"]))
+        plan[b]["extra_capacity"] += pad
+        if plan[b]["fill"]:  # --context: the capacity stays the context, the filler gives way
+            if pad > plan[b]["fill"]:
+                raise ValueError(f"--context {a.context} < the longest prompt set's need")
+            plan[b]["fill"] -= pad
 
     t = time.perf_counter()
     workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
@@ -1089,6 +1184,7 @@ def run_e2e(a) -> dict:
         fresh = lambda: _prefill(pl, gen, p is not None, a.stop_at_eos)  # noqa: E731
         n = len(pl["ids"])
         ar_out = oracle = None
+        more = _SetStates(pl, sets[b][1:], gen, a.stop_at_eos)  # --prompt-sets: sets 1..K-1
         for m in pl["llms"]:
             reason = (
                 "time budget"
@@ -1136,6 +1232,7 @@ def run_e2e(a) -> dict:
                     state = run(params, state, jnp.int32(gen))
                     ar_out = np.asarray(state.out)
                     oracle = synthetic_oracle(ar_out)
+                windows = [r] + more.run(m, run, params, rm, spec, cfg, a.warm, a.steps, gen)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 errors.append(dict(batch=b, mode=m, error=_short(e)))
@@ -1145,9 +1242,11 @@ def run_e2e(a) -> dict:
             agree, diverge = None, None
             if ar_out is not None:
                 same = [out[i, : num_out[i]] == ar_out[i, : num_out[i]] for i in range(n)]
-                agree = float(np.mean([np.mean(x) for x in same]))
-                # per request: the first generated position that differs from AR (None: identical)
+                # per request of the first set: the first generated position that differs from
+                # AR (None: identical); the agreement is over the requests of every set
                 diverge = [None if x.all() else int(np.argmin(x)) for x in same]
+                agree = float(np.mean([np.mean(x) for x in same + more.same(m)]))
+            r = pool_windows(windows)
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
             try:  # the compiled loop's temporaries (bench_capacity checks the plan against them)
@@ -1158,7 +1257,7 @@ def run_e2e(a) -> dict:
             # requests whose text went past an EOS (kept as an ordinary token: `ignore_eos`); a
             # real model's tokens there are no longer the workload's
             n_eos = (
-                eos_requests(state, n, pl["llms"][m].eos_ids)
+                eos_requests(state, n, pl["llms"][m].eos_ids) + more.eos.get(m, 0)
                 if p is None and not a.stop_at_eos
                 else None
             )
@@ -1187,6 +1286,7 @@ def run_e2e(a) -> dict:
                 ar_agreement=agree,
                 ar_first_divergence=diverge,
                 eos_requests=n_eos,
+                prompt_sets=len(windows),
                 kv_capacity=cap,
                 step_temp_mib=None if temp is None else temp / 2**20,
                 **memory_per_request(cfg, rm, nodes if spec else 0, cap, dtype),
@@ -1205,7 +1305,8 @@ def run_e2e(a) -> dict:
                 f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
                 f"  {r['tokens_per_step']:.2f} tok/step"
                 + (f"  agree {agree:.3f}" if agree is not None else "")
-                + (f"  EOS emitted by {n_eos} of {n} (decoded past it)" if n_eos else "")
+                + (f"  EOS emitted by {n_eos} (decoded past it)" if n_eos else "")
+                + (f"  ({len(windows)} prompt sets pooled)" if len(windows) > 1 else "")
             )
             stage_progs = {s: progs.get((b, m, s)) for s in STAGES}
             if b == bd_batch and all(stage_progs.values()) and time.perf_counter() > deadline:
@@ -1236,6 +1337,7 @@ def run_e2e(a) -> dict:
                 _delete(state)
             del state
         del base
+        more.close()
     phases["run_s"] = time.perf_counter() - t
     # Where a mode first left AR's tokens (the first 4 such requests, if time remains): AR's
     # top-2 logit gap there, and how far below AR's top logit the mode's token was (its rank):

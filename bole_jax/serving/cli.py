@@ -589,6 +589,14 @@ def add_bench_args(ap) -> None:
         action="store_true",
         help="let EOS end requests (default: ignore EOS, full batches throughout)",
     )
+    ap.add_argument(
+        "--prompt-sets",
+        type=int,
+        default=1,
+        help="with --model: time each batch on up to this many disjoint sets of the prompts "
+        "and pool them (B = 1 then measures several requests, not only the file's first; "
+        "default: %(default)s, the first B prompts)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random weights, prompts and sampling")
     add_draft_vocab_arg(ap)
     add_tp_arg(ap)

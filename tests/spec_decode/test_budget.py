@@ -1122,3 +1122,46 @@ def test_a_synthetic_calibration_counts_no_eos(tiny):
     assert all(c["eos_requests"] is None for c in timed)
     table = calibrate.calibrate(llm, (2,), (4,), (2,), topk=2, modes=("ar",), progress=False)
     assert table["entries"][0]["candidates"][0]["eos_requests"] in (0, 1, 2)
+
+
+def test_bench_prompt_sets_pool_disjoint_prompts(tmp_path):
+    """`bench --prompt-sets K`: a batch of 1 decodes K different prompts (each set prefilled to the
+    first set's KV capacity, so one program serves all of them) and pools them: the tokens and
+    request steps are those of the same prompts decoded as one batch, and every set's speculative
+    output is compared with AR on that set (fp32: identical)."""
+    texts = [
+        "def add(a, b):\n    return a +",
+        "Translate to French: good morning, how are you today?",
+        "x = [1,",
+        "unused",
+    ]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    import bole_jax
+
+    demo = str(Path(bole_jax.__file__).parent / "default_model")  # a trained drafter
+    argv = ["bench", "--model", demo, "--prompts-file", str(f), "--modes", "ar"]
+    argv += ["chain", "--depth", "2", "--warm", "1", "--steps", "3", "--breakdown-batch", "0"]
+    argv += ["--no-plots", "--compile-cache", "none", "--dtype", "float32"]
+
+    def rows(extra, out):
+        res = bench.run_e2e(cli.build_parser().parse_args([*argv, *extra, "--out", out]))
+        assert not res["errors"], res["errors"]
+        return {r["mode"]: r for r in res["rows"]}
+
+    pooled = rows(["--batch", "1", "--prompt-sets", "3"], str(tmp_path / "a"))
+    batch3 = rows(["--batch", "3"], str(tmp_path / "b"))
+    for m in ("ar", "chain"):
+        r = pooled[m]
+        assert r["prompt_sets"] == 3 and len(r["set_tokens_per_step"]) == 3
+        assert r["request_steps"] == batch3[m]["request_steps"] == 3 * 3
+        assert r["tokens"] == batch3[m]["tokens"]
+    assert pooled["chain"]["ar_agreement"] == 1.0
+    # three prompts, three different acceptances: pooled, not the first one's
+    assert len(set(pooled["chain"]["set_tokens_per_step"])) > 1
+    assert bench.prompt_sets([[1], [2], [3]], 2, 4) == [[[1], [2]]]  # whole sets only
+    assert bench.prompt_sets([[1]], 2, 1) == [[[1], [1]]]  # fewer prompts than the batch: cycled
+    with pytest.raises(ValueError, match="--prompt-sets goes with --model"):
+        bench.run_e2e(
+            cli.build_parser().parse_args(["bench", "--preset", "tiny", "--prompt-sets", "2"])
+        )
