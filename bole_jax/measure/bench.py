@@ -738,8 +738,10 @@ def ar_top2_gap(llm, prompt, cont, pos: int) -> float:
     return top2_gap(ar_logits(llm, prompt, cont, pos))
 
 
-def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
-    """Tree width / budget for this batch and one LLM per mode (all sharing `params`)."""
+def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen, longest=None) -> dict:
+    """Tree width / budget for this batch and one LLM per mode (all sharing `params`). longest:
+    the longest prompt the batch's state must hold (default: of `ids`; `--prompt-sets`: of every
+    set, so that each set is prefilled to the same KV capacity and one program serves them)."""
     from bole_jax.llm import LLM
     from bole_jax.spec_decode import budget as budget_mod
 
@@ -749,7 +751,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
         spec_modes = [m for m in spec_modes if m in only.get(b, ())]
         run_ar = run_ar and ("ar" in only.get(b, ()) or (p is not None and bool(spec_modes)))
     dtype = params["embed"].dtype
-    kv_guess = 1 << (max(map(len, ids)) + gen).bit_length()
+    longest = longest or max(map(len, ids))
+    kv_guess = 1 << (longest + gen).bit_length()
     nv = (
         int(params["mtp"]["draft_ids"].shape[0])
         if draft_vocab_mod.has_draft_vocab(params)
@@ -831,12 +834,13 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen) -> dict:
     if getattr(a, "context", None):
         # Each request's KV holds `context` tokens: its prompt, filler rows (read by attention
         # like real context), then the generation. Capacity = context (a power of two).
-        need = max(map(len, ids)) + gen + max(slack.values()) + 1
+        need = longest + gen + max(slack.values()) + 1
         fill = a.context - need
         if fill < 0:
             raise ValueError(f"--context {a.context} < prompt + generation ({need} tokens)")
     return dict(
         ids=ids,
+        longest=longest,
         fill=fill,
         choice=choice,
         engine_choice=echoice,
@@ -871,7 +875,8 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
         pl["ids"],
         gen,
         mode=rm,
-        extra_capacity=pl["extra_capacity"] + pl["fill"],
+        # every prompt set of the batch at the capacity of its longest prompt
+        extra_capacity=pl["extra_capacity"] + pl["longest"] - max(map(len, pl["ids"])) + pl["fill"],
         oracle=oracle,
         rows=pl["rows"],
     )
@@ -933,6 +938,12 @@ def prompt_sets(ids: list, b: int, k: int) -> list[list]:
     return [[ids[(j * b + i) % len(ids)] for i in range(b)] for j in range(n)]
 
 
+def same_as_ar(state, ar_out: np.ndarray, n: int) -> list[np.ndarray]:
+    """Per request of the first `n`: which of its emitted tokens equal AR's (a boolean array)."""
+    num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+    return [out[i, : num_out[i]] == ar_out[i, : num_out[i]] for i in range(n)]
+
+
 def pool_windows(windows: list[dict]) -> dict:
     """Timed windows of one program on several prompt sets as one measurement: their tokens,
     steps and times summed (step time = total time / total loop steps)."""
@@ -959,15 +970,11 @@ class _SetStates:
 
     def __init__(self, pl: dict, sets: list, gen: int, stop_at_eos: bool):
         self.pl, self.sets, self.gen, self.stop_at_eos = pl, sets, gen, stop_at_eos
-        self.bases, self.ar_out, self.outs, self.eos = {}, {}, {}, {}
-        longest = max(map(len, pl["ids"]))
-        self.extra = {
-            j: pl["extra_capacity"] + longest - max(map(len, ids)) for j, ids in enumerate(sets)
-        }
+        self.bases, self.ar_out, self.same, self.eos = {}, {}, {}, {}
 
     def base(self, j: int):
         if j not in self.bases:
-            pl = dict(self.pl, ids=self.sets[j], extra_capacity=self.extra[j])
+            pl = dict(self.pl, ids=self.sets[j])
             self.bases[j] = _prefill(pl, self.gen, False, self.stop_at_eos)
         return self.bases[j]
 
@@ -982,22 +989,13 @@ class _SetStates:
             if m == "ar":
                 state = run(params, state, jnp.int32(gen))
                 self.ar_out[j] = np.asarray(state.out)
-            self.outs[m, j] = (np.asarray(state.num_out), np.asarray(state.out))
+            if j in self.ar_out:  # each request's tokens against AR's on this set
+                same = same_as_ar(state, self.ar_out[j], n)
+                self.same[m] = self.same.get(m, []) + same
             if not self.stop_at_eos:
                 self.eos[m] = self.eos.get(m, 0) + eos_requests(state, n, eos_ids)
             del state
         return windows
-
-    def same(self, m) -> list:
-        """Per request of the further sets: its tokens equal to AR's (a boolean array)."""
-        out = []
-        for j in range(len(self.sets)):
-            if (m, j) not in self.outs or j not in self.ar_out:
-                continue
-            num, toks = self.outs[m, j]
-            ref = self.ar_out[j]
-            out += [toks[i, : num[i]] == ref[i, : num[i]] for i in range(len(self.pl["ids"]))]
-        return out
 
     def close(self) -> None:
         for st in self.bases.values():
@@ -1053,27 +1051,21 @@ def run_e2e(a) -> dict:
         f"modes {a.modes}, batches {a.batch}, {gen} tokens per request"
         + (f", synthetic drafter p={p:.4f}" if p is not None else "")
     )
+    sets = {b: prompt_sets(ids_all, b, getattr(a, "prompt_sets", 1)) for b in a.batch}
     plan = {
         b: _plan_batch(
             a,
             cfg,
             params,
-            [ids_all[i % len(ids_all)] for i in range(b)],
+            sets[b][0],
             spec_modes,
             run_ar,
             p,
             gen,
+            longest=max(len(x) for st in sets[b] for x in st),
         )
         for b in a.batch
     }
-    sets = {b: prompt_sets(ids_all, b, getattr(a, "prompt_sets", 1)) for b in a.batch}
-    for b in a.batch:  # every set of a batch prefilled to the same KV capacity (one program)
-        pad = max(len(x) for st in sets[b] for x in st) - max(map(len, plan[b]["ids"]))
-        plan[b]["extra_capacity"] += pad
-        if plan[b]["fill"]:  # --context: the capacity stays the context, the filler gives way
-            if pad > plan[b]["fill"]:
-                raise ValueError(f"--context {a.context} < the longest prompt set's need")
-            plan[b]["fill"] -= pad
 
     t = time.perf_counter()
     workers = cf.ThreadPoolExecutor(a.compile_workers)  # prefill compilations overlap too
@@ -1238,14 +1230,14 @@ def run_e2e(a) -> dict:
                 errors.append(dict(batch=b, mode=m, error=_short(e)))
                 say(f"[bench] B={b} {m}: failed ({_short(e)})")
                 continue
-            num_out, out = np.asarray(state.num_out), np.asarray(state.out)
+            out = np.asarray(state.out)
             agree, diverge = None, None
             if ar_out is not None:
-                same = [out[i, : num_out[i]] == ar_out[i, : num_out[i]] for i in range(n)]
+                same = same_as_ar(state, ar_out, n)
                 # per request of the first set: the first generated position that differs from
                 # AR (None: identical); the agreement is over the requests of every set
                 diverge = [None if x.all() else int(np.argmin(x)) for x in same]
-                agree = float(np.mean([np.mean(x) for x in same + more.same(m)]))
+                agree = float(np.mean([np.mean(x) for x in same + more.same.get(m, [])]))
             r = pool_windows(windows)
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
