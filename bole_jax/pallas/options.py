@@ -12,6 +12,7 @@ them at import.
 
     field               variable                  values
     tree_gdn_bf16       BOLE_TREE_GDN_BF16        1 / 0 (default 1)
+    tree_gdn_state      BOLE_TREE_GDN_STATE       bf16 | tf32 | fp32 (default bf16)
     mosaic              BOLE_TREE_GDN_MOSAIC      1 / 0 (default 1)
     commit_fold         BOLE_COMMIT_FOLD          auto | unroll | dot | loop (default auto)
     lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
@@ -27,10 +28,12 @@ import os
 
 COMMIT_FOLDS = ("auto", "unroll", "dot", "loop")
 LAZY_ROWS = ("path", "gather")
+STATE_NUMERICS = ("bf16", "tf32", "fp32")
 BACKENDS = ("auto", "pallas", "reference")
 
 _ENV = dict(
     tree_gdn_bf16="BOLE_TREE_GDN_BF16",
+    tree_gdn_state="BOLE_TREE_GDN_STATE",
     mosaic="BOLE_TREE_GDN_MOSAIC",
     commit_fold="BOLE_COMMIT_FOLD",
     lazy_rows="BOLE_LAZY_ROWS",
@@ -48,6 +51,11 @@ class KernelOptions:
     tree_gdn_bf16: the tree verify's auto launch (`TreeGDNConfig.auto`) takes bf16 operands for
       K K^T, Q K^T and the state dots (fp32 accumulation); False keeps fp32 operands (TF32 on the
       GPU): slower, o error about 1.3e-3 instead of 3e-3 against fp64. Same launch shapes.
+    tree_gdn_state: the operands of the verify's state dots (K S, Q S: the committed state's
+      part of every node's output and of the factor u), where the one-token decode computes in
+      fp32: "bf16" (the state tile rounded to bf16, with tree_gdn_bf16), "tf32" (fp32 operands,
+      TF32 tensor-core dots) or "fp32" (fp32 operands, every fp32 dot of the verify in three
+      TF32 passes, ~fp32). Same launch shapes; the Mosaic verify only with "bf16".
     mosaic: the auto launch may pick the Mosaic GPU verify where it was measured faster
       (`mosaic_launch`; it also needs tree_gdn_bf16). False: always the Triton kernel.
     commit_fold: how the Pallas commit adds the accepted path's rows (`commit_launch`): "auto"
@@ -70,6 +78,7 @@ class KernelOptions:
     """
 
     tree_gdn_bf16: bool = True
+    tree_gdn_state: str = "bf16"
     mosaic: bool = True
     commit_fold: str = "auto"
     lazy_rows: str = "path"
@@ -86,6 +95,7 @@ class KernelOptions:
         for name, allowed in (
             ("commit_fold", COMMIT_FOLDS),
             ("lazy_rows", LAZY_ROWS),
+            ("tree_gdn_state", STATE_NUMERICS),
             ("gdn_decode_backend", BACKENDS),
             ("attention_backend", BACKENDS),
         ):

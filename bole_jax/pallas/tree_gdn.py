@@ -172,9 +172,11 @@ class TreeGDNConfig:
         else:
             fold = "unroll" if short and nodes > 8 else "loop"
         bf16 = options.tree_gdn_bf16
+        state = options.tree_gdn_state if bf16 else "tf32"  # tree_gdn_bf16=False: all fp32
         kw = dict(
             bf16_qk=bf16,
-            bf16_state=bf16,
+            bf16_state=state == "bf16",
+            precision="tf32x3" if options.tree_gdn_state == "fp32" else None,
             depth_bound=depth_bound,
             fold=fold,
             prefetch_fold=batch <= 4 and fold != "loop",
@@ -226,7 +228,12 @@ def mosaic_launch(
     exactly 64 nodes (fewer stay on Triton: padding the node axis to 64 in XLA cost more than
     the kernel saved), `options.tree_gdn_bf16` and `options.mosaic`."""
     if (
-        not (options.mosaic and options.tree_gdn_bf16 and tree_gdn_mgpu.AVAILABLE)
+        not (
+            options.mosaic
+            and options.tree_gdn_bf16
+            and options.tree_gdn_state == "bf16"
+            and tree_gdn_mgpu.AVAILABLE
+        )
         or depth_bound is None
     ):
         return None

@@ -122,3 +122,57 @@ def test_spec_step_refuses_options_that_differ():
     spec = SpecConfig(kernels=KernelOptions(mosaic=False))
     with pytest.raises(ValueError, match="build both from one KernelOptions"):
         spec_step(None, None, cfg=cfg, spec=spec)
+
+
+def test_state_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence():
+    """tree_gdn_state picks the state dots' operands (bf16 / fp32 on TF32 / ~fp32 in three
+    passes) of the auto launch and keeps the Mosaic verify to bf16; in interpret mode (fp32
+    dots) fp32 state operands bring the outputs and factors closer to the sequential
+    recurrence the one-token decode runs than bf16 ones do."""
+    from bole_jax.pallas import tree_gdn as tg
+    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
+
+    assert KernelOptions.from_env({"BOLE_TREE_GDN_STATE": "fp32"}).tree_gdn_state == "fp32"
+    with pytest.raises(ValueError, match="BOLE_TREE_GDN_STATE"):
+        KernelOptions.from_env({"BOLE_TREE_GDN_STATE": "fp16"})
+    for state, bf16_state, precision in (
+        ("bf16", True, None),
+        ("tf32", False, None),
+        ("fp32", False, "tf32x3"),
+    ):
+        launch = TreeGDNConfig.auto(16, 64, 9, KernelOptions(tree_gdn_state=state))
+        assert (launch.bf16_qk, launch.bf16_state, launch.precision) == (
+            True,
+            bf16_state,
+            precision,
+        )
+    if tg.tree_gdn_mgpu.AVAILABLE:  # the GPU image: the Mosaic route only with bf16 state dots
+        assert tg.mosaic_launch(16, 64, 128, 128, jnp.bfloat16, 9, KernelOptions()) is not None
+    assert (
+        tg.mosaic_launch(16, 64, 128, 128, jnp.bfloat16, 9, KernelOptions(tree_gdn_state="tf32"))
+        is None
+    )
+
+    rng = np.random.default_rng(1)
+    b, n = 2, 16
+    parents, num_nodes = random_trees(rng, b, n)
+    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
+    x["state"] = x["state"] * 4.0  # a committed state that dominates the outputs
+    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
+    o_ref, _ = tree_gdn_sequential(*args, parents, num_nodes)
+    err = {}
+    for bf16, state in ((True, "bf16"), (True, "fp32"), (False, "fp32")):
+        o, _ = tree_gdn_verify(
+            *args,
+            parents,
+            num_nodes,
+            backend="pallas",
+            interpret=True,
+            config=TreeGDNConfig.auto(
+                b, n, 9, KernelOptions(tree_gdn_bf16=bf16, tree_gdn_state=state)
+            ),
+            depth_bound=9,
+        )
+        err[bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    # the normalized q and k rounded to bf16 (tree_gdn_bf16) are most of the error left
+    assert err[False, "fp32"] < 1e-6 < err[True, "fp32"] < err[True, "bf16"], err
