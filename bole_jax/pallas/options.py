@@ -19,6 +19,7 @@ them at import.
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
     attention_backend   BOLE_ATTENTION_BACKEND    auto | pallas | reference (default reference)
+    interpret_numerics  BOLE_INTERPRET_NUMERICS   fp32 | device (default fp32)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ COMMIT_FOLDS = ("auto", "unroll", "dot", "loop")
 LAZY_ROWS = ("path", "gather")
 STATE_NUMERICS = ("bf16", "tf32", "fp32")
 BACKENDS = ("auto", "pallas", "reference")
+INTERPRET_NUMERICS = ("fp32", "device")
 
 _ENV = dict(
     tree_gdn_bf16="BOLE_TREE_GDN_BF16",
@@ -40,6 +42,7 @@ _ENV = dict(
     gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
     packed_verify="BOLE_PACKED_VERIFY",
     attention_backend="BOLE_ATTENTION_BACKEND",
+    interpret_numerics="BOLE_INTERPRET_NUMERICS",
 )
 _BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
 
@@ -75,6 +78,11 @@ class KernelOptions:
       (`layers.attend`): "reference" (plain jnp; XLA writes the fp32 scores out), "pallas" (the
       split-S kernel of `pallas/attention.py`, interpret mode off the GPU) or "auto" (the kernel
       on the GPU, the reference elsewhere). Not under tensor parallelism.
+    interpret_numerics: the tree verify kernel in interpret mode (backend "pallas" off the
+      GPU): "fp32" (every operand fp32, as the tests compare it with the fp32 reference) or
+      "device" (the launch the device's table picks, with its bf16 roundings and its TF32 dots
+      emulated: `TreeGDNConfig.emulate_tf32`), so that a CPU run reproduces the GPU's
+      rounding of the Triton verify. No effect on the device.
     """
 
     tree_gdn_bf16: bool = True
@@ -85,6 +93,7 @@ class KernelOptions:
     gdn_decode_backend: str = "auto"
     packed_verify: bool = True
     attention_backend: str = "reference"
+    interpret_numerics: str = "fp32"
 
     def __post_init__(self):
         for name in _BOOLS:
@@ -98,6 +107,7 @@ class KernelOptions:
             ("tree_gdn_state", STATE_NUMERICS),
             ("gdn_decode_backend", BACKENDS),
             ("attention_backend", BACKENDS),
+            ("interpret_numerics", INTERPRET_NUMERICS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

@@ -69,7 +69,7 @@ from bole_jax.pallas.tree_utils import (
     resolve_backend,
     tree_structure,
 )
-from bole_jax.pallas.triton_ops import PRECISIONS
+from bole_jax.pallas.triton_ops import PRECISIONS, TF32_EMULATED
 from bole_jax.pallas.triton_ops import dot as _dot
 from bole_jax.pallas.triton_ops import load as _load
 from bole_jax.pallas.triton_ops import store as _store
@@ -113,6 +113,9 @@ class TreeGDNConfig:
     prefetch_fold: the same for a pending lazy commit's rows (folds "unroll" and "dot"; one
       value tile per program, one value head): their loads, a `PendingPath`'s dependent ones
       included, issue before the N x N work instead of at the fold.
+    emulate_tf32: interpret mode only (no effect on the device): the dots the device takes at
+      TF32 (precision None) round their fp32 operands to TF32 first (`triton_ops.TF32_EMULATED`),
+      so that a CPU run reproduces the launch's rounding; the "tf32x3" ones stay fp32.
     """
 
     block_v: int | None = None
@@ -128,6 +131,7 @@ class TreeGDNConfig:
     fold: str = "loop"
     prefetch_state: bool = False
     prefetch_fold: bool = False
+    emulate_tf32: bool = False
 
     def with_fold(self, fold: str) -> "TreeGDNConfig":
         """This launch with another fold; `prefetch_fold` kept only where the fold allows it
@@ -320,7 +324,10 @@ def _tree_gdn_kernel(
     tpp = cfg.tiles_per_program
     bv = v_ref.shape[2] // tpp  # register tile; the program covers tpp of them
     tile, head_block = pl.program_id(0), pl.program_id(1)
-    prec = None if interpret else _PRECISIONS[cfg.precision]
+    if interpret:  # fp32, or the device's TF32 rounding emulated
+        prec = TF32_EMULATED if cfg.emulate_tf32 and cfg.precision is None else None
+    else:
+        prec = _PRECISIONS[cfg.precision]
     qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
     prec_fold = None if interpret else _PRECISIONS["tf32x3"]
@@ -839,13 +846,18 @@ def tree_gdn_verify(
         )
     if num_nodes is None:
         num_nodes = jnp.full((b,), n, jnp.int32)
-    # No config: the measured launch table on a device; plain fp32 operands in interpret mode
-    # (tests compare against the fp32 reference there).
-    cfg = config or (
-        TreeGDNConfig(depth_bound=depth_bound)
-        if interpret
-        else TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
-    )
+    # No config: the measured launch table on a device; in interpret mode plain fp32 operands
+    # (tests compare against the fp32 reference there), or with options.interpret_numerics
+    # "device" the table's launch with its roundings emulated (numerics studies on a CPU).
+    if config is not None:
+        cfg = config
+    elif not interpret:
+        cfg = TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
+    elif options.interpret_numerics == "device":
+        auto = TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
+        cfg = dataclasses.replace(auto, emulate_tf32=True)
+    else:
+        cfg = TreeGDNConfig(depth_bound=depth_bound)
     if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS or cfg.fold not in _FOLDS:
         raise ValueError(
             f"inverse must be one of {_INVERSES}, precision one of "

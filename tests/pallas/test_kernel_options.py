@@ -176,3 +176,50 @@ def test_state_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence
         err[bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
     # the normalized q and k rounded to bf16 (tree_gdn_bf16) are most of the error left
     assert err[False, "fp32"] < 1e-6 < err[True, "fp32"] < err[True, "bf16"], err
+
+
+def test_interpret_numerics_device_emulates_the_launch_roundings():
+    """interpret_numerics="device": interpret mode takes the table's launch with its bf16
+    operands and TF32 dots emulated, so a CPU run reproduces the device's rounding: further from
+    the sequential recurrence than the fp32 interpret default, and more so with bf16 state
+    operands than with fp32 ones (TF32-rounded); "fp32" is the default and keeps the fp32
+    launch."""
+    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
+    from bole_jax.pallas.triton_ops import TF32_EMULATED, dot, to_tf32
+
+    assert KernelOptions().interpret_numerics == "fp32"
+    assert KernelOptions.from_env({"BOLE_INTERPRET_NUMERICS": "device"}).interpret_numerics == (
+        "device"
+    )
+    with pytest.raises(ValueError, match="BOLE_INTERPRET_NUMERICS"):
+        KernelOptions.from_env({"BOLE_INTERPRET_NUMERICS": "tf32"})
+    x = jnp.asarray([1.0 + 2.0**-12, 1.0 + 2.0**-9], jnp.float32)
+    np.testing.assert_array_equal(to_tf32(x), [1.0, 1.0 + 2.0**-9])  # 10 mantissa bits kept
+    a = jnp.full((1, 1), 1.0 + 2.0**-12, jnp.float32)
+    assert float(dot(a, a, TF32_EMULATED)[0, 0]) == 1.0
+    assert float(dot(a, a)[0, 0]) > 1.0
+    with pytest.raises(ValueError, match="precision"):
+        dot(a, a, "tf16")
+
+    rng = np.random.default_rng(2)
+    b, n = 2, 16
+    parents, num_nodes = random_trees(rng, b, n)
+    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
+    x["state"] = x["state"] * 4.0
+    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
+    o_ref, _ = tree_gdn_sequential(*args, parents, num_nodes)
+    err = {}
+    for numerics, bf16, state in (
+        ("fp32", True, "bf16"),
+        ("device", False, "tf32"),
+        ("device", True, "tf32"),
+        ("device", True, "bf16"),
+    ):
+        opts = KernelOptions(tree_gdn_bf16=bf16, tree_gdn_state=state, interpret_numerics=numerics)
+        o, _ = tree_gdn_verify(
+            *args, parents, num_nodes, backend="pallas", interpret=True, depth_bound=9, options=opts
+        )
+        err[numerics, bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    assert err["fp32", True, "bf16"] < 1e-5, err  # the default: fp32 whatever the options say
+    assert 1e-5 < err["device", False, "tf32"] < err["device", True, "tf32"], err
+    assert err["device", True, "tf32"] < err["device", True, "bf16"], err
