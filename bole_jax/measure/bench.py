@@ -944,6 +944,19 @@ def same_as_ar(state, ar_out: np.ndarray, n: int) -> list[np.ndarray]:
     return [out[i, : num_out[i]] == ar_out[i, : num_out[i]] for i in range(n)]
 
 
+def agreement_interval(fracs, level: float = 0.95, reps: int = 2000, seed: int = 0) -> list:
+    """[lo, hi]: a bootstrap interval (over requests) of the mean of per-request agreement
+    fractions. Greedy agreement in bf16 is decided by the few requests that meet a near-tie, so
+    two modes' agreements are told apart only where their intervals are."""
+    x = np.asarray(fracs, np.float64)
+    if x.size == 0:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, (reps, x.size))].mean(axis=1)
+    tail = (1.0 - level) / 2
+    return [float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))]
+
+
 def pool_windows(windows: list[dict]) -> dict:
     """Timed windows of one program on several prompt sets as one measurement: their tokens,
     steps and times summed (step time = total time / total loop steps)."""
@@ -1231,13 +1244,17 @@ def run_e2e(a) -> dict:
                 say(f"[bench] B={b} {m}: failed ({_short(e)})")
                 continue
             out = np.asarray(state.out)
-            agree, diverge = None, None
+            agree, diverge, agree_ci, n_diverged = None, None, None, None
             if ar_out is not None:
                 same = same_as_ar(state, ar_out, n)
                 # per request of the first set: the first generated position that differs from
                 # AR (None: identical); the agreement is over the requests of every set
                 diverge = [None if x.all() else int(np.argmin(x)) for x in same]
-                agree = float(np.mean([np.mean(x) for x in same + more.same.get(m, [])]))
+                every = same + more.same.get(m, [])
+                fracs = [np.mean(x) for x in every]
+                agree = float(np.mean(fracs))
+                agree_ci = agreement_interval(fracs)
+                n_diverged = [int(sum(not x.all() for x in every)), len(every)]
             r = pool_windows(windows)
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
@@ -1276,6 +1293,8 @@ def run_e2e(a) -> dict:
                 ),
                 **{k: v for k, v in r.items() if k != "batch"},
                 ar_agreement=agree,
+                ar_agreement_ci95=agree_ci,
+                ar_diverged_requests=n_diverged,
                 ar_first_divergence=diverge,
                 eos_requests=n_eos,
                 prompt_sets=len(windows),
@@ -1296,7 +1315,12 @@ def run_e2e(a) -> dict:
             say(
                 f"[bench] B={b:<3d} {m:8s} {r['tokens_per_s']:10.1f} tok/s  step {r['step_ms']:.2f} ms"
                 f"  {r['tokens_per_step']:.2f} tok/step"
-                + (f"  agree {agree:.3f}" if agree is not None else "")
+                + (
+                    f"  agree {agree:.3f} [{agree_ci[0]:.3f}, {agree_ci[1]:.3f}]"
+                    f" ({n_diverged[0]}/{n_diverged[1]} requests diverged)"
+                    if agree is not None
+                    else ""
+                )
                 + (f"  EOS emitted by {n_eos} (decoded past it)" if n_eos else "")
                 + (f"  ({len(windows)} prompt sets pooled)" if len(windows) > 1 else "")
             )

@@ -1157,6 +1157,8 @@ def test_bench_prompt_sets_pool_disjoint_prompts(tmp_path):
         assert r["request_steps"] == batch3[m]["request_steps"] == 3 * 3
         assert r["tokens"] == batch3[m]["tokens"]
     assert pooled["chain"]["ar_agreement"] == 1.0
+    assert pooled["chain"]["ar_agreement_ci95"] == [1.0, 1.0]
+    assert pooled["chain"]["ar_diverged_requests"] == [0, 3]
     # three prompts, three different acceptances: pooled, not the first one's
     assert len(set(pooled["chain"]["set_tokens_per_step"])) > 1
     assert bench.prompt_sets([[1], [2], [3]], 2, 4) == [[[1], [2]]]  # whole sets only
@@ -1165,3 +1167,17 @@ def test_bench_prompt_sets_pool_disjoint_prompts(tmp_path):
         bench.run_e2e(
             cli.build_parser().parse_args(["bench", "--preset", "tiny", "--prompt-sets", "2"])
         )
+
+
+def test_agreement_interval_covers_the_mean_and_narrows_with_requests():
+    """The bootstrap interval of the pooled greedy agreement: zero width where every request
+    agrees alike, around the mean otherwise, narrower with more requests."""
+    from bole_jax.measure import bench
+
+    assert bench.agreement_interval([1.0] * 5) == [1.0, 1.0]
+    assert all(np.isnan(bench.agreement_interval([])))
+    few = [1.0, 1.0, 0.2, 1.0, 0.5, 1.0, 1.0, 0.9]
+    lo, hi = bench.agreement_interval(few)
+    assert lo < np.mean(few) < hi <= 1.0
+    lo2, hi2 = bench.agreement_interval(few * 20)
+    assert lo < lo2 < np.mean(few) < hi2 < hi
