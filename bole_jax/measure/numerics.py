@@ -11,6 +11,9 @@ whole path whatever the logits say, and compares the path's logits with AR's at 
 positions. So every variant sees the same prefixes, and every position counts:
 
   - |logit - AR logit|: max and mean over positions and vocabulary;
+  - the error of AR's top-2 margin (the variant's logit of AR's token less its logit of AR's
+    runner-up, against AR's gap): mean and 99th percentile; a flip is a position where it
+    exceeds AR's gap, so at equal margin errors two variants flip alike;
   - flips: positions whose argmax differs from AR's token, with AR's top-2 gap there (a flip
     at a gap far above the error would be a bug, not rounding);
   - the committed GDN state after the last step against AR's after the same tokens (relative
@@ -246,6 +249,11 @@ def teacher_forced(
         del cache
         err = np.abs(lg - ar[:, 1:])
         flips = lg.argmax(-1) != out[:, 1:]
+        # the error of AR's top-2 margin (what a flip needs to exceed): the variant's logit of
+        # AR's best token less its logit of AR's second, against AR's gap
+        top2 = np.argsort(ar[:, 1:], axis=-1)[..., -2:]
+        pair = np.take_along_axis(lg, top2, axis=-1)
+        margin_err = np.abs((pair[..., 1] - pair[..., 0]) - gaps)
         state_err = max(
             float(np.max(np.abs(s - a)) / max(float(np.max(np.abs(a))), 1e-30))
             for s, a in zip(states, ar_states)
@@ -258,6 +266,8 @@ def teacher_forced(
             positions=int(flips.size),
             max_abs_err=float(err.max()),
             mean_abs_err=float(err.mean()),
+            margin_err_mean=float(margin_err.mean()),
+            margin_err_p99=float(np.quantile(margin_err, 0.99)),
             flips=int(flips.sum()),
             flip_rate=float(flips.mean()),
             flip_gaps=sorted(float(x) for x in gaps[flips]),
