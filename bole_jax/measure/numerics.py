@@ -39,13 +39,12 @@ import numpy as np
 from bole_jax.model import ModelConfig, forward, init_cache
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import GDNCache, committed_state
-from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.options import BACKENDS, KernelOptions
 from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.acceptance import Accepted
-from bole_jax.spec_decode.tree import Tree, depths
+from bole_jax.spec_decode.tree import Tree
 
 MODES = ("ar", "chunk", "chain", "pernode", "bole")
-BACKENDS = ("auto", "pallas", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +83,7 @@ def parse_variant(text: str) -> Variant:
     1 / 0), e.g. `bole:tree_gdn_bf16=0` or `bole:backend=pallas,interpret_numerics=device`."""
     mode, _, rest = text.partition(":")
     backend, kw = "auto", {}
-    fields = {f.name: f for f in dataclasses.fields(KernelOptions)}
+    fields = {f.name for f in dataclasses.fields(KernelOptions)}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
@@ -124,18 +123,18 @@ def forced_tree(path_tokens: np.ndarray, nodes: int, vocab: int, rng) -> Tree:
             p = int(rng.choice(choices))
             parents[r, i], depth[r, i] = p, depth[r, p] + 1
         tokens[:, i] = rng.integers(0, vocab, b)
-    parents_j = jnp.asarray(parents)
-    num = jnp.full((b,), n, jnp.int32)
     return Tree(
         tokens=jnp.asarray(tokens),
-        parents=parents_j,
-        depth=depths(parents_j, num),
-        num_nodes=num,
+        parents=jnp.asarray(parents),
+        depth=jnp.asarray(depth),
+        num_nodes=jnp.full((b,), n, jnp.int32),
         score=jnp.zeros((b, n), jnp.float32),
     )
 
 
-def _forced_step(params, cache, tree: Tree, emitted, *, cfg: ModelConfig, mode: str, d1: int):
+def _forced_step(
+    params, cache, tree: Tree, emitted, *, cfg: ModelConfig, mode: str, backend: str, d1: int
+):
     """Verify `tree` and commit its first d1 nodes (the chain) whatever the logits say: (the
     chain's logits [B, d1, V] fp32, the cache after)."""
     b = tree.tokens.shape[0]
@@ -148,9 +147,8 @@ def _forced_step(params, cache, tree: Tree, emitted, *, cfg: ModelConfig, mode: 
     if mode == "chunk":
         hidden, cache = forward(params, cfg, tree.tokens[:, :d1], cache)
         return lm_logits(params, cfg, hidden), cache
-    mode_, backend = mode.split("@")
     hidden, cache, auxs = verify.verify_forward(
-        params, cfg, tree, cache, mode=mode_, backend=backend, depth_bound=d1
+        params, cfg, tree, cache, mode=mode, backend=backend, depth_bound=d1
     )
     logits = verify.verify_logits(params, cfg, hidden[:, :d1], None)
     path = jnp.broadcast_to(jnp.arange(d1, dtype=jnp.int32), (b, d1))
@@ -161,7 +159,7 @@ def _forced_step(params, cache, tree: Tree, emitted, *, cfg: ModelConfig, mode: 
         tokens=emitted,
     )
     active = jnp.ones((b,), bool)
-    return logits, verify.commit(cache, auxs, tree, acc, active, mode=mode_, cfg=cfg)
+    return logits, verify.commit(cache, auxs, tree, acc, active, mode=mode, cfg=cfg)
 
 
 def _gdn_states(cache) -> list[np.ndarray]:
@@ -177,11 +175,6 @@ def top2(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ids = np.where(swap[..., None], ids[..., ::-1], ids)
     vals = np.take_along_axis(logits, ids, axis=-1)
     return ids, vals[..., 1] - vals[..., 0]
-
-
-def top2_gaps(logits: np.ndarray) -> np.ndarray:
-    """[...] the gap between the two largest logits of each row of [..., V]."""
-    return top2(logits)[1]
 
 
 def teacher_forced(
@@ -244,8 +237,9 @@ def teacher_forced(
     rows = []
     for v in variants:
         vcfg = dataclasses.replace(cfg, kernels=v.kernels)
-        mode = v.mode if v.mode in ("ar", "chunk") else f"{v.mode}@{v.backend}"
-        step = jax.jit(functools.partial(_forced_step, cfg=vcfg, mode=mode, d1=d1))
+        step = jax.jit(
+            functools.partial(_forced_step, cfg=vcfg, mode=v.mode, backend=v.backend, d1=d1)
+        )
         rng = np.random.default_rng(seed)  # the same distractors for every tree variant
         cache = cache0
         flips = np.zeros((b, gen - 1), bool)

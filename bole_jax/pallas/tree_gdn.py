@@ -851,13 +851,12 @@ def tree_gdn_verify(
     # "device" the table's launch with its roundings emulated (numerics studies on a CPU).
     if config is not None:
         cfg = config
-    elif not interpret:
-        cfg = TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
-    elif options.interpret_numerics == "device":
-        auto = TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
-        cfg = dataclasses.replace(auto, emulate_tf32=True)
-    else:
+    elif interpret and options.interpret_numerics == "fp32":
         cfg = TreeGDNConfig(depth_bound=depth_bound)
+    else:
+        cfg = TreeGDNConfig.auto(b, n, depth_bound, options, dv=v.shape[-1])
+        if interpret:  # "device": the launch's roundings emulated
+            cfg = dataclasses.replace(cfg, emulate_tf32=True)
     if cfg.inverse not in _INVERSES or cfg.precision not in _PRECISIONS or cfg.fold not in _FOLDS:
         raise ValueError(
             f"inverse must be one of {_INVERSES}, precision one of "
