@@ -38,6 +38,10 @@ BIG = 2**30
 # of the draft stage's 15.0 ms (docs/design-decisions.md).
 DRAFT_SLOT_ALIGN = 64
 
+# The expansion's levels run unrolled where its early stop can never end it (`stop_never_fires`);
+# False keeps the while loop everywhere (read at trace time; for measurements and tests).
+UNROLL = True
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
@@ -228,6 +232,10 @@ def expand(
     forced [B, D] (synthetic acceptance): the first candidate of the best frontier node at every
     depth is replaced by forced[:, depth-1] with score 0, which keeps that chain in the frontier
     and in the selected tree.
+
+    Where the stop can never end the expansion early (`stop_never_fires`: no stop, or a chain
+    with no budget cut), the levels are unrolled instead: straight-line code with no per-level
+    predicate read back to the host and no `can_gain`; the same pool.
     """
     k, d = shape.topk, shape.depth
     b, m = h_root.shape[0], shape.pool_size
@@ -279,12 +287,14 @@ def expand(
         f_idx = (base + best).astype(jnp.int32)
         f_hid = jnp.take_along_axis(out, parent_f[..., None], axis=1)
         f_anc = jnp.take_along_axis(anc_self, parent_f[..., None], axis=1)
-        go = jnp.any(can_gain(stop, p_sc, f_sc)) if stop is not None else jnp.bool_(True)
+        go = jnp.any(can_gain(stop, p_sc, f_sc)) if use_stop else jnp.bool_(True)
         return s + 1, kv, f_tok, f_sc, f_idx, f_hid, f_anc, p_tok, p_par, p_sc, go
 
-    go = jnp.any(can_gain(stop, p_sc, lp)) if stop is not None else jnp.bool_(True)
+    watch = not (UNROLL and stop_never_fires(stop, shape, b))  # the while loop, else unrolled
+    use_stop = watch and stop is not None
+    go = jnp.any(can_gain(stop, p_sc, lp)) if use_stop else jnp.bool_(True)
     carry = (
-        jnp.int32(1),
+        1,
         kv,
         tok.astype(jnp.int32),
         lp,
@@ -296,9 +306,26 @@ def expand(
         p_sc,
         go,
     )
-    carry = jax.lax.while_loop(lambda c: (c[0] < d) & c[-1], level, carry)
+    if watch:
+        carry = (jnp.int32(1), *carry[1:])
+        carry = jax.lax.while_loop(lambda c: (c[0] < d) & c[-1], level, carry)
+    else:
+        for _ in range(1, d):  # s is a Python int: static offsets
+            carry = level(carry)
     s, kv, *_, p_tok, p_par, p_sc, _ = carry
-    return Pool(tokens=p_tok, parents=p_par, scores=p_sc, levels=s), kv
+    return Pool(tokens=p_tok, parents=p_par, scores=p_sc, levels=jnp.int32(s)), kv
+
+
+def stop_never_fires(stop: StopRule | None, shape: TreeShape, batch: int) -> bool:
+    """Static: whether `can_gain` stays true for every active request until depth D, so that the
+    expansion's early stop could never end it sooner. True without a stop, or when every request
+    selects at least the whole pool (num_select >= M: its num_select-th best stays -inf until the
+    last level is drafted, as for a chain of N = D + 1) and the budget, if any, covers N nodes of
+    every request (budget >= B x N: the threshold G is then -inf, as `can_gain` takes it)."""
+    if stop is None:
+        return True
+    whole_pool = stop.num_select >= shape.pool_size
+    return whole_pool and (stop.budget is None or stop.budget >= batch * (stop.num_select + 1))
 
 
 def synthetic_chain(

@@ -230,18 +230,8 @@ def _dots(eqns, shape):
     return n
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch):
-    """Catch-up + root top-k outside the loop, then one level per loop iteration: the draft
-    traces mtp_forward and draft_top_k once each outside and once in the level body (one while
-    loop), and the draft head [H, V or V_d] is read by one dot outside and one in the body. So a
-    step makes `levels` MTP calls and `levels` head reads; without the early stop levels = depth."""
-    cfg, params, prompts = tiny
-    llm = LLM(
-        cfg, params=params, spec_options=dict(num_nodes=8, topk=3, depth=5), draft_vocab=draft_vocab
-    )
-    state = llm.start_batch(prompts, 16, mode="bole")
-    spec = llm._spec_config("bole")
+def _count_draft(monkeypatch, llm, spec, state, early_stop):
+    """(jaxpr of the draft, the number of mtp_forward and draft_top_k traces)."""
     calls = dict(mtp=0, head=0)
 
     def counted(name, fn):
@@ -253,21 +243,101 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
 
     monkeypatch.setattr(drafter, "mtp_forward", counted("mtp", drafter.mtp_forward))
     monkeypatch.setattr(drafter, "draft_top_k", counted("head", drafter.draft_top_k))
-    monkeypatch.setattr(step_mod, "EARLY_STOP", False)
-    fn = lambda p, s: step_mod.draft(p, cfg, spec, s, jax.random.key(0))  # noqa: E731
+    monkeypatch.setattr(step_mod, "EARLY_STOP", early_stop)
+    fn = lambda p, s: step_mod.draft(p, llm.cfg, spec, s, jax.random.key(0))  # noqa: E731
     jaxpr = jax.make_jaxpr(fn)(llm.params, state).jaxpr
+    return fn, jaxpr, calls
+
+
+def _head_shape(cfg, draft_vocab):
+    h = cfg.hidden_size
+    if draft_vocab:
+        return (h, draft_vocab)
+    return (cfg.vocab_size, h) if cfg.tie_word_embeddings else (h, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch):
+    """Catch-up + root top-k outside the loop, then one level per loop iteration: with the early
+    stop watched (a tree) the draft traces mtp_forward and draft_top_k once each outside and once
+    in the level body (one while loop), and the draft head [H, V or V_d] is read by one dot
+    outside and one in the body. Without the stop the levels are unrolled: depth traces, depth
+    head dots, no while loop. Either way a step makes `levels` MTP calls and head reads."""
+    cfg, params, prompts = tiny
+    llm = LLM(
+        cfg, params=params, spec_options=dict(num_nodes=8, topk=3, depth=5), draft_vocab=draft_vocab
+    )
+    state = llm.start_batch(prompts, 16, mode="bole")
+    spec = llm._spec_config("bole")
+    head = _head_shape(cfg, draft_vocab)
+    _, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     assert calls == dict(mtp=2, head=2)
     loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
     assert len(loops) == 1
-    h = cfg.hidden_size
-    if draft_vocab:
-        head = (h, draft_vocab)
-    else:
-        head = (cfg.vocab_size, h) if cfg.tie_word_embeddings else (h, cfg.vocab_size)
     assert _dots(jaxpr.eqns, head) == 1
     assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
+
+    fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, False)
+    d = spec.shape.depth
+    assert calls == dict(mtp=d, head=d)  # the catch-up, then d - 1 levels
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    assert _dots(jaxpr.eqns, head) == d
     pool, _ = jax.jit(fn)(llm.params, state)
-    assert int(pool.levels) == spec.shape.depth
+    assert int(pool.levels) == d
+
+
+@pytest.mark.parametrize("mode", ["chain", "bole-chain"])
+def test_chain_draft_is_unrolled(tiny, mode, monkeypatch):
+    """A chain's early stop can never end its expansion (its N - 1 = D drafts are the whole
+    pool): its levels run unrolled, with no while loop and no can_gain, every level drafted."""
+    cfg, params, prompts = tiny
+    depth = 5
+    opts = dict(depth=depth) if mode == "chain" else dict(topk=1, depth=depth, num_nodes=depth + 1)
+    llm = LLM(cfg, params=params, spec_options=opts)
+    real = "chain" if mode == "chain" else "bole"
+    state = llm.start_batch(prompts, 16, mode=real)
+    spec = llm._spec_config(real)
+    assert drafter.stop_never_fires(step_mod.stop_rule(spec, state), spec.shape, len(prompts))
+    gained = []
+
+    def can_gain(*a):
+        gained.append(1)
+        return CAN_GAIN(*a)
+
+    monkeypatch.setattr(drafter, "can_gain", can_gain)
+    fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
+    assert calls == dict(mtp=depth, head=depth) and not gained
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
+    pool, _ = jax.jit(fn)(llm.params, state)
+    assert int(pool.levels) == depth
+    assert np.isfinite(np.asarray(pool.scores)).all()  # a chain's pool is every level's draft
+    monkeypatch.setattr(drafter, "UNROLL", False)  # the while loop: the same pool
+    looped, _ = jax.jit(lambda p, s: fn(p, s))(llm.params, state)  # a new trace
+    assert gained and int(looped.levels) == depth
+    for f in ("tokens", "parents", "scores"):
+        np.testing.assert_array_equal(getattr(pool, f), getattr(looped, f), err_msg=f)
+
+
+def test_stop_never_fires_only_where_can_gain_cannot_stop():
+    """stop_never_fires is static and conservative: a budget below B x N, or a pool larger than
+    what each request selects, keeps the while loop (the stop may end it)."""
+    chain = drafter.TreeShape(1, 8, 9)
+    tree = drafter.TreeShape(4, 8, 32)
+    b = 4
+    assert drafter.stop_never_fires(None, tree, b)
+    assert drafter.stop_never_fires(drafter.StopRule(8), chain, b)
+    assert drafter.stop_never_fires(drafter.StopRule(8, b * 9), chain, b)
+    assert not drafter.stop_never_fires(drafter.StopRule(8, b * 9 - 1), chain, b)
+    assert not drafter.stop_never_fires(drafter.StopRule(31), tree, b)
+    # the budget's threshold G is -inf at B x N: can_gain holds for every finite frontier score
+    rng = np.random.default_rng(0)
+    for s in range(1, 8):
+        scores = np.full((b, 8), -np.inf, np.float32)
+        scores[:, :s] = -rng.random((b, s)).cumsum(axis=1)
+        front = scores[:, s - 1 : s] - rng.random((b, 1)).astype(np.float32)
+        for cap in (8, 3):
+            rule = drafter.StopRule(8, b * 9, jnp.full((b,), cap, jnp.int32), None)
+            assert np.asarray(CAN_GAIN(rule, jnp.asarray(scores), jnp.asarray(front))).all()
 
 
 @pytest.mark.parametrize("mode", ["bole", "chain"])
