@@ -294,7 +294,7 @@ def expand(
     use_stop = watch and stop is not None
     go = jnp.any(can_gain(stop, p_sc, lp)) if use_stop else jnp.bool_(True)
     carry = (
-        1,
+        jnp.int32(1) if watch else 1,  # unrolled: s is a Python int, static offsets
         kv,
         tok.astype(jnp.int32),
         lp,
@@ -307,10 +307,9 @@ def expand(
         go,
     )
     if watch:
-        carry = (jnp.int32(1), *carry[1:])
         carry = jax.lax.while_loop(lambda c: (c[0] < d) & c[-1], level, carry)
     else:
-        for _ in range(1, d):  # s is a Python int: static offsets
+        for _ in range(1, d):
             carry = level(carry)
     s, kv, *_, p_tok, p_par, p_sc, _ = carry
     return Pool(tokens=p_tok, parents=p_par, scores=p_sc, levels=jnp.int32(s)), kv
