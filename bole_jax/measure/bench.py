@@ -281,7 +281,7 @@ def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
 
       draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
               the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
-              depth below the first; the early stop may run fewer)
+              depth below the first; the CPU's early stop may run fewer)
       select  the pool read (tokens, parents, scores) + the tree written
       verify  the target's weights + the committed KV, GDN and conv states read + the step's
               factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a

@@ -176,11 +176,12 @@ def _draft_and_select(llm, state, early_stop):
     [dict(num_nodes=4, topk=3, depth=5), dict(num_nodes=6, topk=3, depth=4, budget=10)],
     ids=["per-request", "budget"],
 )
-def test_model_drafts_same_tree_and_stop_early(tiny, opts):
+def test_model_drafts_same_tree_and_stop_early(tiny, opts, monkeypatch):
     """A tiny random model's drafter (flat draft distributions: a deep candidate is never among
     the few best): the expansion stops before the last level and selects the tree of the full
     expansion."""
     cfg, params, prompts = tiny
+    monkeypatch.setattr(drafter, "UNROLL", False)  # the while loop watches the early stop
     llm = LLM(cfg, params=params, spec_options=opts)
     state = llm.start_batch(prompts, 16, mode="bole")
     state = dataclasses.replace(state, done=state.done.at[1].set(True))  # an inactive row
@@ -195,23 +196,19 @@ def test_model_drafts_same_tree_and_stop_early(tiny, opts):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_generation_identical_with_and_without_early_stop(tiny, temperature):
+def test_generation_identical_with_and_without_early_stop(tiny, temperature, monkeypatch):
+    """The while loop with and without its early stop, and the unrolled levels: the same tokens."""
     cfg, params, prompts = tiny
     outs = []
-    for early in (True, False):
-        old = step_mod.EARLY_STOP
-        step_mod.EARLY_STOP = early
-        try:
-            llm = LLM(cfg, params=params, spec_options=dict(num_nodes=4, topk=3, depth=5))
-            outs.append(
-                llm.generate(
-                    prompts, max_new_tokens=24, spec="bole", temperature=temperature, seed=5
-                )
-            )
-        finally:
-            step_mod.EARLY_STOP = old
-    for a, b in zip(*outs):
-        assert a.token_ids == b.token_ids
+    for unroll, early in ((False, True), (False, False), (True, True)):
+        monkeypatch.setattr(drafter, "UNROLL", unroll)
+        monkeypatch.setattr(step_mod, "EARLY_STOP", early)
+        llm = LLM(cfg, params=params, spec_options=dict(num_nodes=4, topk=3, depth=5))
+        outs.append(
+            llm.generate(prompts, max_new_tokens=24, spec="bole", temperature=temperature, seed=5)
+        )
+    for a, b, c in zip(*outs):
+        assert a.token_ids == b.token_ids == c.token_ids
 
 
 def _dots(eqns, shape):
@@ -261,8 +258,8 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     """Catch-up + root top-k outside the loop, then one level per loop iteration: with the early
     stop watched (a tree) the draft traces mtp_forward and draft_top_k once each outside and once
     in the level body (one while loop), and the draft head [H, V or V_d] is read by one dot
-    outside and one in the body. Without the stop the levels are unrolled: depth traces, depth
-    head dots, no while loop. Either way a step makes `levels` MTP calls and head reads."""
+    outside and one in the body. Unrolled (`drafter.UNROLL`), depth traces, depth head dots, no
+    while loop. Either way a step makes `levels` MTP calls and head reads."""
     cfg, params, prompts = tiny
     llm = LLM(
         cfg, params=params, spec_options=dict(num_nodes=8, topk=3, depth=5), draft_vocab=draft_vocab
@@ -270,6 +267,7 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     state = llm.start_batch(prompts, 16, mode="bole")
     spec = llm._spec_config("bole")
     head = _head_shape(cfg, draft_vocab)
+    monkeypatch.setattr(drafter, "UNROLL", False)
     _, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     assert calls == dict(mtp=2, head=2)
     loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
@@ -277,7 +275,8 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert _dots(jaxpr.eqns, head) == 1
     assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
 
-    fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, False)
+    monkeypatch.setattr(drafter, "UNROLL", True)
+    fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     d = spec.shape.depth
     assert calls == dict(mtp=d, head=d)  # the catch-up, then d - 1 levels
     assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
@@ -286,18 +285,22 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert int(pool.levels) == d
 
 
-@pytest.mark.parametrize("mode", ["chain", "bole-chain"])
-def test_chain_draft_is_unrolled(tiny, mode, monkeypatch):
-    """A chain's early stop can never end its expansion (its N - 1 = D drafts are the whole
-    pool): its levels run unrolled, with no while loop and no can_gain, every level drafted."""
+@pytest.mark.parametrize("mode", ["chain", "bole-chain", "tree"])
+def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
+    """Unrolled (`drafter.UNROLL`, the default on accelerators), the expansion runs every level
+    as straight-line code: no while loop, no can_gain, and the pool the while loop drafts without
+    the early stop (whose selected tree is the early stop's: test_model_drafts_same_tree_...)."""
     cfg, params, prompts = tiny
     depth = 5
-    opts = dict(depth=depth) if mode == "chain" else dict(topk=1, depth=depth, num_nodes=depth + 1)
+    opts = {
+        "chain": dict(depth=depth),
+        "bole-chain": dict(topk=1, depth=depth, num_nodes=depth + 1),
+        "tree": dict(num_nodes=4, topk=3, depth=depth),
+    }[mode]
     llm = LLM(cfg, params=params, spec_options=opts)
     real = "chain" if mode == "chain" else "bole"
     state = llm.start_batch(prompts, 16, mode=real)
     spec = llm._spec_config(real)
-    assert drafter.stop_never_fires(step_mod.stop_rule(spec, state), spec.shape, len(prompts))
     gained = []
 
     def can_gain(*a):
@@ -305,39 +308,32 @@ def test_chain_draft_is_unrolled(tiny, mode, monkeypatch):
         return CAN_GAIN(*a)
 
     monkeypatch.setattr(drafter, "can_gain", can_gain)
+    monkeypatch.setattr(drafter, "UNROLL", True)
     fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     assert calls == dict(mtp=depth, head=depth) and not gained
     assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
     pool, _ = jax.jit(fn)(llm.params, state)
     assert int(pool.levels) == depth
-    assert np.isfinite(np.asarray(pool.scores)).all()  # a chain's pool is every level's draft
-    monkeypatch.setattr(drafter, "UNROLL", False)  # the while loop: the same pool
+    if mode != "tree":
+        assert np.isfinite(np.asarray(pool.scores)).all()  # a chain's pool is every level's draft
+    monkeypatch.setattr(drafter, "UNROLL", False)  # the while loop, no early stop: the same pool
+    monkeypatch.setattr(step_mod, "EARLY_STOP", False)
     looped, _ = jax.jit(lambda p, s: fn(p, s))(llm.params, state)  # a new trace
-    assert gained and int(looped.levels) == depth
+    assert int(looped.levels) == depth
     for f in ("tokens", "parents", "scores"):
         np.testing.assert_array_equal(getattr(pool, f), getattr(looped, f), err_msg=f)
 
 
-def test_stop_never_fires_only_where_can_gain_cannot_stop():
-    """stop_never_fires is static and conservative: a budget below B x N, or a pool larger than
-    what each request selects, keeps the while loop (the stop may end it)."""
-    chain = drafter.TreeShape(1, 8, 9)
-    tree = drafter.TreeShape(4, 8, 32)
-    b = 4
-    assert drafter.stop_never_fires(None, tree, b)
-    assert drafter.stop_never_fires(drafter.StopRule(8), chain, b)
-    assert drafter.stop_never_fires(drafter.StopRule(8, b * 9), chain, b)
-    assert not drafter.stop_never_fires(drafter.StopRule(8, b * 9 - 1), chain, b)
-    assert not drafter.stop_never_fires(drafter.StopRule(31), tree, b)
-    # the budget's threshold G is -inf at B x N: can_gain holds for every finite frontier score
-    rng = np.random.default_rng(0)
-    for s in range(1, 8):
-        scores = np.full((b, 8), -np.inf, np.float32)
-        scores[:, :s] = -rng.random((b, s)).cumsum(axis=1)
-        front = scores[:, s - 1 : s] - rng.random((b, 1)).astype(np.float32)
-        for cap in (8, 3):
-            rule = drafter.StopRule(8, b * 9, jnp.full((b,), cap, jnp.int32), None)
-            assert np.asarray(CAN_GAIN(rule, jnp.asarray(scores), jnp.asarray(front))).all()
+def test_levels_unrolled_on_accelerators_only(monkeypatch):
+    """UNROLL = None (the default): the while loop and its early stop on the CPU, unrolled levels
+    elsewhere; True / False force one form."""
+    monkeypatch.setattr(drafter, "UNROLL", None)
+    assert not drafter.unroll_levels("cpu")
+    assert drafter.unroll_levels("gpu") and drafter.unroll_levels("tpu")
+    assert drafter.unroll_levels() == (jax.default_backend() != "cpu")
+    for force in (True, False):
+        monkeypatch.setattr(drafter, "UNROLL", force)
+        assert drafter.unroll_levels("cpu") is force and drafter.unroll_levels("gpu") is force
 
 
 @pytest.mark.parametrize("mode", ["bole", "chain"])
