@@ -1469,9 +1469,10 @@ def run_e2e(a) -> dict:
 
 
 def print_loop_profiles(rows: Sequence[dict]) -> str:
-    """One line per (batch, mode): ms per loop step of each stage inside the jitted loop, then
-    other, idle and the profiled wall; a second table: each stage's time over its bytes floor
-    (where the device's bandwidth is known), else the floor in MiB."""
+    """One line per (batch, mode): the timed step, then ms per loop step of each stage inside the
+    jitted loop, other and idle (which sum to the timed step), and the traced loop's wall per step
+    (profiler overhead included); a second table: each stage's time over its bytes floor (where
+    the device's bandwidth is known), else the floor in MiB."""
     names = [*STAGES, "ar", "other", "idle"]
     table, ratio = [], []
     gbps = None
@@ -1483,8 +1484,9 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
             dict(
                 batch=r["batch"],
                 mode=r["mode"],
-                wall_ms=lp["wall_ms_per_step"],
+                step_ms=lp.get("step_ms"),
                 **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split},
+                traced_wall_ms=lp["wall_ms_per_step"],
             )
         )
         key = "x_floor" if gbps else "floor_mib"
@@ -1503,12 +1505,14 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
     print(
         f"\nin-loop stage split (ms per loop step, from a profiler trace of "
         f"{rows[0]['loop_profile']['steps']} steps of the jitted loop; "
-        f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = wall "
-        "where kernels do not overlap)"
+        f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = the "
+        "timed step; traced_wall: the traced loop's wall, profiler overhead included)"
     )
-    cols = ["batch", "mode", "wall_ms"] + [
-        f"{k}_ms" for k in names if any(f"{k}_ms" in t for t in table)
-    ]
+    cols = (
+        ["batch", "mode", "step_ms"]
+        + [f"{k}_ms" for k in names if any(f"{k}_ms" in t for t in table)]
+        + ["traced_wall_ms"]
+    )
     out = print_table(table, cols)
     tf = rows[0]["loop_profile"].get("peak_tflops")
     how = f"time / floor time at {gbps:.0f} GB/s" if gbps else "floor MiB: bandwidth unknown"

@@ -599,6 +599,10 @@ def test_bench_e2e_profile_loop(tmp_path):
         assert split["idle"]["ms_per_step"] == pytest.approx(
             max(lp["step_ms"] - lp["busy_ms_per_step"], 0.0)
         )
+    # the printed split leads with the timed step its rows sum to; the traced wall comes last
+    printed = bench.print_loop_profiles(res["rows"]).splitlines()
+    head = [c.strip() for c in printed[0].split("|")]
+    assert head[:3] == ["batch", "mode", "step_ms"] and head[-1] == "traced_wall_ms"
     assert rows["bole"]["ar_agreement"] == 1.0  # the profiled steps are decode steps too
     saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
     assert saved["rows"][1]["loop_profile"]["stage_split"]
