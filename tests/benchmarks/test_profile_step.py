@@ -539,11 +539,21 @@ def test_loop_stage_split_tiny(tmp_path):
         assert prog["active_ms_per_rep"] <= prog["wall_ms_per_rep"]
 
 
-def test_bench_e2e_profile_loop(tmp_path):
+def test_bench_e2e_profile_loop(tmp_path, monkeypatch):
     """`bole-jax bench --profile-loop`: every point's row holds the in-loop stage split of its
-    loop (ar: the AR step; bole: the six stages), with floors, and the output prints it."""
+    loop (ar: the AR step; bole: the six stages), with floors, and the output prints it. Every
+    trace is taken after the last timed window (no timed window follows a trace)."""
     from bole_jax.measure import bench
     from bole_jax.serving import cli
+
+    calls = []
+    for name in ("timed_segment", "loop_profile"):
+
+        def logged(*args, _f=getattr(bench, name), _name=name, **kw):
+            calls.append(_name)
+            return _f(*args, **kw)
+
+        monkeypatch.setattr(bench, name, logged)
 
     args = cli.build_parser().parse_args(
         [
@@ -583,6 +593,7 @@ def test_bench_e2e_profile_loop(tmp_path):
     )
     res = bench.run_e2e(args)
     assert res["errors"] == [] and res["skipped"] == []
+    assert calls == ["timed_segment"] * 2 + ["loop_profile"] * 2
     rows = {r["mode"]: r for r in res["rows"]}
     for m, stages in (("ar", ("ar",)), ("bole", ps.STAGES)):
         lp = rows[m]["loop_profile"]
