@@ -39,21 +39,23 @@ BIG = 2**30
 DRAFT_SLOT_ALIGN = 64
 
 # How the expansion runs its levels (read at trace time; `unroll_levels`): None (the default)
-# unrolls them on accelerators and keeps the `lax.while_loop` with the early stop on the CPU;
+# unrolls them on GPUs and keeps the `lax.while_loop` with the early stop elsewhere;
 # True / False force one form everywhere (for measurements and tests). On a GPU the loop reads
 # its predicate back to the host once per level, and each read drains the launch queue: unrolled,
 # the Qwen3.5-9B dims bole-chain step at B = 1 went 7.32 -> 6.59 ms and the demo model's 32-node
 # tree step 1.21 -> 1.02 ms (B = 1) and 1.69 -> 1.46 ms (B = 16), at the same tokens per step
 # (one H200, 4cd2a9e; docs/design-decisions.md). On the CPU the read costs nothing, the early
-# stop saves the levels it skips, and the loop compiles one level instead of depth - 1.
+# stop saves the levels it skips, and the loop compiles one level instead of depth - 1; on a TPU
+# the loop's predicate stays on the device (not measured there).
 UNROLL: bool | None = None
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
 def unroll_levels(backend: str | None = None) -> bool:
-    """Whether `expand` unrolls its levels (UNROLL; None: on every backend but the CPU)."""
+    """Whether `expand` unrolls its levels (UNROLL; None: on GPUs only)."""
     if UNROLL is not None:
         return bool(UNROLL)
-    return (backend or jax.default_backend()) != "cpu"
+    return (backend or jax.default_backend()) in GPU_BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +248,7 @@ def expand(
     depth is replaced by forced[:, depth-1] with score 0, which keeps that chain in the frontier
     and in the selected tree.
 
-    Unrolled instead (`unroll_levels`: on accelerators), every level runs as straight-line
+    Unrolled instead (`unroll_levels`: on GPUs), every level runs as straight-line
     code, with no predicate read back to the host per level and no `can_gain`: the pool of the
     full expansion, whose selected tree is the one the early stop gives.
     """

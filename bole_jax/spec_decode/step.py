@@ -153,7 +153,7 @@ STAGE_SCOPE = "stage_"
 
 # The drafter's early stop (drafter.can_gain) is on unless a test compares against the full
 # expansion (read at trace time). Only the while-loop form of the expansion watches it (on the
-# CPU by default: drafter.unroll_levels); unrolled levels run the full expansion.
+# CPU and TPU by default: drafter.unroll_levels); unrolled levels run the full expansion.
 EARLY_STOP = True
 
 

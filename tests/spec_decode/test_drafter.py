@@ -287,7 +287,7 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
 
 @pytest.mark.parametrize("mode", ["chain", "bole-chain", "tree"])
 def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
-    """Unrolled (`drafter.UNROLL`, the default on accelerators), the expansion runs every level
+    """Unrolled (`drafter.UNROLL`, the default on GPUs), the expansion runs every level
     as straight-line code: no while loop, no can_gain, and the pool the while loop drafts without
     the early stop (whose selected tree is the early stop's: test_model_drafts_same_tree_...)."""
     cfg, params, prompts = tiny
@@ -324,13 +324,13 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
         np.testing.assert_array_equal(getattr(pool, f), getattr(looped, f), err_msg=f)
 
 
-def test_levels_unrolled_on_accelerators_only(monkeypatch):
-    """UNROLL = None (the default): the while loop and its early stop on the CPU, unrolled levels
-    elsewhere; True / False force one form."""
+def test_levels_unrolled_on_gpus_only(monkeypatch):
+    """UNROLL = None (the default): unrolled levels on GPUs, the while loop and its early stop
+    elsewhere (CPU, TPU); True / False force one form."""
     monkeypatch.setattr(drafter, "UNROLL", None)
-    assert not drafter.unroll_levels("cpu")
-    assert drafter.unroll_levels("gpu") and drafter.unroll_levels("tpu")
-    assert drafter.unroll_levels() == (jax.default_backend() != "cpu")
+    assert not drafter.unroll_levels("cpu") and not drafter.unroll_levels("tpu")
+    assert drafter.unroll_levels("gpu") and drafter.unroll_levels("cuda")
+    assert drafter.unroll_levels() == (jax.default_backend() in drafter.GPU_BACKENDS)
     for force in (True, False):
         monkeypatch.setattr(drafter, "UNROLL", force)
         assert drafter.unroll_levels("cpu") is force and drafter.unroll_levels("gpu") is force
