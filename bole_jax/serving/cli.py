@@ -558,10 +558,10 @@ def add_bench_args(ap) -> None:
         type=int,
         default=0,
         metavar="STEPS",
-        help="once every point is timed, trace STEPS steps of each point's jitted "
-        "loop, from its timed window's context (on a GPU a twin compiled without CUDA command buffers, so that every kernel "
-        "keeps its stage) and split them by stage, with each stage's bytes floor; the idle "
-        "row closes the timed step (0 = off)",
+        help="once every point is timed, trace STEPS steps of each point's jitted loop, "
+        "from its timed window's context (on a GPU a twin compiled without CUDA command "
+        "buffers, so that every kernel keeps its stage) and split them by stage, with each "
+        "stage's bytes floor; the idle row closes the timed step (0 = off)",
     )
     ap.add_argument(
         "--quick",
