@@ -39,14 +39,14 @@ BIG = 2**30
 DRAFT_SLOT_ALIGN = 64
 
 # How the expansion runs its levels (read at trace time; `unroll_levels`): None (the default)
-# unrolls them on GPUs and keeps the `lax.while_loop` with the early stop elsewhere;
-# True / False force one form everywhere (for measurements and tests). On a GPU the loop reads
-# its predicate back to the host once per level, each read waiting for the level's kernels:
-# unrolled, the Qwen3.5-9B dims bole-chain step at B = 1 went 7.32 -> 6.59 ms and the demo model's 32-node
-# tree step 1.21 -> 1.02 ms (B = 1) and 1.69 -> 1.46 ms (B = 16), at the same tokens per step
-# (one H200, 4cd2a9e; docs/design-decisions.md). On the CPU the read costs nothing, the early
-# stop saves the levels it skips, and the loop compiles one level instead of depth - 1; on a TPU
-# the loop's predicate stays on the device (not measured there).
+# unrolls them on GPUs and keeps the `lax.while_loop` with the early stop elsewhere; True / False
+# force one form everywhere (for measurements and tests). On a GPU the loop reads its predicate
+# back to the host once per level, each read waiting for the level's kernels: unrolled, the
+# Qwen3.5-9B dims bole-chain step at B = 1 went 7.32 -> 6.59 ms and the demo model's 32-node tree
+# step 1.21 -> 1.02 ms (B = 1) and 1.69 -> 1.46 ms (B = 16), at the same tokens per step (one
+# H200, 4cd2a9e; docs/design-decisions.md). On the CPU the read costs nothing, the early stop
+# saves the levels it skips, and the loop compiles one level instead of depth - 1; on a TPU the
+# loop's predicate stays on the device (not measured there).
 UNROLL: bool | None = None
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
