@@ -280,8 +280,8 @@ def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
     `state` (its cache lengths: the KV read) and `spec`:
 
       draft   (MTP layer weights + the draft head: lm_head columns of the draft vocabulary, or
-              the whole lm_head) x depth draft levels (catch-up + root top-k, then one level per
-              depth below the first; the CPU's early stop may run fewer)
+              the whole lm_head) x the draft levels, min(depth, N - 1) (catch-up + root top-k,
+              then one level per depth below the first; the CPU's early stop may run fewer)
       select  the pool read (tokens, parents, scores) + the tree written
       verify  the target's weights + the committed KV, GDN and conv states read + the step's
               factors (bole: token-level factors and pre-conv rows per node; pernode / chain: a
@@ -294,7 +294,7 @@ def stage_floor_bytes(cfg: ModelConfig, params, state, spec) -> dict:
       emit    the emitted tokens and the drafter's pending hidden rows written (their read)
     """
     b = state.next_token.shape[0]
-    n, d = spec.shape.num_nodes, spec.shape.depth
+    n, d = spec.shape.num_nodes, spec.shape.draft_levels
     m = spec.shape.pool_size
     mtp = params["mtp"]
     layer_w = tree_bytes({k: v for k, v in mtp.items() if k not in ("draft_head", "draft_ids")})
@@ -354,7 +354,7 @@ def stage_floor_flops(cfg: ModelConfig, params, state, spec) -> dict:
     op left out, so a floor).
 
       draft   the MTP layer and the draft head over B rows (the root's level), then B x topk rows
-              at each of the depth - 1 levels below it (the catch-up of accepted tokens and the
+              at each of the draft_levels - 1 levels below it (the catch-up of accepted tokens and the
               early stop left out)
       verify  the target's matrices over the verified rows: B x N, or the batch-wide budget's
               packed rows (`KernelOptions.packed_verify`)
@@ -368,7 +368,7 @@ def stage_floor_flops(cfg: ModelConfig, params, state, spec) -> dict:
         target += int(params["embed"].size)
     if spec is None:
         return dict(ar=2 * target * b)
-    n, d, k = spec.shape.num_nodes, spec.shape.depth, spec.shape.topk
+    n, d, k = spec.shape.num_nodes, spec.shape.draft_levels, spec.shape.topk
     mtp = params["mtp"]
     draft_w = _matrix_elems({k_: v for k_, v in mtp.items() if k_ != "draft_ids"})
     if "draft_head" not in mtp:  # the whole lm_head scores the drafts

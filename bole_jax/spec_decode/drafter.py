@@ -77,6 +77,14 @@ class TreeShape:
         return self.depth + 1
 
     @property
+    def draft_levels(self) -> int:
+        """The draft levels worth running, min(D, N - 1): the selected tree is prefix-connected
+        with at most N - 1 nodes below the root, so no node deeper than N - 1 can be selected.
+        (The while loop's early stop found this bound at run time: with real drafts, N = 4 and
+        D = 8 it ended every expansion after 3 levels; the unrolled levels need it statically.)"""
+        return max(1, min(self.depth, self.num_nodes - 1))
+
+    @property
     def pool_size(self) -> int:
         return self.topk + (self.depth - 1) * self.topk**2
 
@@ -235,7 +243,7 @@ def expand(
     stop: StopRule | None = None,
 ):
     """EAGLE-style top-k expansion from the root's MTP output (module docstring). Returns the pool
-    (Pool.levels: the draft levels run, 1 .. depth) and the MTP cache (draft scratch rows
+    (Pool.levels: the draft levels run, 1 .. shape.draft_levels) and the MTP cache (draft scratch rows
     written after the committed entries).
 
     The levels below the first run in one `lax.while_loop` (one level's program, compiled once)
@@ -252,7 +260,7 @@ def expand(
     code, with no predicate read back to the host per level and no `can_gain`: the pool of the
     full expansion, whose selected tree is the one the early stop gives.
     """
-    k, d = shape.topk, shape.depth
+    k, d = shape.topk, shape.draft_levels  # levels past N - 1 could never be selected
     b, m = h_root.shape[0], shape.pool_size
     lp, tok = draft_top_k(params, cfg, h_root, k)  # [B, k]
     if forced is not None:

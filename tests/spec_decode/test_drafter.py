@@ -173,7 +173,7 @@ def _draft_and_select(llm, state, early_stop):
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(num_nodes=4, topk=3, depth=5), dict(num_nodes=6, topk=3, depth=4, budget=10)],
+    [dict(num_nodes=6, topk=3, depth=5), dict(num_nodes=6, topk=3, depth=4, budget=10)],
     ids=["per-request", "budget"],
 )
 def test_model_drafts_same_tree_and_stop_early(tiny, opts, monkeypatch):
@@ -295,7 +295,7 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
     opts = {
         "chain": dict(depth=depth),
         "bole-chain": dict(topk=1, depth=depth, num_nodes=depth + 1),
-        "tree": dict(num_nodes=4, topk=3, depth=depth),
+        "tree": dict(num_nodes=8, topk=3, depth=depth),
     }[mode]
     llm = LLM(cfg, params=params, spec_options=opts)
     real = "chain" if mode == "chain" else "bole"
@@ -322,6 +322,51 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
     assert int(looped.levels) == depth
     for f in ("tokens", "parents", "scores"):
         np.testing.assert_array_equal(getattr(pool, f), getattr(looped, f), err_msg=f)
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_draft_levels_stop_at_n_minus_1(tiny, unroll, monkeypatch):
+    """A tree of N nodes drafts min(D, N - 1) levels: no node deeper than N - 1 can be selected
+    (the selection is prefix-connected). The pool of a 4-node tree is the first 3 levels of the
+    full 5-level pool, and selecting 4 nodes from either gives the same tree: the synthetic
+    drafter's forced chain (score 0, the top at every depth) makes it the depth-3 path."""
+    cfg, params, prompts = tiny
+    monkeypatch.setattr(drafter, "UNROLL", unroll)
+    monkeypatch.setattr(step_mod, "EARLY_STOP", False)
+    assert drafter.TreeShape(3, 5, 4).draft_levels == 3
+    assert drafter.TreeShape(3, 5, 16).draft_levels == 5
+    assert (
+        drafter.TreeShape(1, 8, 9).draft_levels == 8
+        and drafter.TreeShape(2, 8, 1).draft_levels == 1
+    )
+    out = {}
+    for n in (4, 16):
+        opts = dict(num_nodes=n, topk=3, depth=5, synthetic_accept=0.9)
+        llm = LLM(cfg, params=params, spec_options=opts)
+        oracle = np.arange(len(prompts) * 32).reshape(len(prompts), 32) % cfg.vocab_size
+        state = llm.start_batch(prompts, 16, mode="bole", oracle=jnp.asarray(oracle, jnp.int32))
+        spec = llm._spec_config("bole")
+        pool = jax.jit(lambda p, s: step_mod.draft(p, cfg, spec, s, jax.random.key(0))[0])(
+            llm.params, state
+        )
+        out[n] = (llm, state, spec, pool)
+    small, full = out[4][3], out[16][3]
+    assert int(small.levels) == 3 and int(full.levels) == 5
+    head = 3 + 2 * 3**2  # the candidates of levels 1..3
+    for f in ("tokens", "parents", "scores"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(small, f))[:, :head], np.asarray(getattr(full, f))[:, :head]
+        )
+    assert np.isneginf(np.asarray(small.scores)[:, head:]).all()
+    _, state, spec, _ = out[4]
+    t_small, t_full = (
+        jax.jit(step_mod.select, static_argnums=0)(spec, state, pl) for pl in (small, full)
+    )
+    assert (np.asarray(t_full.depth).max(axis=1) == 3).all()  # the forced path, 3 deep
+    for f in ("tokens", "parents", "depth", "num_nodes", "score"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(t_small, f)), np.asarray(getattr(t_full, f)), err_msg=f
+        )
 
 
 def test_levels_unrolled_on_gpus_only(monkeypatch):
