@@ -354,8 +354,8 @@ def stage_floor_flops(cfg: ModelConfig, params, state, spec) -> dict:
     op left out, so a floor).
 
       draft   the MTP layer and the draft head over B rows (the root's level), then B x topk rows
-              at each of the draft_levels - 1 levels below it (the catch-up of accepted tokens and the
-              early stop left out)
+              at each of the draft_levels - 1 levels below it (the catch-up of accepted tokens
+              and the early stop left out)
       verify  the target's matrices over the verified rows: B x N, or the batch-wide budget's
               packed rows (`KernelOptions.packed_verify`)
       ar      (spec None) the target's matrices over B rows
@@ -589,22 +589,20 @@ def profile_points(profiles, plan, params, cfg, a, gen, p, steps: int, progs) ->
     set), derived, and advanced through its warm-up and timed window uninstrumented, so that the
     traced steps see the context the timed ones did; its row gets the split (`loop_profile`).
     Returns the errors."""
-    errors, bases = [], {}
+    errors, base_of, base = [], None, None  # one batch's prefill at a time (profiles: batch order)
     low_memory = getattr(a, "batch_modes", None) is not None
     for b, m, run, rm, spec, oracle, row in profiles:
         pl = plan[b]
+        prefill = lambda: _prefill(pl, gen, p is not None, a.stop_at_eos)  # noqa: E731
         try:
-            if b not in bases:
-                bases.clear()  # one batch's prefill at a time
-                bases[b] = None if low_memory else _prefill(pl, gen, p is not None, a.stop_at_eos)
-            base = bases[b]
             # the loop donates its state: the oracle, shared by the batch's modes, is copied
             ora = None if oracle is None or rm == "ar" else jnp.copy(oracle)
-            if base is None:
-                state = _derive_state(
-                    _prefill(pl, gen, p is not None, a.stop_at_eos), rm, spec, cfg, ora, copy=False
-                )
+            if low_memory:  # a throw-away prefill per point, derived in place
+                state = _derive_state(prefill(), rm, spec, cfg, ora, copy=False)
             else:
+                if base_of != b:
+                    base_of, base = b, None  # the last batch's prefill freed first
+                    base = prefill()
                 state = _derive_state(base, rm, spec, cfg, ora)
             state = run(params, state, jnp.int32(a.warm + a.steps))
             twin = progs.get((b, m, TRACE))

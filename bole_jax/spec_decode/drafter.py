@@ -243,8 +243,8 @@ def expand(
     stop: StopRule | None = None,
 ):
     """EAGLE-style top-k expansion from the root's MTP output (module docstring). Returns the pool
-    (Pool.levels: the draft levels run, 1 .. shape.draft_levels) and the MTP cache (draft scratch rows
-    written after the committed entries).
+    (Pool.levels: the draft levels run, 1 .. shape.draft_levels) and the MTP cache (draft
+    scratch rows written after the committed entries).
 
     The levels below the first run in one `lax.while_loop` (one level's program, compiled once)
     over a preallocated [B, M] pool, each level's k^2 candidates written at its breadth-order
