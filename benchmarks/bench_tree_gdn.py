@@ -207,6 +207,7 @@ def _config_fields(items) -> dict:
         qk="bf16_qk",
         st="bf16_state",
         prec="precision",
+        pn="precise_nodes",
         fold="fold",
         pf="prefetch_state",
         pff="prefetch_fold",
@@ -220,7 +221,7 @@ def _config_fields(items) -> dict:
             kw[name] = None
         elif name in ("inverse", "precision", "fold"):
             kw[name] = v
-        elif name in ("bf16_qk", "bf16_state", "prefetch_state", "prefetch_fold"):
+        elif name in ("bf16_qk", "bf16_state", "precise_nodes", "prefetch_state", "prefetch_fold"):
             kw[name] = v in ("1", "true", "True")
         else:
             kw[name] = int(v)
@@ -1392,7 +1393,7 @@ def main(argv=None):
         "--bole-configs",
         default=None,
         help='";"-separated, e.g. "bv=64,w=8,inv=squaring,qk=1;bv=32,w=4" '
-        "(keys: bv tpp hg w ns inv db qk st prec fold pf pff); replaces "
+        "(keys: bv tpp hg w ns inv db qk st prec pn fold pf pff); replaces "
         "the sweep list",
     )
     ap.add_argument("--pernode-configs", default=None, help='e.g. "bv=32,w=4;bv=64,w=8"')

@@ -13,6 +13,7 @@ them at import.
     field               variable                  values
     tree_gdn_bf16       BOLE_TREE_GDN_BF16        1 / 0 (default 1)
     tree_gdn_state      BOLE_TREE_GDN_STATE       bf16 | tf32 | fp32 (default bf16)
+    tree_gdn_nodes      BOLE_TREE_GDN_NODES       bf16 | fp32 (default bf16)
     mosaic              BOLE_TREE_GDN_MOSAIC      1 / 0 (default 1)
     commit_fold         BOLE_COMMIT_FOLD          auto | unroll | dot | loop (default auto)
     lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
@@ -30,12 +31,14 @@ import os
 COMMIT_FOLDS = ("auto", "unroll", "dot", "loop")
 LAZY_ROWS = ("path", "gather")
 STATE_NUMERICS = ("bf16", "tf32", "fp32")
+NODE_NUMERICS = ("bf16", "fp32")
 BACKENDS = ("auto", "pallas", "reference")
 INTERPRET_NUMERICS = ("fp32", "device")
 
 _ENV = dict(
     tree_gdn_bf16="BOLE_TREE_GDN_BF16",
     tree_gdn_state="BOLE_TREE_GDN_STATE",
+    tree_gdn_nodes="BOLE_TREE_GDN_NODES",
     mosaic="BOLE_TREE_GDN_MOSAIC",
     commit_fold="BOLE_COMMIT_FOLD",
     lazy_rows="BOLE_LAZY_ROWS",
@@ -59,6 +62,10 @@ class KernelOptions:
       fp32: "bf16" (the state tile rounded to bf16, with tree_gdn_bf16), "tf32" (fp32 operands,
       TF32 tensor-core dots) or "fp32" (fp32 operands, every fp32 dot of the verify in three
       TF32 passes, ~fp32). Same launch shapes; the Mosaic verify only with "bf16".
+    tree_gdn_nodes: the verify's node-by-node dots (K K^T, Q K^T, the inverse, T rhs and the
+      outputs' (Q K^T * Gam) U): "bf16" (K K^T and Q K^T on bf16 operands with tree_gdn_bf16,
+      the others TF32) or "fp32" (fp32 operands, three TF32 passes, ~fp32), the state dots
+      left to tree_gdn_state. Same launch shapes; the Mosaic verify only with "bf16".
     mosaic: the auto launch may pick the Mosaic GPU verify where it was measured faster
       (`mosaic_launch`; it also needs tree_gdn_bf16). False: always the Triton kernel.
     commit_fold: how the Pallas commit adds the accepted path's rows (`commit_launch`): "auto"
@@ -87,6 +94,7 @@ class KernelOptions:
 
     tree_gdn_bf16: bool = True
     tree_gdn_state: str = "bf16"
+    tree_gdn_nodes: str = "bf16"
     mosaic: bool = True
     commit_fold: str = "auto"
     lazy_rows: str = "path"
@@ -105,6 +113,7 @@ class KernelOptions:
             ("commit_fold", COMMIT_FOLDS),
             ("lazy_rows", LAZY_ROWS),
             ("tree_gdn_state", STATE_NUMERICS),
+            ("tree_gdn_nodes", NODE_NUMERICS),
             ("gdn_decode_backend", BACKENDS),
             ("attention_backend", BACKENDS),
             ("interpret_numerics", INTERPRET_NUMERICS),

@@ -102,6 +102,10 @@ class TreeGDNConfig:
       flash-linear-attention's chunk kernels do). The inverse and output dots stay fp32.
     precision: of the fp32 dots on GPU: None (TF32), "tf32x3" (3 TF32 passes, ~fp32) or
       "highest" (IEEE fp32 FMA). Interpret mode always computes in fp32.
+    precise_nodes: the node-by-node dots (K K^T, Q K^T, the inverse, T rhs and the outputs'
+      (Q K^T * Gam) U) in three TF32 passes (~fp32) whatever `precision` says; with bf16_qk
+      False their q and k operands stay fp32. The state dots (K S, Q S) keep bf16_state and
+      `precision`.
     fold: how a pending lazy commit's rows are added to each state tile: "loop" (fp32 rank-1
       updates, a loop of `count` trips), "dot" (one [dk, L] x [L, block_v] tensor-core dot in
       three TF32 passes, ~fp32; see `_dot_fold`) or "unroll" (fp32 rank-1 updates of all L
@@ -128,6 +132,7 @@ class TreeGDNConfig:
     bf16_qk: bool = False
     bf16_state: bool = False
     precision: str | None = None
+    precise_nodes: bool = False
     fold: str = "loop"
     prefetch_state: bool = False
     prefetch_fold: bool = False
@@ -177,8 +182,10 @@ class TreeGDNConfig:
             fold = "unroll" if short and nodes > 8 else "loop"
         bf16 = options.tree_gdn_bf16
         state = options.tree_gdn_state if bf16 else "tf32"  # tree_gdn_bf16=False: all fp32
+        precise_nodes = options.tree_gdn_nodes == "fp32"
         kw = dict(
-            bf16_qk=bf16,
+            bf16_qk=bf16 and not precise_nodes,
+            precise_nodes=precise_nodes,
             bf16_state=state == "bf16",
             precision="tf32x3" if options.tree_gdn_state == "fp32" else None,
             depth_bound=depth_bound,
@@ -236,6 +243,7 @@ def mosaic_launch(
             options.mosaic
             and options.tree_gdn_bf16
             and options.tree_gdn_state == "bf16"
+            and options.tree_gdn_nodes == "bf16"
             and tree_gdn_mgpu.AVAILABLE
         )
         or depth_bound is None
@@ -326,8 +334,10 @@ def _tree_gdn_kernel(
     tile, head_block = pl.program_id(0), pl.program_id(1)
     if interpret:  # fp32, or the device's TF32 rounding emulated
         prec = TF32_EMULATED if cfg.emulate_tf32 and cfg.precision is None else None
+        prec_n = None if cfg.precise_nodes else prec
     else:
         prec = _PRECISIONS[cfg.precision]
+        prec_n = _PRECISIONS["tf32x3"] if cfg.precise_nodes else prec
     qk_dtype = jnp.bfloat16 if cfg.bf16_qk else jnp.float32
     s_dtype = jnp.bfloat16 if cfg.bf16_state else jnp.float32
     prec_fold = None if interpret else _PRECISIONS["tf32x3"]
@@ -372,8 +382,8 @@ def _tree_gdn_kernel(
         _store(ks_ref, jnp.where(valid, k_scale, 0.0), gate_mask)
 
     kb, qb = kn.astype(qk_dtype), qn.astype(qk_dtype)
-    kk = _dot(kb, kb, prec, trans_b=True)  # [Np, Np]
-    qk = _dot(qb, kb, prec, trans_b=True)
+    kk = _dot(kb, kb, prec_n, trans_b=True)  # [Np, Np]
+    qk = _dot(qb, kb, prec_n, trans_b=True)
     kb, qb = kn.astype(s_dtype), qn.astype(s_dtype)
 
     def value_head(j, carry):
@@ -391,7 +401,7 @@ def _tree_gdn_kernel(
         gmat = jnp.where(strict, beta[:, None] * kk * gam, 0.0)
         # "matrix": T = (I + G)^-1 once per head, reused by all value tiles of the program;
         # otherwise G itself, applied per tile.
-        tmat = _inverse_matrix(gmat, depth, prec) if cfg.inverse == "matrix" else gmat
+        tmat = _inverse_matrix(gmat, depth, prec_n) if cfg.inverse == "matrix" else gmat
         qkg = qk * gam
 
         def value_tile(t, c):
@@ -411,10 +421,10 @@ def _tree_gdn_kernel(
             v = jnp.where(vrow, _load(v_ref.at[:, j, cols], inb).astype(jnp.float32), 0.0)
             rhs = beta[:, None] * (v - p * ks)
             if cfg.inverse == "matrix":
-                u = _dot(tmat, rhs, prec)
+                u = _dot(tmat, rhs, prec_n)
             else:
-                u = _apply_inverse(tmat, rhs, depth, cfg.inverse, prec)
-            o = p * qs + _dot(qkg, u, prec)
+                u = _apply_inverse(tmat, rhs, depth, cfg.inverse, prec_n)
+            o = p * qs + _dot(qkg, u, prec_n)
             if broken is not None:
                 o, u = jnp.where(broken, jnp.nan, o), jnp.where(broken, jnp.nan, u)
             _store(o_ref.at[:, j, cols], o.astype(o_ref.dtype), inb)

@@ -178,6 +178,60 @@ def test_state_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence
     assert err[False, "fp32"] < 1e-6 < err[True, "fp32"] < err[True, "bf16"], err
 
 
+def test_node_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence():
+    """tree_gdn_nodes="fp32" takes the node-by-node dots (K K^T, Q K^T, the inverse, T rhs,
+    the outputs' (Q K^T * Gam) U) on fp32 operands in three TF32 passes and leaves the state
+    dots to tree_gdn_state; no Mosaic verify. With the device's roundings emulated it brings
+    the outputs closer to the sequential recurrence than the default launch, and with fp32
+    state dots too as close as the all-fp32 launch."""
+    from bole_jax.pallas import tree_gdn as tg
+    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
+
+    assert KernelOptions().tree_gdn_nodes == "bf16"
+    assert KernelOptions.from_env({"BOLE_TREE_GDN_NODES": "fp32"}).tree_gdn_nodes == "fp32"
+    with pytest.raises(ValueError, match="BOLE_TREE_GDN_NODES"):
+        KernelOptions.from_env({"BOLE_TREE_GDN_NODES": "tf32"})
+    for nodes, bf16_qk, precise in (("bf16", True, False), ("fp32", False, True)):
+        launch = TreeGDNConfig.auto(16, 32, 9, KernelOptions(tree_gdn_nodes=nodes))
+        assert (launch.bf16_qk, launch.bf16_state, launch.precision, launch.precise_nodes) == (
+            bf16_qk,
+            True,
+            None,
+            precise,
+        )
+    assert (
+        tg.mosaic_launch(16, 64, 128, 128, jnp.bfloat16, 9, KernelOptions(tree_gdn_nodes="fp32"))
+        is None
+    )
+
+    rng = np.random.default_rng(3)
+    b, n = 2, 16
+    parents, num_nodes = random_trees(rng, b, n)
+    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
+    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
+    o_ref, f_ref = tree_gdn_sequential(*args, parents, num_nodes)
+    err = {}
+    for nodes, bf16, state in (
+        ("bf16", True, "bf16"),
+        ("fp32", True, "bf16"),
+        ("fp32", True, "fp32"),
+        ("bf16", False, "fp32"),
+    ):
+        opts = KernelOptions(
+            tree_gdn_bf16=bf16,
+            tree_gdn_state=state,
+            tree_gdn_nodes=nodes,
+            interpret_numerics="device",
+        )
+        o, _ = tree_gdn_verify(
+            *args, parents, num_nodes, backend="pallas", interpret=True, depth_bound=9, options=opts
+        )
+        err[nodes, bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    assert err["fp32", True, "bf16"] < err["bf16", True, "bf16"], err
+    assert err["fp32", True, "fp32"] < err["fp32", True, "bf16"], err
+    assert err["fp32", True, "fp32"] < 2 * err["bf16", False, "fp32"] + 1e-7, err
+
+
 def test_interpret_numerics_device_emulates_the_launch_roundings():
     """interpret_numerics="device": interpret mode takes the table's launch with its bf16
     operands and TF32 dots emulated, so a CPU run reproduces the device's rounding: further from

@@ -210,6 +210,16 @@ KERNEL_CASES = [
         TreeGDNConfig(block_v=32, inverse="matrix", bf16_qk=True, bf16_state=True),
     ),
     (
+        24,
+        1,
+        2,
+        32,
+        32,
+        ("random", "deep"),
+        jnp.bfloat16,  # tree_gdn_nodes="fp32": node dots ~fp32, state dots bf16
+        TreeGDNConfig(block_v=16, inverse="matrix", bf16_state=True, precise_nodes=True),
+    ),
+    (
         9,
         2,
         4,
@@ -830,6 +840,7 @@ def test_bad_shapes_raise():
             ),
         ),
         (32, TreeGDNConfig(block_v=64, precision="tf32x3")),
+        (32, TreeGDNConfig(block_v=64, bf16_state=True, precise_nodes=True, depth_bound=9)),
         (16, TreeGDNConfig(block_v=128, depth_bound=8, inverse="squaring", precision="highest")),
         (64, TreeGDNConfig(block_v=32, tiles_per_program=4, inverse="matrix", num_warps=8)),
     ],
