@@ -372,6 +372,8 @@ def cfg_str(cfg) -> str:
         s += ",st=1"
     if cfg.precision:
         s += f",prec={cfg.precision}"
+    if cfg.precise_nodes:
+        s += ",pn=1"
     if cfg.fold != "loop":
         s += f",fold={cfg.fold}"
     if cfg.prefetch_state:
