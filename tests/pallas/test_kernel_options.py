@@ -124,13 +124,33 @@ def test_spec_step_refuses_options_that_differ():
         spec_step(None, None, cfg=cfg, spec=spec)
 
 
+def _verify_errors(launches: dict, seed: int, state_scale: float = 1.0) -> dict:
+    """max |o - o_ref| of the interpret-mode Pallas verify against the sequential recurrence,
+    per launch: {name: tree_gdn_verify keywords (config= or options=)}, all on the same random
+    trees (B = 2, N = 16) and inputs, the committed state scaled by state_scale."""
+    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
+
+    rng = np.random.default_rng(seed)
+    parents, num_nodes = random_trees(rng, 2, 16)
+    x = random_gdn_inputs(rng, 2, 16, 1, 2, 32, 32, np.float32)
+    x["state"] = x["state"] * state_scale
+    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
+    o_ref, _ = tree_gdn_sequential(*args, parents, num_nodes)
+    err = {}
+    for name, kw in launches.items():
+        o, _ = tree_gdn_verify(
+            *args, parents, num_nodes, backend="pallas", interpret=True, depth_bound=9, **kw
+        )
+        err[name] = float(jnp.max(jnp.abs(o - o_ref)))
+    return err
+
+
 def test_state_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence():
     """tree_gdn_state picks the state dots' operands (bf16 / fp32 on TF32 / ~fp32 in three
     passes) of the auto launch and keeps the Mosaic verify to bf16; in interpret mode (fp32
     dots) fp32 state operands bring the outputs and factors closer to the sequential
     recurrence the one-token decode runs than bf16 ones do."""
     from bole_jax.pallas import tree_gdn as tg
-    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
 
     assert KernelOptions.from_env({"BOLE_TREE_GDN_STATE": "fp32"}).tree_gdn_state == "fp32"
     with pytest.raises(ValueError, match="BOLE_TREE_GDN_STATE"):
@@ -153,27 +173,19 @@ def test_state_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence
         is None
     )
 
-    rng = np.random.default_rng(1)
-    b, n = 2, 16
-    parents, num_nodes = random_trees(rng, b, n)
-    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
-    x["state"] = x["state"] * 4.0  # a committed state that dominates the outputs
-    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
-    o_ref, _ = tree_gdn_sequential(*args, parents, num_nodes)
-    err = {}
-    for bf16, state in ((True, "bf16"), (True, "fp32"), (False, "fp32")):
-        o, _ = tree_gdn_verify(
-            *args,
-            parents,
-            num_nodes,
-            backend="pallas",
-            interpret=True,
-            config=TreeGDNConfig.auto(
-                b, n, 9, KernelOptions(tree_gdn_bf16=bf16, tree_gdn_state=state)
-            ),
-            depth_bound=9,
-        )
-        err[bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    # a committed state that dominates the outputs; the fp32 interpret launch of each option
+    err = _verify_errors(
+        {
+            (bf16, state): dict(
+                config=TreeGDNConfig.auto(
+                    2, 16, 9, KernelOptions(tree_gdn_bf16=bf16, tree_gdn_state=state)
+                )
+            )
+            for bf16, state in ((True, "bf16"), (True, "fp32"), (False, "fp32"))
+        },
+        seed=1,
+        state_scale=4.0,
+    )
     # the normalized q and k rounded to bf16 (tree_gdn_bf16) are most of the error left
     assert err[False, "fp32"] < 1e-6 < err[True, "fp32"] < err[True, "bf16"], err
 
@@ -185,7 +197,6 @@ def test_node_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence(
     the outputs closer to the sequential recurrence than the default launch, and with fp32
     state dots too as close as the all-fp32 launch."""
     from bole_jax.pallas import tree_gdn as tg
-    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
 
     assert KernelOptions().tree_gdn_nodes == "bf16"
     assert KernelOptions.from_env({"BOLE_TREE_GDN_NODES": "fp32"}).tree_gdn_nodes == "fp32"
@@ -204,29 +215,25 @@ def test_node_numerics_select_the_launch_and_bring_the_verify_to_the_recurrence(
         is None
     )
 
-    rng = np.random.default_rng(3)
-    b, n = 2, 16
-    parents, num_nodes = random_trees(rng, b, n)
-    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
-    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
-    o_ref, f_ref = tree_gdn_sequential(*args, parents, num_nodes)
-    err = {}
-    for nodes, bf16, state in (
-        ("bf16", True, "bf16"),
-        ("fp32", True, "bf16"),
-        ("fp32", True, "fp32"),
-        ("bf16", False, "fp32"),
-    ):
-        opts = KernelOptions(
-            tree_gdn_bf16=bf16,
-            tree_gdn_state=state,
-            tree_gdn_nodes=nodes,
-            interpret_numerics="device",
-        )
-        o, _ = tree_gdn_verify(
-            *args, parents, num_nodes, backend="pallas", interpret=True, depth_bound=9, options=opts
-        )
-        err[nodes, bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    err = _verify_errors(
+        {
+            (nodes, bf16, state): dict(
+                options=KernelOptions(
+                    tree_gdn_bf16=bf16,
+                    tree_gdn_state=state,
+                    tree_gdn_nodes=nodes,
+                    interpret_numerics="device",
+                )
+            )
+            for nodes, bf16, state in (
+                ("bf16", True, "bf16"),
+                ("fp32", True, "bf16"),
+                ("fp32", True, "fp32"),
+                ("bf16", False, "fp32"),
+            )
+        },
+        seed=3,
+    )
     assert err["fp32", True, "bf16"] < err["bf16", True, "bf16"], err
     assert err["fp32", True, "fp32"] < err["fp32", True, "bf16"], err
     assert err["fp32", True, "fp32"] < 2 * err["bf16", False, "fp32"] + 1e-7, err
