@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bole_jax import compile_cache
+from bole_jax.measure import numerics
 from bole_jax.measure.calibrate import (  # noqa: F401
     _copy,
     eos_requests,
@@ -755,9 +756,8 @@ def ar_logits(llm, prompt, cont, pos: int) -> np.ndarray:
 
 
 def top2_gap(logits: np.ndarray) -> float:
-    """The gap between the two largest logits (0 for a single logit)."""
-    top = np.sort(logits)[-2:]
-    return float(top[-1] - top[0])
+    """The gap between the two largest logits of [V] (`numerics.top2`)."""
+    return float(numerics.top2(np.asarray(logits))[1])
 
 
 def divergence_info(logits: np.ndarray, ar_token: int, token: int) -> dict:
