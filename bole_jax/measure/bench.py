@@ -1330,7 +1330,7 @@ def run_e2e(a) -> dict:
             )
             if p is not None and spec is not None:
                 row["expected_tokens_per_step"] = expected_tokens_per_step(
-                    p, min(spec.shape.depth, nodes - 1)
+                    p, spec.shape.draft_levels
                 )
             rows.append(row)
             if prof_steps:  # traced once every point is timed (the `profile_points` below)
