@@ -245,7 +245,6 @@ def test_interpret_numerics_device_emulates_the_launch_roundings():
     the sequential recurrence than the fp32 interpret default, and more so with bf16 state
     operands than with fp32 ones (TF32-rounded); "fp32" is the default and keeps the fp32
     launch."""
-    from bole_jax.pallas.tree_gdn_ref import tree_gdn_sequential
     from bole_jax.pallas.triton_ops import TF32_EMULATED, dot, to_tf32
 
     assert KernelOptions().interpret_numerics == "fp32"
@@ -262,25 +261,23 @@ def test_interpret_numerics_device_emulates_the_launch_roundings():
     with pytest.raises(ValueError, match="precision"):
         dot(a, a, "tf16")
 
-    rng = np.random.default_rng(2)
-    b, n = 2, 16
-    parents, num_nodes = random_trees(rng, b, n)
-    x = random_gdn_inputs(rng, b, n, 1, 2, 32, 32, np.float32)
-    x["state"] = x["state"] * 4.0
-    args = [x[k] for k in ("q", "k", "v", "g", "beta", "state")]
-    o_ref, _ = tree_gdn_sequential(*args, parents, num_nodes)
-    err = {}
-    for numerics, bf16, state in (
-        ("fp32", True, "bf16"),
-        ("device", False, "tf32"),
-        ("device", True, "tf32"),
-        ("device", True, "bf16"),
-    ):
-        opts = KernelOptions(tree_gdn_bf16=bf16, tree_gdn_state=state, interpret_numerics=numerics)
-        o, _ = tree_gdn_verify(
-            *args, parents, num_nodes, backend="pallas", interpret=True, depth_bound=9, options=opts
-        )
-        err[numerics, bf16, state] = float(jnp.max(jnp.abs(o - o_ref)))
+    err = _verify_errors(
+        {
+            (numerics, bf16, state): dict(
+                options=KernelOptions(
+                    tree_gdn_bf16=bf16, tree_gdn_state=state, interpret_numerics=numerics
+                )
+            )
+            for numerics, bf16, state in (
+                ("fp32", True, "bf16"),
+                ("device", False, "tf32"),
+                ("device", True, "tf32"),
+                ("device", True, "bf16"),
+            )
+        },
+        seed=2,
+        state_scale=4.0,
+    )
     assert err["fp32", True, "bf16"] < 1e-5, err  # the default: fp32 whatever the options say
     assert 1e-5 < err["device", False, "tf32"] < err["device", True, "tf32"], err
     assert err["device", True, "tf32"] < err["device", True, "bf16"], err
