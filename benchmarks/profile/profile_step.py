@@ -654,7 +654,9 @@ def stage_split(
     """Per-step time of a loop program's trace (`summarise` result r, reps = loop steps) split by
     stage: one row per stage in `stages`, then "other" (kernels of no stage, and "mixed(...)"
     command buffers spanning stages), then "idle" (wall - active: the device waiting on
-    launches and the loop's host round trips). The stage and other rows sum to the busy time;
+    launches and the loop's host round trips). Each stage row also counts its kernels per step
+    (`kernels_per_step`: a launch-bound stage has many short ones). The stage and other rows sum
+    to the busy time;
     with idle they sum to the wall time where kernels do not overlap (one GPU stream: busy =
     active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
     active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
@@ -664,12 +666,13 @@ def stage_split(
     then a twin compiled for the trace, bench.TRACE_COMPILER_OPTIONS, whose launch gaps differ):
     idle is step_ms - busy and the shares are of step_ms, so the rows sum to the timed step."""
     ms = {row["stage"]: row["ms_per_rep"] for row in r.get("stages", [])}
+    calls = {row["stage"]: row.get("calls_per_rep", 0.0) for row in r.get("stages", [])}
     flops = flops or {}
     wall = r["wall_ms_per_rep"] if step_ms is None else step_ms
     active = r["active_ms_per_rep"] if step_ms is None else r["busy_ms_per_rep"]
     out = []
     for st in stages:
-        row = dict(stage=st, ms_per_step=ms.pop(st, 0.0))
+        row = dict(stage=st, ms_per_step=ms.pop(st, 0.0), kernels_per_step=calls.pop(st, 0.0))
         if floors and st in floors:
             row["floor_mib"] = floors[st] / 2**20
             if gbps:
@@ -688,6 +691,7 @@ def stage_split(
         dict(
             stage=OTHER,
             ms_per_step=sum(ms.values()),
+            kernels_per_step=sum(calls.values()),
             detail={k: v for k, v in sorted(ms.items(), key=lambda kv: -kv[1])},
         )
     )

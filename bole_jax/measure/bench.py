@@ -524,6 +524,7 @@ def _profile_step_module():
 # profile shows as a busy time above the timed step.
 TRACE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
 TRACE = "trace"  # the compiled twin's key beside (batch, mode)
+TOP_OPS = 40  # HLO ops a loop profile keeps
 
 
 def loop_profile(
@@ -578,6 +579,11 @@ def loop_profile(
         peak_tflops=tflops,
         trace=how,
         stage_split=split,
+        # the loop's costliest HLO ops (kernel time per step, kernels per step, stage, source)
+        top_ops=[
+            {k: op.get(k) for k in ("hlo_op", "ms_per_rep", "calls_per_rep", "stage", "source")}
+            for op in r["hlo_ops"][:TOP_OPS]
+        ],
     )
     return prof, state
 
@@ -1519,6 +1525,7 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
                 step_ms=lp.get("step_ms"),
                 **{f"{k}_ms": split[k]["ms_per_step"] for k in names if k in split},
                 traced_wall_ms=lp["wall_ms_per_step"],
+                kernels=round(sum(x.get("kernels_per_step", 0.0) for x in split.values())),
             )
         )
         key = "x_floor" if gbps else "floor_mib"
@@ -1538,12 +1545,13 @@ def print_loop_profiles(rows: Sequence[dict]) -> str:
         f"\nin-loop stage split (ms per loop step, from a profiler trace of "
         f"{rows[0]['loop_profile']['steps']} steps of the jitted loop; "
         f"{rows[0]['loop_profile']['events_from']} events; stages + other = busy, + idle = the "
-        "timed step; traced_wall: the traced loop's wall, profiler overhead included)"
+        "timed step; traced_wall: the traced loop's wall, profiler overhead included; kernels: "
+        "device kernels per loop step)"
     )
     cols = (
         ["batch", "mode", "step_ms"]
         + [f"{k}_ms" for k in names if any(f"{k}_ms" in t for t in table)]
-        + ["traced_wall_ms"]
+        + ["traced_wall_ms", "kernels"]
     )
     out = print_table(table, cols)
     tf = rows[0]["loop_profile"].get("peak_tflops")

@@ -386,14 +386,18 @@ def test_stage_split_sums_to_the_timed_step():
     row is that step less the traced busy time and the rows sum to the step; without it, idle is
     the trace's wall - active."""
     r = dict(
-        stages=[dict(stage="draft", ms_per_rep=2.0), dict(stage="verify", ms_per_rep=5.0)]
-        + [dict(stage="other", ms_per_rep=0.5)],
+        stages=[
+            dict(stage="draft", ms_per_rep=2.0, calls_per_rep=40.0),
+            dict(stage="verify", ms_per_rep=5.0, calls_per_rep=12.0),
+            dict(stage="other", ms_per_rep=0.5, calls_per_rep=3.0),
+        ],
         wall_ms_per_rep=12.0,
         busy_ms_per_rep=7.5,
         active_ms_per_rep=7.5,
     )
     rows = {x["stage"]: x for x in ps.stage_split(r, ("draft", "verify"), step_ms=8.0)}
     assert rows["idle"]["ms_per_step"] == pytest.approx(0.5)
+    assert [rows[k]["kernels_per_step"] for k in ("draft", "verify", "other")] == [40, 12, 3]
     assert sum(x["ms_per_step"] for x in rows.values()) == pytest.approx(8.0)
     assert rows["verify"]["share_of_wall"] == pytest.approx(5.0 / 8.0)
     rows = {x["stage"]: x for x in ps.stage_split(r, ("draft", "verify"))}
@@ -602,6 +606,8 @@ def test_bench_e2e_profile_loop(tmp_path, monkeypatch):
         split = {x["stage"]: x for x in lp["stage_split"]}
         assert list(split) == [*stages, "other", "idle"]
         assert all(split[st]["ms_per_step"] > 0 and split[st]["floor_mib"] > 0 for st in stages)
+        assert all(split[st]["kernels_per_step"] > 0 for st in stages)
+        assert lp["top_ops"] and all(op["calls_per_rep"] > 0 for op in lp["top_ops"])
         assert sum(split[st]["ms_per_step"] for st in (*stages, "other")) == pytest.approx(
             lp["busy_ms_per_step"], rel=1e-6
         )
@@ -613,7 +619,7 @@ def test_bench_e2e_profile_loop(tmp_path, monkeypatch):
     # the printed split leads with the timed step its rows sum to; the traced wall comes last
     printed = bench.print_loop_profiles(res["rows"]).splitlines()
     head = [c.strip() for c in printed[0].split("|")]
-    assert head[:3] == ["batch", "mode", "step_ms"] and head[-1] == "traced_wall_ms"
+    assert head[:3] == ["batch", "mode", "step_ms"] and head[-2:] == ["traced_wall_ms", "kernels"]
     assert rows["bole"]["ar_agreement"] == 1.0  # the profiled steps are decode steps too
     saved = json.loads((tmp_path / "e2e_tiny.json").read_text())
     assert saved["rows"][1]["loop_profile"]["stage_split"]
