@@ -524,7 +524,7 @@ def _profile_step_module():
 # profile shows as a busy time above the timed step.
 TRACE_COMPILER_OPTIONS = {"gpu": {"xla_gpu_enable_command_buffer": ""}}
 TRACE = "trace"  # the compiled twin's key beside (batch, mode)
-TOP_OPS = 40  # HLO ops a loop profile keeps
+TOP_OPS = 80  # HLO ops a loop profile keeps
 
 
 def loop_profile(
