@@ -683,5 +683,7 @@ class LLM:
             step, self.cfg
         )  # tp > 1: the carried state keeps its layout
         return jax.jit(
-            functools.partial(loop.run_segment, step_fn=step), donate_argnames=("state",)
+            functools.partial(loop.run_segment, step_fn=step),
+            donate_argnames=("state",),
+            compiler_options=loop.segment_compiler_options(self.cfg.kernels, jax.default_backend()),
         )

@@ -281,3 +281,41 @@ def test_interpret_numerics_device_emulates_the_launch_roundings():
     assert err["fp32", True, "bf16"] < 1e-5, err  # the default: fp32 whatever the options say
     assert 1e-5 < err["device", False, "tf32"] < err["device", True, "tf32"], err
     assert err["device", True, "tf32"] < err["device", True, "bf16"], err
+
+
+def test_loop_graph_compiles_the_segment_with_while_commands(monkeypatch):
+    """loop_graph (BOLE_LOOP_GRAPH) adds XLA's WHILE and CONDITIONAL commands to the decode
+    segment's command buffers on the GPU only. The engine's segment is compiled with what
+    `segment_compiler_options` returns (an option XLA does not know fails the compilation), and
+    on the CPU the option changes nothing (same tokens)."""
+    import jax
+
+    from bole_jax import LLM, ModelConfig
+    from bole_jax.model import init_params
+    from bole_jax.spec_decode import loop
+
+    assert KernelOptions().loop_graph is False
+    assert KernelOptions.from_env({"BOLE_LOOP_GRAPH": "1"}).loop_graph is True
+    on = KernelOptions(loop_graph=True)
+    cmds = loop.segment_compiler_options(on, "gpu")["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUSTOM_CALL"} <= set(cmds)
+    assert loop.segment_compiler_options(on, "cpu") is None
+    assert loop.segment_compiler_options(KernelOptions(), "gpu") is None
+
+    cfg = ModelConfig.tiny("qwen3_next", vocab_size=96, mtp_num_layers=1)
+    params = init_params(cfg, jax.random.key(1), "float32")
+    prompts, opts = [[5, 7, 11, 13]], dict(num_nodes=4, depth=3)
+    outs = [
+        LLM(cfg, params=params, kernel_options=k, spec_options=opts)
+        .generate(prompts, max_new_tokens=8, spec="bole")[0]
+        .token_ids
+        for k in (KernelOptions(), on)
+    ]
+    assert outs[0] == outs[1]
+    monkeypatch.setattr(
+        loop, "segment_compiler_options", lambda k, p: {"xla_bole_no_such_option": "1"}
+    )
+    with pytest.raises(Exception, match="xla_bole_no_such_option"):
+        LLM(cfg, params=params, kernel_options=on, spec_options=opts).generate(
+            prompts, max_new_tokens=8, spec="bole"
+        )
