@@ -276,6 +276,7 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert _dots(loops[0].params["body_jaxpr"].jaxpr.eqns, head) == 1
 
     monkeypatch.setattr(drafter, "UNROLL", True)
+    monkeypatch.setattr(drafter, "POOL_CONCAT", concat)
     fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     d = spec.shape.depth
     assert calls == dict(mtp=d, head=d)  # the catch-up, then d - 1 levels
@@ -285,8 +286,9 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert int(pool.levels) == d
 
 
+@pytest.mark.parametrize("concat", [False, True], ids=["in-place", "concat"])
 @pytest.mark.parametrize("mode", ["chain", "bole-chain", "tree"])
-def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
+def test_unrolled_levels_draft_the_full_expansion(tiny, mode, concat, monkeypatch):
     """Unrolled (`drafter.UNROLL`, the default on GPUs), the expansion runs every level
     as straight-line code: no while loop, no can_gain, and the pool the while loop drafts without
     the early stop (whose selected tree is the early stop's: test_model_drafts_same_tree_...)."""
@@ -309,6 +311,7 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
 
     monkeypatch.setattr(drafter, "can_gain", can_gain)
     monkeypatch.setattr(drafter, "UNROLL", True)
+    monkeypatch.setattr(drafter, "POOL_CONCAT", concat)
     fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     assert calls == dict(mtp=depth, head=depth) and not gained
     assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
