@@ -683,7 +683,5 @@ class LLM:
             step, self.cfg
         )  # tp > 1: the carried state keeps its layout
         return jax.jit(
-            functools.partial(loop.run_segment, step_fn=step),
-            donate_argnames=("state",),
-            compiler_options=loop.segment_compiler_options(self.cfg.kernels, jax.default_backend()),
+            functools.partial(loop.run_segment, step_fn=step), donate_argnames=("state",)
         )

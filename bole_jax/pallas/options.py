@@ -21,7 +21,6 @@ them at import.
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
     attention_backend   BOLE_ATTENTION_BACKEND    auto | pallas | reference (default reference)
     interpret_numerics  BOLE_INTERPRET_NUMERICS   fp32 | device (default fp32)
-    loop_graph          BOLE_LOOP_GRAPH           1 / 0 (default 0)
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ _ENV = dict(
     packed_verify="BOLE_PACKED_VERIFY",
     attention_backend="BOLE_ATTENTION_BACKEND",
     interpret_numerics="BOLE_INTERPRET_NUMERICS",
-    loop_graph="BOLE_LOOP_GRAPH",
 )
-_BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify", "loop_graph")
+_BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +90,6 @@ class KernelOptions:
       "device" (the launch the device's table picks, with its bf16 roundings and its TF32 dots
       emulated: `TreeGDNConfig.emulate_tf32`), so that a CPU run reproduces the GPU's
       rounding of the Triton verify. No effect on the device.
-    loop_graph: on the GPU, the decode segment (`loop.run_segment`: a while loop over decode
-      steps) is compiled with XLA's while loops and conditionals inside its command buffers
-      (CUDA graphs with conditional nodes, `loop.segment_compiler_options`), so the host does
-      not read the loop's predicate back between steps. No effect elsewhere.
     """
 
     tree_gdn_bf16: bool = True
@@ -108,7 +102,6 @@ class KernelOptions:
     packed_verify: bool = True
     attention_backend: str = "reference"
     interpret_numerics: str = "fp32"
-    loop_graph: bool = False
 
     def __post_init__(self):
         for name in _BOOLS:

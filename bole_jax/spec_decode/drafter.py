@@ -47,8 +47,8 @@ DRAFT_SLOT_ALIGN = 64
 # H200, 4cd2a9e; docs/design-decisions.md). On the CPU the read costs nothing, the early stop
 # saves the levels it skips, and the loop compiles one level instead of depth - 1; on a TPU the
 # loop's predicate stays on the device (not measured there).
+# The acceptance walk's levels follow the same switch (`acceptance._walk`).
 UNROLL: bool | None = None
-POOL_CONCAT = False  # unrolled levels: the pool concatenated after the last level
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
@@ -299,12 +299,9 @@ def expand(
             c_tok, c_sc = c_tok.at[:, 0].set(f_s), c_sc.at[:, 0].set(0.0)
         c_par = jnp.repeat(f_idx, k, axis=1)
         base = k + (s - 1) * k * k  # pool offset of this depth's candidates
-        if watch or not POOL_CONCAT:
-            p_tok = jax.lax.dynamic_update_slice(p_tok, c_tok, (0, base))
-            p_par = jax.lax.dynamic_update_slice(p_par, c_par, (0, base))
-            p_sc = jax.lax.dynamic_update_slice(p_sc, c_sc, (0, base))
-        else:  # unrolled: the levels' candidates are concatenated once, after the last level
-            levels.append((c_tok, c_par, c_sc))
+        p_tok = jax.lax.dynamic_update_slice(p_tok, c_tok, (0, base))
+        p_par = jax.lax.dynamic_update_slice(p_par, c_par, (0, base))
+        p_sc = jax.lax.dynamic_update_slice(p_sc, c_sc, (0, base))
         # Next frontier: the k best candidates (stable: ties go to the earlier candidate, which
         # keeps the forced chain's node, candidate 0 with the top score 0, first).
         best = jnp.argsort(-c_sc, axis=-1, stable=True)[:, :k]
@@ -333,22 +330,12 @@ def expand(
         p_sc,
         go,
     )
-    levels = []
     if watch:
         carry = jax.lax.while_loop(lambda c: (c[0] < d) & c[-1], level, carry)
     else:
         for _ in range(1, d):
             carry = level(carry)
     s, kv, *_, p_tok, p_par, p_sc, _ = carry
-    if levels:
-        pad = m - k - len(levels) * k * k  # levels past draft_levels: never drafted
-        parts = [
-            [first, *(lv[i] for lv in levels), jnp.full((b, pad), fill, first.dtype)]
-            for i, (first, fill) in enumerate(
-                ((p_tok[:, :k], 0), (p_par[:, :k], -1), (p_sc[:, :k], -jnp.inf))
-            )
-        ]
-        p_tok, p_par, p_sc = (jnp.concatenate(x, axis=1) for x in parts)
     return Pool(tokens=p_tok, parents=p_par, scores=p_sc, levels=jnp.int32(s)), kv
 
 

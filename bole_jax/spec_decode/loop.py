@@ -157,20 +157,6 @@ def ar_step(params, state: DecodeState, *, cfg: ModelConfig) -> DecodeState:
         )
 
 
-# XLA's default command-buffer commands (FUSION ... DYNAMIC_SLICE_FUSION) plus WHILE and
-# CONDITIONAL: the decode segment's loop runs as a CUDA graph with conditional nodes.
-LOOP_GRAPH_COMMANDS = (
-    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
-)
-
-
-def segment_compiler_options(kernels, platform: str) -> dict | None:
-    """XLA options for the decode segment's compilation (`KernelOptions.loop_graph`), or None."""
-    if kernels.loop_graph and platform == "gpu":
-        return {"xla_gpu_enable_command_buffer": LOOP_GRAPH_COMMANDS}
-    return None
-
-
 def run_segment(
     params, state: DecodeState, max_steps: jax.Array, *, step_fn: Callable
 ) -> DecodeState:

@@ -285,9 +285,8 @@ def test_one_mtp_call_and_one_head_read_per_level(tiny, draft_vocab, monkeypatch
     assert int(pool.levels) == d
 
 
-@pytest.mark.parametrize("concat", [False, True], ids=["in-place", "concat"])
 @pytest.mark.parametrize("mode", ["chain", "bole-chain", "tree"])
-def test_unrolled_levels_draft_the_full_expansion(tiny, mode, concat, monkeypatch):
+def test_unrolled_levels_draft_the_full_expansion(tiny, mode, monkeypatch):
     """Unrolled (`drafter.UNROLL`, the default on GPUs), the expansion runs every level
     as straight-line code: no while loop, no can_gain, and the pool the while loop drafts without
     the early stop (whose selected tree is the early stop's: test_model_drafts_same_tree_...)."""
@@ -310,8 +309,6 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, concat, monkeypatc
 
     monkeypatch.setattr(drafter, "can_gain", can_gain)
     monkeypatch.setattr(drafter, "UNROLL", True)
-    monkeypatch.setattr(drafter, "POOL_CONCAT", concat)
-    monkeypatch.setattr(drafter, "POOL_CONCAT", concat)
     fn, jaxpr, calls = _count_draft(monkeypatch, llm, spec, state, True)
     assert calls == dict(mtp=depth, head=depth) and not gained
     assert not [e for e in jaxpr.eqns if e.primitive.name == "while"]
@@ -327,19 +324,14 @@ def test_unrolled_levels_draft_the_full_expansion(tiny, mode, concat, monkeypatc
         np.testing.assert_array_equal(getattr(pool, f), getattr(looped, f), err_msg=f)
 
 
-@pytest.mark.parametrize(
-    "unroll, concat",
-    [(True, False), (True, True), (False, False)],
-    ids=["unrolled", "concat", "loop"],
-)
-def test_draft_levels_stop_at_n_minus_1(tiny, unroll, concat, monkeypatch):
+@pytest.mark.parametrize("unroll", [True, False])
+def test_draft_levels_stop_at_n_minus_1(tiny, unroll, monkeypatch):
     """A tree of N nodes drafts min(D, N - 1) levels: no node deeper than N - 1 can be selected
     (the selection is prefix-connected). The pool of a 4-node tree is the first 3 levels of the
     full 5-level pool, and selecting 4 nodes from either gives the same tree: the synthetic
     drafter's forced chain (score 0, the top at every depth) makes it the depth-3 path."""
     cfg, params, prompts = tiny
     monkeypatch.setattr(drafter, "UNROLL", unroll)
-    monkeypatch.setattr(drafter, "POOL_CONCAT", concat)
     monkeypatch.setattr(step_mod, "EARLY_STOP", False)
     assert drafter.TreeShape(3, 5, 4).draft_levels == 3
     assert drafter.TreeShape(3, 5, 16).draft_levels == 5

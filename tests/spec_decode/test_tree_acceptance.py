@@ -9,7 +9,7 @@ import pytest
 
 from bole_jax.pallas.tree_utils import tree_structure
 from bole_jax.sampling import SamplingParams, target_probs
-from bole_jax.spec_decode import acceptance
+from bole_jax.spec_decode import acceptance, drafter
 from bole_jax.spec_decode import tree as tree_mod
 
 
@@ -120,7 +120,9 @@ def _make_tree(tokens, parents, num_nodes):
     )
 
 
-def test_greedy_acceptance_matches_python_walk():
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "loop"])
+def test_greedy_acceptance_matches_python_walk(unroll, monkeypatch):
+    monkeypatch.setattr(drafter, "UNROLL", unroll)
     rng = np.random.default_rng(1)
     b, n, vocab = 8, 24, 5
     toks, pars, nums = [], [], []
@@ -229,3 +231,35 @@ def test_stochastic_with_greedy_rows_equals_greedy():
     for i in (0, 2):
         np.testing.assert_array_equal(np.asarray(a.tokens[i]), np.asarray(g.tokens[i]))
         assert int(a.num_accepted[i]) == int(g.num_accepted[i])
+
+
+def test_unrolled_walk_is_the_loop(monkeypatch):
+    """Unrolled (`drafter.unroll_levels`: on GPUs), the acceptance walk is straight-line code,
+    no loop left in the program, and accepts what the `fori_loop` walk does, greedy and
+    stochastic (same key: same draws)."""
+    rng = np.random.default_rng(5)
+    b, n, vocab = 6, 16, 6
+    toks, pars = zip(*[_random_tree(rng, n, vocab) for _ in range(b)])
+    tree = _make_tree(np.array(toks), np.array(pars), [n] * b)
+    logits = jnp.asarray(2.0 * rng.normal(size=(b, n, vocab)), jnp.float32)
+    sp = SamplingParams.make(b, jnp.array([0.0, 1.0, 0.7, 1.0, 0.0, 1.3]), 1.0, 0)
+    out = {}
+    for unroll in (True, False):
+        monkeypatch.setattr(drafter, "UNROLL", unroll)
+        # new functions per form: jax caches traces by function (UNROLL is read at trace time)
+        greedy = lambda t, lg: acceptance.accept_greedy(t, jnp.argmax(lg, -1).astype(jnp.int32), 8)  # noqa: E731
+        stoch = lambda t, lg, k: acceptance.accept_stochastic(t, lg, sp, k, 8, 4)  # noqa: E731
+        loops = [
+            e.primitive.name
+            for f, args in ((greedy, (tree, logits)), (stoch, (tree, logits, jax.random.key(2))))
+            for e in jax.make_jaxpr(f)(*args).eqns
+            if e.primitive.name in ("while", "scan")
+        ]
+        assert (loops == []) == unroll, loops
+        out[unroll] = (
+            jax.jit(greedy)(tree, logits),
+            jax.jit(stoch)(tree, logits, jax.random.key(2)),
+        )
+    for a, c in zip(out[True], out[False]):
+        for f in ("path", "num_accepted", "bonus", "tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(c, f)), f)
