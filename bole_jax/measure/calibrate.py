@@ -170,12 +170,22 @@ def settle_compiles(futures) -> int:
     return dropped
 
 
+def _fit_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x [B, P, ...] cut or zero-padded to [B, rows, ...] (a prefill's pending drafter rows hold
+    one entry, row 0, whatever the depth they were laid out for)."""
+    if x.shape[1] >= rows:
+        return x[:, :rows]
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
 def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
     prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
     spec mode keeps the MTP cache rows start_batch would have allocated for it (committed rows +
     the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
-    mode's pending-commit layout (`SpecConfig.pending_length`), placed like every cache leaf
+    mode's pending-commit layout (`SpecConfig.pending_length`) and the drafter's pending rows
+    its depth's (`TreeShape.path_nodes`: candidates of several depths share one prefill), placed
+    like every cache leaf
     under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
     the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
     its first call). copy=False: `base` is a throw-away copy already (one state on the device at
@@ -189,9 +199,12 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
         ds = base.extra
         rows = draft_cache_capacity(base.cache.capacity, spec.shape)  # as LLM.start_batch sizes it
         assert rows <= ds.kv[0].capacity, (rows, ds.kv[0].k.shape)
+        pend = spec.shape.path_nodes  # the pending rows of this depth, as start_batch lays out
         ds = dataclasses.replace(
             ds,
             kv=tuple(AttnCache(k=c.k[:, :, :rows], v=c.v[:, :, :rows]) for c in ds.kv),
+            pend_tokens=_fit_rows(ds.pend_tokens, pend),
+            pend_hidden=_fit_rows(ds.pend_hidden, pend),
             oracle=ds.oracle if oracle is None else oracle,
         )
     out = dataclasses.replace(base, extra=ds)

@@ -568,6 +568,43 @@ def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
 
 
+def test_calibrate_several_depths_in_one_run(tiny):
+    """Candidates of several depths share one prefill per bucket: each is laid out with its own
+    depth's pending drafter rows (`derive_state`), so every one of them is timed (a run with
+    `--depth 2 4` failed at lowering: the pending rows of the deepest candidate reached the
+    others), and their synthetic acceptance grows with the depth."""
+    from bole_jax.llm import LLM
+
+    cfg, params = tiny
+    llm = LLM(cfg, params=params, max_batch_size=2)
+    table = calibrate.calibrate(
+        llm,
+        (2,),
+        (4,),
+        (2, 4),
+        modes=("ar", "chain", "bole"),
+        progress=False,
+        accept_prob=0.8,
+        steps=2,
+        repeats=1,
+        warm=1,
+    )
+    (e,) = table["entries"]
+    ids = [budget.candidate_id(c) for c in e["candidates"]]
+    assert ids == [
+        "ar",
+        "chain d=2",
+        "chain d=4",
+        "bole N=3 d=2 k=1",
+        "bole N=5 d=4 k=1",
+        "bole N=4 d=2 k=4",
+        "bole N=4 d=4 k=4",
+    ]
+    assert all(c.get("step_ms", 0) > 0 for c in e["candidates"]), e["candidates"]
+    acc = table["acceptance"]
+    assert acc["chain d=4"]["tokens_per_step"] > acc["chain d=2"]["tokens_per_step"]
+
+
 def fake_time(llm, prep, cands, *a, **k):
     """`calibrate._time_bucket` without a model: made-up step times, 1 token per step."""
     rows = [dict(c, step_ms=1.0 + i, tokens_per_step=1.0) for i, c in enumerate(cands)]
