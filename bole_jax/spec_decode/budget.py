@@ -491,7 +491,7 @@ def choice_for(
             command or calibrate_command(model_dir),
             where,
             mode=d.mode,
-            width=None if d.mode == "ar" else d,
+            width=None if d.mode in ("ar", "chain") else d,  # a chain has no tree width
         ),
     )
     return d

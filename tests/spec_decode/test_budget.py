@@ -470,6 +470,11 @@ def test_notice_names_the_exact_command(tiny, tmp_path, monkeypatch, caplog):
     assert len(notes) == 2  # once for the explicit bole width, once for the mode choice
     assert all(f"`{want}`" in n for n in notes), notes
     assert "decoding with ar" in notes[1] and "tree width 16" in notes[0]
+    budget._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="bole_jax"):
+        budget.spec_options_for(Fake(m), "chain", 16)
+    (note,) = [r.message for r in caplog.records[-1:] if "no calibration table" in r.message]
+    assert "decoding with chain." in note and "width" not in note  # a chain has no tree width
 
 
 def test_engine_decodes_with_the_table_choice(tiny, tmp_path, monkeypatch):
