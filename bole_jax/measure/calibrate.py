@@ -185,10 +185,9 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     the mode's draft scratch) and takes the synthetic drafter's oracle. The GDN caches get the
     mode's pending-commit layout (`SpecConfig.pending_length`) and the drafter's pending rows
     its depth's (`TreeShape.path_nodes`: candidates of several depths share one prefill), placed
-    like every cache leaf
-    under tensor parallelism (`parallel.place`: the empty pending rows split on their heads, as
-    the compiled loop expects; made here they were replicated, and a tp > 1 lazy run failed at
-    its first call). copy=False: `base` is a throw-away copy already (one state on the device at
+    like every cache leaf under tensor parallelism (`parallel.place`: the empty pending rows
+    split on their heads, as the compiled loop expects; made here they were replicated, and a
+    tp > 1 lazy run failed at its first call). copy=False: `base` is a throw-away copy already (one state on the device at
     a time, for runs at the memory limit)."""
     length = spec.pending_length if spec is not None else None
     nodes = spec.pending_nodes if spec is not None else None
