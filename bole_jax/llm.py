@@ -36,7 +36,7 @@ from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
 from bole_jax.spec_decode.budget import simulated_accept_prob, spec_options_for
-from bole_jax.spec_decode.drafter import DraftState, draft_cache_capacity
+from bole_jax.spec_decode.drafter import DraftState, draft_cache_capacity, prefill_rows
 from bole_jax.spec_decode.step import SPEC_MODES, SpecConfig, spec_step
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -70,15 +70,6 @@ def prefill_width(cfg: ModelConfig, rows: int, capacity: int, longest: int) -> i
 def _emit_first(light: loop.DecodeState, tok0: jax.Array) -> loop.DecodeState:
     """Emit the first token tok0 [B] into a state without caches."""
     return loop.emit(light, tok0[:, None], jnp.ones_like(tok0))
-
-
-@functools.partial(jax.jit, static_argnames=("p",))
-def _draft_rows(tok0: jax.Array, h_last: jax.Array, *, p: int):
-    """The drafter's pending rows after a prefill: tok0 [B] and h_last [B, H] as row 0 of p."""
-    b = tok0.shape[0]
-    toks = jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0)
-    hid = jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
-    return toks, hid, jnp.ones((b,), jnp.int32)
 
 
 def out_bucket(max_new: int) -> int:
@@ -475,7 +466,7 @@ class LLM:
         )
         extra = None
         if spec:
-            toks, hid, count = _draft_rows(tok0, h_last, p=spec.shape.path_nodes)
+            toks, hid, count = prefill_rows(tok0, h_last, p=spec.shape.path_nodes)
             extra = DraftState(
                 kv=draft_kv,
                 pend_tokens=toks,

@@ -42,7 +42,7 @@ from bole_jax.model.cache import AttnCache, with_pending
 from bole_jax.spec_decode import budget
 from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob  # noqa: F401
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
-from bole_jax.spec_decode.drafter import draft_cache_capacity
+from bole_jax.spec_decode.drafter import draft_cache_capacity, prefill_rows
 
 # Short, generic prompts (prose, code, lists, dialogue): what the acceptance is measured on.
 CALIBRATION_PROMPTS = (
@@ -170,14 +170,6 @@ def settle_compiles(futures) -> int:
     return dropped
 
 
-def _fit_rows(x: jax.Array, rows: int) -> jax.Array:
-    """x [B, P, ...] cut or zero-padded to [B, rows, ...] (a prefill's pending drafter rows hold
-    one entry, row 0, whatever the depth they were laid out for)."""
-    if x.shape[1] >= rows:
-        return x[:, :rows]
-    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-
-
 def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     """A fresh copy of the prefilled `base` state laid out for `mode` (every mode shares one
     prefill: same prompts, same first token, same KV capacity). ar drops the drafter state; a
@@ -187,8 +179,9 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     its depth's (`TreeShape.path_nodes`: candidates of several depths share one prefill), placed
     like every cache leaf under tensor parallelism (`parallel.place`: the empty pending rows
     split on their heads, as the compiled loop expects; made here they were replicated, and a
-    tp > 1 lazy run failed at its first call). copy=False: `base` is a throw-away copy already (one state on the device at
-    a time, for runs at the memory limit)."""
+    tp > 1 lazy run failed at its first call). copy=False: `base` is a throw-away copy already
+    (one state on the device at a time, for runs at the memory limit). `base` is a prefill's
+    state: one pending drafter entry per request."""
     length = spec.pending_length if spec is not None else None
     nodes = spec.pending_nodes if spec is not None else None
     base = dataclasses.replace(base, cache=with_pending(base.cache, cfg, length, nodes))
@@ -198,12 +191,16 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
         ds = base.extra
         rows = draft_cache_capacity(base.cache.capacity, spec.shape)  # as LLM.start_batch sizes it
         assert rows <= ds.kv[0].capacity, (rows, ds.kv[0].k.shape)
-        pend = spec.shape.path_nodes  # the pending rows of this depth, as start_batch lays out
+        # a prefill's one pending entry (row 0), laid out for this depth as start_batch does
+        toks, hid, count = prefill_rows(
+            ds.pend_tokens[:, 0], ds.pend_hidden[:, 0], p=spec.shape.path_nodes
+        )
         ds = dataclasses.replace(
             ds,
             kv=tuple(AttnCache(k=c.k[:, :, :rows], v=c.v[:, :, :rows]) for c in ds.kv),
-            pend_tokens=_fit_rows(ds.pend_tokens, pend),
-            pend_hidden=_fit_rows(ds.pend_hidden, pend),
+            pend_tokens=toks,
+            pend_hidden=hid,
+            pend_count=count,
             oracle=ds.oracle if oracle is None else oracle,
         )
     out = dataclasses.replace(base, extra=ds)

@@ -131,6 +131,16 @@ class Pool:
     levels: jax.Array | None = None  # [] int32 draft levels the expansion ran (1 .. depth)
 
 
+@functools.partial(jax.jit, static_argnames=("p",))  # one program, not eager ops, per start
+def prefill_rows(tok0: jax.Array, h_last: jax.Array, *, p: int):
+    """The drafter's pending rows after a prefill (`DraftState.pend_*`): tok0 [B] and h_last
+    [B, H] as row 0 of p (the tree's path_nodes), one pending entry per request."""
+    b = tok0.shape[0]
+    toks = jnp.zeros((b, p), jnp.int32).at[:, 0].set(tok0)
+    hid = jnp.zeros((b, p, h_last.shape[-1]), h_last.dtype).at[:, 0].set(h_last)
+    return toks, hid, jnp.ones((b,), jnp.int32)
+
+
 def mtp_prefill(params, cfg: ModelConfig, kv, tokens, hidden, h_before, start, num_new):
     """MTP entries for a prefill chunk: position p = start + t uses token x_p and hidden_{p-1}.
 
