@@ -656,9 +656,8 @@ def stage_split(
     command buffers spanning stages), then "idle" (wall - active: the device waiting on
     launches and the loop's host round trips). Each stage row also counts its kernels per step
     (`kernels_per_step`: a launch-bound stage has many short ones). The stage and other rows sum
-    to the busy time;
-    with idle they sum to the wall time where kernels do not overlap (one GPU stream: busy =
-    active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
+    to the busy time; with idle they sum to the wall time where kernels do not overlap (one GPU
+    stream: busy = active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
     active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
     times are computed at. flops: {stage: matmul flops} (bench.stage_floor_flops); tflops: the
     peak rate: a stage whose flops take longer than its bytes gets that floor (bound "compute").
