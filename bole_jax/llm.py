@@ -442,11 +442,15 @@ class LLM:
         spec_batch: int | None = None,
         out_len: int | None = None,
         stream=-1,
+        static_greedy: bool = True,
     ) -> loop.DecodeState:
         """The DecodeState once the prompts are in `cache` (and `draft_kv`): samples the first token
         from h_last [B, H] (each prompt's last hidden state) with `seed` and emits it. Rows >= n are
         padding (done). `out` is [B, out_len] (default max_new), `max_out` max_new. `stream`: the
-        requests' random streams ([n] ints or one int; -1 = the row, `sampling.SamplingParams`). Used by `start_batch` and by the serving engine's chunked prefill. The
+        requests' random streams ([n] ints or one int; -1 = the row, `sampling.SamplingParams`).
+        `static_greedy`: a batch whose temperatures are all 0 gets the greedy-only program
+        (`SamplingParams.greedy`); off, the program that serves any mix (the serving engine's
+        running batch). Used by `start_batch` and by the serving engine's chunked prefill. The
         GDN caches get the mode's layout (`SpecConfig.pending_length`: lazy bole carries a pending
         commit, empty here)."""
         cfg = self.cfg
@@ -455,7 +459,7 @@ class LLM:
         spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
         streams = np.full((b,), -1, np.int32)
         streams[:n] = stream
-        sp = SamplingParams.make(b, temperature, top_p, top_k, streams)
+        sp = SamplingParams.make(b, temperature, top_p, top_k, streams, static_greedy=static_greedy)
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
         tok0 = loop.first_token(self.params, h_last, sp, sub, cfg=cfg)

@@ -11,6 +11,13 @@ serves any mix of greedy and stochastic requests in a batch:
 `target_probs` is the single definition of "the distribution the model samples from"; the
 stochastic tree acceptance uses the same function, which is what makes it lossless.
 
+A batch known on the host to be all greedy is marked by the static field `greedy` (pytree
+metadata, so a jitted program is specialised on it): `sample` and the acceptance then take the
+argmax path with no `lax.cond`, whose predicate XLA reads back to the host on every decode step
+(docs/design-decisions.md, "A static greedy program"). `SamplingParams.make` sets it when every
+temperature is a concrete 0; traced values and mixed batches keep `greedy=False`, whose program
+serves any mix of greedy and stochastic rows.
+
 Random draws are per row: row b draws with fold_in(step key, stream[b]) (`row_keys`), so a
 request's samples depend on the step key and its stream only, not on which other requests share
 its batch or on its row. `LLM.generate` gives each prompt its index in the call as its stream and
@@ -35,21 +42,42 @@ class SamplingParams:
     top_p: jax.Array  # [B] f32 in (0, 1]
     top_k: jax.Array  # [B] i32, 0 = no limit
     stream: jax.Array  # [B] i32, the request's random stream (-1: its row index)
+    # Static: every row is greedy (temperature 0), known on the host. True compiles the argmax
+    # path only; it must never be set on a batch with a temperature above 0 (`make` sets it).
+    greedy: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @staticmethod
-    def make(batch: int, temperature=0.0, top_p=1.0, top_k=0, stream=-1) -> "SamplingParams":
-        """Broadcast scalars (or per-request sequences) to [batch] arrays."""
-        return SamplingParams(
-            *(
-                _per_row(x, d, batch)
-                for x, d in (
-                    (temperature, jnp.float32),
-                    (top_p, jnp.float32),
-                    (top_k, jnp.int32),
-                    (stream, jnp.int32),
-                )
+    def make(
+        batch: int, temperature=0.0, top_p=1.0, top_k=0, stream=-1, *, static_greedy: bool = True
+    ) -> "SamplingParams":
+        """Broadcast scalars (or per-request sequences) to [batch] arrays. `greedy` is set where
+        every temperature is a concrete value <= 0 and `static_greedy` is on (off: a program that
+        serves any mix, e.g. a server's running batch whose requests come and go)."""
+        temp, top_p, top_k, stream = (
+            _per_row(x, d, batch)
+            for x, d in (
+                (temperature, jnp.float32),
+                (top_p, jnp.float32),
+                (top_k, jnp.int32),
+                (stream, jnp.int32),
             )
         )
+        greedy = static_greedy and _all_greedy(temperature)
+        return SamplingParams(temp, top_p, top_k, stream, greedy=greedy)
+
+    def mixed(self) -> "SamplingParams":
+        """The same arrays, for the program that serves any mix of greedy and stochastic rows."""
+        return dataclasses.replace(self, greedy=False)
+
+
+def _all_greedy(temperature) -> bool:
+    """Every temperature <= 0, decided on the host (False for traced values)."""
+    if isinstance(temperature, jax.core.Tracer):
+        return False
+    vals = temperature if isinstance(temperature, (list, tuple)) else [temperature]
+    if any(isinstance(v, jax.core.Tracer) for v in vals):
+        return False
+    return bool(np.all(np.asarray(temperature, np.float32) <= 0.0))
 
 
 def _per_row(x, dtype, batch: int) -> jax.Array:
@@ -108,16 +136,19 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 def sample(logits: jax.Array, sp: SamplingParams, key: jax.Array) -> jax.Array:
     """Sample one token per row of logits [B, V] -> [B] int32.
 
-    All-greedy batches skip the sort entirely (argmax only).
+    All-greedy batches skip the sort entirely (argmax only): statically where `sp.greedy`, else
+    under a `lax.cond` on the temperatures.
     """
 
-    def _greedy(_):
+    def _greedy(_=None):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def _stochastic(_):
         probs = target_probs(logits, sp)
         return sample_from_probs(probs, key, sp)
 
+    if sp.greedy:
+        return _greedy()
     return jax.lax.cond(jnp.all(sp.temperature <= 0.0), _greedy, _stochastic, None)
 
 

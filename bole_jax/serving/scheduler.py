@@ -859,6 +859,7 @@ class Scheduler:
             top_k=p.top_k,
             seed=p.seed,
             spec_batch=self._spec_batch,
+            static_greedy=False,  # one program for the running batch, whatever its requests
         )
         assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)
         tok0 = int(row.next_token[0])

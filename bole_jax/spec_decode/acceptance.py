@@ -100,22 +100,27 @@ def _finish(tree: Tree, path, num, bonus) -> Accepted:
     return Accepted(path=path, num_accepted=num, bonus=bonus, tokens=tokens.astype(jnp.int32))
 
 
-def _walk(level, max_depth: int, carry):
-    """The acceptance walk's `max_depth` levels, `level(d, carry) -> carry`: unrolled where the
-    drafter unrolls its levels (`drafter.unroll_levels`: on GPUs), else one `lax.fori_loop`. On
-    the GPU a loop body runs outside XLA's command buffers, every one of its kernels launched on
-    its own, each trip: in the demo model's step at B = 1 the greedy walk's 8 trips were 56 of
-    the accept stage's 66 kernels (one H100, 45bb410); unrolled they join the step's command
-    buffers."""
-    if unroll_levels():
+def _walk(level, max_depth: int, carry, unroll: bool):
+    """The acceptance walk's `max_depth` levels, `level(d, carry) -> carry`: unrolled, or one
+    `lax.fori_loop`. On the GPU a loop body runs outside XLA's command buffers, every one of its
+    kernels launched on its own, each trip (in the demo model's step at B = 1 the greedy walk's 8
+    trips were 56 of the accept stage's 66 kernels; one H100, 45bb410); unrolled they join the
+    step's command buffers, but only outside a `lax.cond`: unrolled inside the cond's branch of
+    `accept`, the same step took 1.12-1.22 ms against the loop's 1.02 (docs/design-decisions.md,
+    "A static greedy program"). `accept` unrolls the walk of a static greedy batch where the
+    drafter unrolls its levels (`drafter.unroll_levels`) and keeps the loop under the cond."""
+    if unroll:
         for d in range(max_depth):
             carry = level(d, carry)
         return carry
     return jax.lax.fori_loop(0, max_depth, level, carry)
 
 
-def accept_greedy(tree: Tree, target_tok: jax.Array, max_depth: int) -> Accepted:
-    """Greedy acceptance. target_tok [B, N] = argmax of the target at every node."""
+def accept_greedy(
+    tree: Tree, target_tok: jax.Array, max_depth: int, unroll: bool = False
+) -> Accepted:
+    """Greedy acceptance. target_tok [B, N] = argmax of the target at every node; `unroll`: the
+    walk's levels unrolled (`_walk`)."""
     b, n = tree.tokens.shape
     path = jnp.zeros((b, max_depth + 1), jnp.int32)
 
@@ -133,6 +138,7 @@ def accept_greedy(tree: Tree, target_tok: jax.Array, max_depth: int) -> Accepted
         body,
         max_depth,
         (path, jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)),
+        unroll,
     )
     bonus = jnp.take_along_axis(target_tok, cur[:, None], axis=1)[:, 0]
     return _finish(tree, path, num, bonus)
@@ -145,9 +151,10 @@ def accept_stochastic(
     key: jax.Array,
     max_depth: int,
     max_children: int,
+    unroll: bool = False,
 ) -> Accepted:
     """Multi-candidate tree speculative sampling (module docstring). logits [B, N, V] or
-    NodeLogits."""
+    NodeLogits; `unroll`: the walk's levels unrolled (`_walk`)."""
     b, n, _ = logits.shape
     path = jnp.zeros((b, max_depth + 1), jnp.int32)
 
@@ -187,7 +194,7 @@ def accept_stochastic(
         jnp.zeros((b, v), jnp.float32),
         key,
     )
-    path, num, cur, alive, resid, _ = _walk(level, max_depth, carry)
+    path, num, cur, alive, resid, _ = _walk(level, max_depth, carry, unroll)
     # Walks that reached max_depth still alive stop at a leaf-by-depth: sample from its full p.
     row = node_rows(logits, cur[:, None])[:, 0]
     resid = jnp.where(alive[:, None], target_probs(row, sp), resid)
@@ -247,6 +254,8 @@ def accept_simulated(
         row = node_rows(logits, last)[:, 0]
         return sample_from_probs(target_probs(row, sp), k_bonus, sp)
 
+    if sp.greedy:
+        return _finish(tree, path, num, greedy())
     bonus = jax.lax.cond(jnp.all(sp.temperature <= 0.0), greedy, sampled)
     return _finish(tree, path, num, bonus)
 
@@ -260,7 +269,11 @@ def accept(
     max_depth: int,
     max_children: int,
 ) -> Accepted:
-    """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise."""
+    """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise: statically
+    for a batch marked greedy on the host (`SamplingParams.greedy`: no `lax.cond`, the walk
+    unrolled where the drafter's levels are), else under a `lax.cond` on the temperatures."""
+    if sp.greedy:
+        return accept_greedy(tree, node_argmax(logits), max_depth, unroll_levels())
     return jax.lax.cond(
         jnp.all(sp.temperature <= 0.0),
         lambda: accept_greedy(tree, node_argmax(logits), max_depth),

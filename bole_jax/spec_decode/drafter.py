@@ -47,7 +47,7 @@ DRAFT_SLOT_ALIGN = 64
 # H200, 4cd2a9e; docs/design-decisions.md). On the CPU the read costs nothing, the early stop
 # saves the levels it skips, and the loop compiles one level instead of depth - 1; on a TPU the
 # loop's predicate stays on the device (not measured there).
-# The acceptance walk's levels follow the same switch (`acceptance._walk`).
+# The acceptance walk of a static greedy batch follows the same switch (`acceptance.accept`).
 UNROLL: bool | None = None
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 

@@ -225,6 +225,8 @@ def test_scheduler_stop_tokens_seed_and_cancel(server, slow_engine, reference, l
         for _ in range(2)
     }
     assert len(firsts) == 1
+    # The running batch keeps the program that serves any mix of greedy and sampled requests.
+    assert not any(g.sampling.greedy for g in sched._groups)
     # Cancellation: of a running request and of one waiting for a slot (4 slots, 6 requests).
     reqs = [sched.submit(ids, RequestParams(max_tokens=100)) for _ in range(6)]
     assert _wait_for(lambda: sched.active_slots == 4)

@@ -83,3 +83,32 @@ def test_row_samples_follow_the_target_distribution():
     toks = np.asarray(draw(jax.random.split(jax.random.key(0), 20000)))
     freq = np.bincount(toks, minlength=4) / len(toks)
     np.testing.assert_allclose(freq, p, atol=0.015)
+
+
+def _prims(f, *args) -> set[str]:
+    return {e.primitive.name for e in jax.make_jaxpr(f)(*args).eqns}
+
+
+def test_static_greedy_flag_is_set_only_for_concrete_zero_temperatures():
+    assert SamplingParams.make(3).greedy
+    assert SamplingParams.make(3, [0.0, 0.0, 0.0]).greedy
+    assert not SamplingParams.make(3, [0.0, 0.7, 0.0]).greedy
+    assert not SamplingParams.make(3, 0.0, static_greedy=False).greedy
+    assert not SamplingParams.make(3, 0.0).mixed().greedy
+    seen = []
+    jax.jit(lambda t: seen.append(SamplingParams.make(3, t).greedy) or t)(jnp.float32(0.0))
+    assert seen == [False]
+    # static: part of the pytree structure, so a jitted program is specialised on it
+    a, b = SamplingParams.make(2), SamplingParams.make(2).mixed()
+    assert jax.tree.structure(a) != jax.tree.structure(b)
+    assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(b)) == 4
+
+
+def test_static_greedy_sample_has_no_cond_and_the_same_tokens():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
+    key = jax.random.key(0)
+    sp = SamplingParams.make(4)
+    assert "cond" not in _prims(sample, logits, sp, key)
+    assert "cond" in _prims(sample, logits, sp.mixed(), key)
+    np.testing.assert_array_equal(sample(logits, sp, key), sample(logits, sp.mixed(), key))
+    np.testing.assert_array_equal(sample(logits, sp, key), np.argmax(logits, -1))

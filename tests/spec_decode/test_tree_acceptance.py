@@ -121,8 +121,7 @@ def _make_tree(tokens, parents, num_nodes):
 
 
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "loop"])
-def test_greedy_acceptance_matches_python_walk(unroll, monkeypatch):
-    monkeypatch.setattr(drafter, "UNROLL", unroll)
+def test_greedy_acceptance_matches_python_walk(unroll):
     rng = np.random.default_rng(1)
     b, n, vocab = 8, 24, 5
     toks, pars, nums = [], [], []
@@ -134,7 +133,7 @@ def test_greedy_acceptance_matches_python_walk(unroll, monkeypatch):
     pars = np.where(np.arange(n)[None] < np.array(nums)[:, None], np.array(pars), -1)
     tree = _make_tree(np.array(toks), pars, nums)
     target = rng.integers(0, vocab, (b, n)).astype(np.int32)
-    acc = acceptance.accept_greedy(tree, jnp.asarray(target), max_depth=n)
+    acc = acceptance.accept_greedy(tree, jnp.asarray(target), max_depth=n, unroll=unroll)
     for i in range(b):
         cur, path = 0, [0]
         while True:
@@ -233,10 +232,9 @@ def test_stochastic_with_greedy_rows_equals_greedy():
         assert int(a.num_accepted[i]) == int(g.num_accepted[i])
 
 
-def test_unrolled_walk_is_the_loop(monkeypatch):
-    """Unrolled (`drafter.unroll_levels`: on GPUs), the acceptance walk is straight-line code,
-    no loop left in the program, and accepts what the `fori_loop` walk does, greedy and
-    stochastic (same key: same draws)."""
+def test_unrolled_walk_is_the_loop():
+    """Unrolled, the acceptance walk is straight-line code, no loop left in the program, and
+    accepts what the `fori_loop` walk does, greedy and stochastic (same key: same draws)."""
     rng = np.random.default_rng(5)
     b, n, vocab = 6, 16, 6
     toks, pars = zip(*[_random_tree(rng, n, vocab) for _ in range(b)])
@@ -245,10 +243,10 @@ def test_unrolled_walk_is_the_loop(monkeypatch):
     sp = SamplingParams.make(b, jnp.array([0.0, 1.0, 0.7, 1.0, 0.0, 1.3]), 1.0, 0)
     out = {}
     for unroll in (True, False):
-        monkeypatch.setattr(drafter, "UNROLL", unroll)
-        # new functions per form: jax caches traces by function (UNROLL is read at trace time)
-        greedy = lambda t, lg: acceptance.accept_greedy(t, jnp.argmax(lg, -1).astype(jnp.int32), 8)  # noqa: E731
-        stoch = lambda t, lg, k: acceptance.accept_stochastic(t, lg, sp, k, 8, 4)  # noqa: E731
+        greedy = lambda t, lg: acceptance.accept_greedy(  # noqa: E731
+            t, jnp.argmax(lg, -1).astype(jnp.int32), 8, unroll
+        )
+        stoch = lambda t, lg, k: acceptance.accept_stochastic(t, lg, sp, k, 8, 4, unroll)  # noqa: E731
         loops = [
             e.primitive.name
             for f, args in ((greedy, (tree, logits)), (stoch, (tree, logits, jax.random.key(2))))
@@ -260,6 +258,38 @@ def test_unrolled_walk_is_the_loop(monkeypatch):
             jax.jit(greedy)(tree, logits),
             jax.jit(stoch)(tree, logits, jax.random.key(2)),
         )
+    for a, c in zip(out[True], out[False]):
+        for f in ("path", "num_accepted", "bonus", "tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(c, f)), f)
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "loop"])
+def test_static_greedy_accept_has_no_cond(unroll, monkeypatch):
+    """A batch marked greedy on the host (`SamplingParams.greedy`) accepts with no `lax.cond`,
+    its walk unrolled where the drafter's levels are (`drafter.UNROLL`); the mixed program keeps
+    the cond, its walk in the loop (unrolled inside the cond it was slower on the GPU). Both give
+    the same acceptance, and so does the simulated acceptance's static greedy bonus."""
+    monkeypatch.setattr(drafter, "UNROLL", unroll)
+    rng = np.random.default_rng(7)
+    b, n, vocab = 5, 16, 4
+    toks, pars = zip(*[_random_tree(rng, n, vocab) for _ in range(b)])
+    tree = _make_tree(np.array(toks), np.array(pars), [n] * b)
+    logits = jnp.asarray(2.0 * rng.normal(size=(b, n, vocab)), jnp.float32)
+    sp = SamplingParams.make(b)
+    assert sp.greedy
+    key = jax.random.key(3)
+    out = {}
+    for s in (sp, sp.mixed()):
+        # new functions per program: jax caches traces by function (UNROLL is read at trace time)
+        acc = lambda t, lg, k: acceptance.accept(t, lg, s, k, max_depth=8, max_children=4)  # noqa: E731
+        sim = lambda t, lg, k: acceptance.accept_simulated(t, lg, s, k, 0.8, 8)  # noqa: E731
+        prims = {e.primitive.name for e in jax.make_jaxpr(acc)(tree, logits, key).eqns}
+        assert ("cond" in prims) != s.greedy, prims
+        if s.greedy:
+            assert not ({"while", "scan"} & prims) == unroll, prims
+        sim_prims = {e.primitive.name for e in jax.make_jaxpr(sim)(tree, logits, key).eqns}
+        assert ("cond" in sim_prims) != s.greedy, sim_prims
+        out[s.greedy] = (jax.jit(acc)(tree, logits, key), jax.jit(sim)(tree, logits, key))
     for a, c in zip(out[True], out[False]):
         for f in ("path", "num_accepted", "bonus", "tokens"):
             np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(c, f)), f)
