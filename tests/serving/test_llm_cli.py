@@ -93,7 +93,8 @@ def test_generate_texts_ids_stats(llm):
 def test_repeated_calls_do_not_recompile(llm):
     """Other prompts, sampling parameters and batch sizes of a batch bucket reuse its programs
     (generate decodes with segment_fn(mode, bucket); the prefill and first token are module-level
-    jits shared by every LLM)."""
+    jits shared by every LLM): two per bucket at most, the all-greedy one and the one for any
+    sampling (`SamplingParams.greedy`)."""
     from bole_jax.spec_decode import loop
 
     llm.generate(["a b c"], max_new_tokens=8, spec="ar")
@@ -104,10 +105,16 @@ def test_repeated_calls_do_not_recompile(llm):
         loop.prefill_chunk,
         loop.first_token,
     ]
-    before = [f._cache_size() for f in programs]
-    assert min(before) >= 1
+    greedy_only = [f._cache_size() for f in programs]
+    assert min(greedy_only) >= 1
     llm.generate(["x y"], max_new_tokens=8, spec="ar", temperature=0.7, top_p=0.9, seed=3)
+    llm.generate(["x", "y z"], max_new_tokens=8, spec="ar", temperature=0.5)
+    before = [f._cache_size() for f in programs]
+    # the sampled program once per bucket (decode segment, first token); the prefill is shared
+    assert [b - g for b, g in zip(before, greedy_only)] == [1, 1, 0, 2]
     llm.generate(["def", "q r s"], max_new_tokens=8, spec="ar", top_k=5, temperature=1.0)
+    llm.generate(["u v"], max_new_tokens=8, spec="ar", temperature=0.3, seed=9)
+    llm.generate(["w", "w x"], max_new_tokens=8, spec="ar")
     assert [f._cache_size() for f in programs] == before
 
 
