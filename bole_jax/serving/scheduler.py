@@ -101,7 +101,7 @@ from bole_jax.serving.requests import (
     RequestParams,
     TokenLogprob,
 )
-from bole_jax.spec_decode import loop
+from bole_jax.spec_decode import drafter, loop
 from bole_jax.spec_decode.loop import DecodeState, Logprobs, token_logprobs
 from bole_jax.spec_decode.step import SPEC_MODES
 
@@ -116,6 +116,11 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 
 # ------------------------------------------------------------------ jitted slot surgery
+def _with_greedy(state: DecodeState, greedy: bool) -> DecodeState:
+    """The state with its sampling's static greedy flag set (host only: the arrays are shared)."""
+    return dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, greedy=greedy))
+
+
 def _shared_fields_cleared(state: DecodeState) -> DecodeState:
     return dataclasses.replace(state, key=None, eos=None)
 
@@ -229,6 +234,9 @@ class Scheduler:
         device memory).
       memory_fraction: share of the free device memory the slots and the prefix cache may use.
       seed: seed of the engine's shared PRNG stream.
+      static_greedy: also compile each decode group's all-greedy program, which a group whose live
+        requests all have temperature 0 runs (no sampling branch, no per-step `lax.cond`:
+        `SamplingParams.greedy`); costs a second segment compile at start-up. None: on GPUs.
       max_logprobs: record the target log-probability of every generated token and the
         `max_logprobs` most likely tokens at its position (requests may ask for up to that many);
         None: not recorded (requests asking for logprobs are refused). Costs a log-softmax and a
@@ -254,6 +262,7 @@ class Scheduler:
         seed: int = 0,
         max_logprobs: int | None = None,
         slot_group: int | None = None,
+        static_greedy: bool | None = None,
     ):
         self.llm = llm
         cfg = llm.cfg
@@ -374,6 +383,12 @@ class Scheduler:
         # compiled for the running state by `_ensure_state`: `_segment` for groups of
         # `group_size` rows, `_segment_last` for a smaller last group
         self._segment = self._segment_last = self._segment_jit
+        # A second program per group shape for segments whose live requests are all greedy
+        # (`SamplingParams.greedy`: no per-step lax.cond); None: on GPUs, where it was measured
+        # faster (docs/design-decisions.md, "A static greedy program"). The running state itself
+        # always carries the mixed flag; a greedy segment gets it set for its call only.
+        self.static_greedy = drafter.unroll_levels() if static_greedy is None else static_greedy
+        self._greedy_segment: dict[bool, object] = {}  # last group? -> compiled greedy program
         self._spec_batch = max_batch
         self._seed = seed
         self.warming_up = False
@@ -629,8 +644,16 @@ class Scheduler:
         """(group, row in the group) of a slot."""
         return divmod(slot, self.group_size)
 
-    def _segment_of(self, rows: int):
+    def _segment_of(self, rows: int, greedy: bool = False):
+        if greedy:
+            return self._greedy_segment[rows != self.group_size]
         return self._segment if rows == self.group_size else self._segment_last
+
+    def _all_greedy(self, lo: int, hi: int) -> bool:
+        """Whether slots [lo, hi) run the greedy program: every live request's temperature is 0."""
+        return self.static_greedy and all(
+            r.params.temperature <= 0.0 for r in self._slots[lo:hi] if r is not None
+        )
 
     def _set_slots(self, n: int) -> None:
         self.num_slots = n
@@ -669,21 +692,29 @@ class Scheduler:
 
     def _compile_segment(self) -> int | None:
         """Compile the decode segment for the running state's groups (their shapes never change:
-        `_segment`, and `_segment_last` for the last group) and return the bytes of the largest
-        one's temporaries (the groups run one after another; None: the backend reports none)."""
+        `_segment`, and `_segment_last` for the last group), with `static_greedy` their greedy
+        programs too, and return the bytes of the largest one's temporaries (the groups run one
+        after another; None: the backend reports none)."""
         temps = []
         sizes = self._group_rows()
         for g in sorted({0, len(sizes) - 1}):
-            compiled = self._segment_jit.lower(
-                self.llm.params, self._groups[g], jnp.int32(self.segment_steps)
-            ).compile()
-            try:
-                temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
-            except Exception:  # noqa: BLE001 - backends without a memory analysis
-                temps.append(None)
-            if g == 0:
-                self._segment = compiled
-            self._segment_last = compiled
+            for greedy in (False, True) if self.static_greedy else (False,):
+                state = _with_greedy(self._groups[g], greedy)
+                compiled = self._segment_jit.lower(
+                    self.llm.params, state, jnp.int32(self.segment_steps)
+                ).compile()
+                try:
+                    temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+                except Exception:  # noqa: BLE001 - backends without a memory analysis
+                    temps.append(None)
+                if greedy:
+                    self._greedy_segment[g != 0] = compiled
+                    continue
+                if g == 0:
+                    self._segment = compiled
+                self._segment_last = compiled
+            if g == 0 and self.static_greedy:
+                self._greedy_segment[True] = self._greedy_segment[False]
         return None if None in temps else max(temps)
 
     def _fit_step_memory(self) -> None:
@@ -966,9 +997,13 @@ class Scheduler:
         busy = [g for g, (lo, hi) in enumerate(spans) if any(self._slots[lo:hi])]
         for g in busy:
             lo, hi = spans[g]
-            self._groups[g] = self._segment_of(hi - lo)(
-                self.llm.params, self._groups[g], jnp.int32(n)
+            greedy = self._all_greedy(lo, hi)
+            out = self._segment_of(hi - lo, greedy)(
+                self.llm.params, _with_greedy(self._groups[g], greedy), jnp.int32(n)
             )
+            self._groups[g] = _with_greedy(out, False)
+            with self.metrics.lock:
+                self.metrics.greedy_segments += greedy
         want_lp = self.max_logprobs is not None and any(
             r is not None and r.logprobs is not None for r in self._slots
         )
@@ -1072,6 +1107,7 @@ class Scheduler:
                 decode_tokens=m.decode_tokens,
                 slot_steps=m.slot_steps,
                 segments=m.segments,
+                greedy_segments=m.greedy_segments,
                 segment_steps=m.segment_steps,
                 segment_seconds=m.segment_seconds,
                 prefill_seconds=m.prefill_seconds,

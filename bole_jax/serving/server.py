@@ -1185,6 +1185,7 @@ def build_server(
     backlog: int = 2048,
     max_logprobs: int | None = None,
     slot_group: int | None = None,
+    static_greedy: bool | None = None,
 ) -> OpenAIServer:
     """Load the model (or use `llm`), build the scheduler and the HTTP server (bound, not started).
     See `Scheduler` for the engine arguments and `Limits` for `limits`."""
@@ -1207,6 +1208,7 @@ def build_server(
         memory_gb=memory_gb,
         max_logprobs=max_logprobs,
         slot_group=slot_group,
+        static_greedy=static_greedy,
     )
     defaults = {}
     gen_cfg = folder / "generation_config.json" if folder is not None else None

@@ -1097,3 +1097,27 @@ def test_decode_groups_bole_greedy_and_logprobs(model_dir, reference):
 def test_slot_group_must_be_positive(llm):
     with pytest.raises(ValueError, match="slot-group"):
         Scheduler(llm, mode="ar", max_batch=2, max_context=MAX_CONTEXT, slot_group=0)
+
+
+def test_static_greedy_program_runs_the_all_greedy_groups(model_dir, reference):
+    """static_greedy: a decode group whose live requests are all greedy runs the all-greedy
+    program (no sampling cond), a group holding a sampled request the mixed one; outputs are
+    those of the engine without it (greedy: the reference; sampled: the same draws)."""
+    llm = LLM(model_dir, spec_options=dict(topk=2, depth=3, num_nodes=8))
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    outs = {}
+    for static in (False, True):
+        sched = _bole_scheduler(llm, segment_ms=None, slot_group=1, static_greedy=static)
+        reqs = [
+            sched.submit(ids, RequestParams(max_tokens=MAX_TOKENS)),
+            sched.submit(ids, RequestParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)),
+        ]
+        while not all(r.finished for r in reqs):
+            sched.step()
+        st = sched.stats()
+        assert (st["greedy_segments"] > 0) == static
+        assert st["greedy_segments"] < st["segments"] * 2  # group 1 (sampled) ran the mixed one
+        assert not any(g.sampling.greedy for g in sched._groups)
+        outs[static] = [r.token_ids for r in reqs]
+    assert outs[True][0] == outs[False][0] == reference[0].token_ids
+    assert outs[True][1] == outs[False][1] != outs[False][0]  # sampled, not the greedy tokens
