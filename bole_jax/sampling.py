@@ -72,20 +72,20 @@ class SamplingParams:
 
 def _all_greedy(temperature) -> bool:
     """Every temperature <= 0, decided on the host (False for traced values)."""
-    if isinstance(temperature, jax.core.Tracer):
-        return False
-    vals = temperature if isinstance(temperature, (list, tuple)) else [temperature]
-    if any(isinstance(v, jax.core.Tracer) for v in vals):
+    if _traced(temperature):
         return False
     return bool(np.all(np.asarray(temperature, np.float32) <= 0.0))
+
+
+def _traced(x) -> bool:
+    """x, or an element of a list / tuple x, is a tracer (its value is not known on the host)."""
+    return any(isinstance(v, jax.core.Tracer) for v in (x if isinstance(x, (list, tuple)) else [x]))
 
 
 def _per_row(x, dtype, batch: int) -> jax.Array:
     """x broadcast to [batch]: on the host for concrete values (an eager jnp broadcast compiles a
     program per shape), traced otherwise."""
-    if isinstance(x, jax.core.Tracer) or any(
-        isinstance(v, jax.core.Tracer) for v in (x if isinstance(x, (list, tuple)) else ())
-    ):
+    if _traced(x):
         return jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
     return jax.device_put(np.array(np.broadcast_to(np.asarray(x, dtype), (batch,))))
 
