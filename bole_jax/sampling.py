@@ -133,23 +133,25 @@ def target_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     return jnp.where(greedy, onehot, probs)
 
 
+def greedy_or_sampled(sp: SamplingParams, greedy, sampled):
+    """greedy() where the whole batch is greedy, else sampled(): statically for a batch marked
+    greedy on the host (`sp.greedy`: no `lax.cond`), else under a `lax.cond` on the temperatures
+    (one program for any mix). Shared by `sample` and the acceptance."""
+    if sp.greedy:
+        return greedy()
+    return jax.lax.cond(jnp.all(sp.temperature <= 0.0), greedy, sampled)
+
+
 def sample(logits: jax.Array, sp: SamplingParams, key: jax.Array) -> jax.Array:
     """Sample one token per row of logits [B, V] -> [B] int32.
 
-    All-greedy batches skip the sort entirely (argmax only): statically where `sp.greedy`, else
-    under a `lax.cond` on the temperatures.
+    All-greedy batches skip the sort entirely (argmax only: `greedy_or_sampled`).
     """
-
-    def _greedy(_=None):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def _stochastic(_):
-        probs = target_probs(logits, sp)
-        return sample_from_probs(probs, key, sp)
-
-    if sp.greedy:
-        return _greedy()
-    return jax.lax.cond(jnp.all(sp.temperature <= 0.0), _greedy, _stochastic, None)
+    return greedy_or_sampled(
+        sp,
+        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        lambda: sample_from_probs(target_probs(logits, sp), key, sp),
+    )
 
 
 def row_keys(key: jax.Array, sp: SamplingParams) -> jax.Array:

@@ -27,7 +27,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bole_jax.sampling import SamplingParams, sample_from_probs, target_probs, uniform
+from bole_jax.sampling import (
+    SamplingParams,
+    greedy_or_sampled,
+    sample_from_probs,
+    target_probs,
+    uniform,
+)
 from bole_jax.spec_decode.drafter import unroll_levels
 from bole_jax.spec_decode.tree import Tree
 
@@ -254,10 +260,7 @@ def accept_simulated(
         row = node_rows(logits, last)[:, 0]
         return sample_from_probs(target_probs(row, sp), k_bonus, sp)
 
-    if sp.greedy:
-        return _finish(tree, path, num, greedy())
-    bonus = jax.lax.cond(jnp.all(sp.temperature <= 0.0), greedy, sampled)
-    return _finish(tree, path, num, bonus)
+    return _finish(tree, path, num, greedy_or_sampled(sp, greedy, sampled))
 
 
 def accept(
@@ -271,12 +274,11 @@ def accept(
 ) -> Accepted:
     """Greedy fast path when the whole batch is greedy, the stochastic rule otherwise: statically
     for a batch marked greedy on the host (`SamplingParams.greedy`: no `lax.cond`, the walk
-    unrolled where the drafter's levels are), else under a `lax.cond` on the temperatures."""
-    if sp.greedy:
-        return accept_greedy(tree, node_argmax(logits), max_depth, unroll_levels())
-    return jax.lax.cond(
-        jnp.all(sp.temperature <= 0.0),
-        lambda: accept_greedy(tree, node_argmax(logits), max_depth),
+    unrolled where the drafter's levels are), else under a `lax.cond` on the temperatures, the
+    walk in its loop (`greedy_or_sampled`)."""
+    return greedy_or_sampled(
+        sp,
+        lambda: accept_greedy(tree, node_argmax(logits), max_depth, sp.greedy and unroll_levels()),
         lambda: accept_stochastic(tree, logits, sp, key, max_depth, max_children),
     )
 
