@@ -380,15 +380,16 @@ class Scheduler:
         self.tokenizer = llm.tokenizer
         self.metrics = Metrics()
         self._segment_jit = llm.segment_fn(self.mode, max_batch)
-        # compiled for the running state by `_ensure_state`: `_segment` for groups of
-        # `group_size` rows, `_segment_last` for a smaller last group
-        self._segment = self._segment_last = self._segment_jit
         # A second program per group shape for segments whose live requests are all greedy
         # (`SamplingParams.greedy`: no per-step lax.cond); None: on GPUs, where it was measured
         # faster (docs/design-decisions.md, "A static greedy program"). The running state itself
         # always carries the mixed flag; a greedy segment gets it set for its call only.
         self.static_greedy = drafter.unroll_levels() if static_greedy is None else static_greedy
-        self._greedy_segment: dict[bool, object] = {}  # last group? -> compiled greedy program
+        # (smaller last group?, all greedy?) -> the segment program, compiled for the running
+        # state by `_ensure_state` (`_compile_segment`); the jit until then
+        self._segments = {
+            (last, g): self._segment_jit for last in (False, True) for g in (False, True)
+        }
         self._spec_batch = max_batch
         self._seed = seed
         self.warming_up = False
@@ -645,9 +646,7 @@ class Scheduler:
         return divmod(slot, self.group_size)
 
     def _segment_of(self, rows: int, greedy: bool = False):
-        if greedy:
-            return self._greedy_segment[rows != self.group_size]
-        return self._segment if rows == self.group_size else self._segment_last
+        return self._segments[rows != self.group_size, greedy]
 
     def _all_greedy(self, lo: int, hi: int) -> bool:
         """Whether slots [lo, hi) run the greedy program: every live request's temperature is 0."""
@@ -692,9 +691,9 @@ class Scheduler:
 
     def _compile_segment(self) -> int | None:
         """Compile the decode segment for the running state's groups (their shapes never change:
-        `_segment`, and `_segment_last` for the last group), with `static_greedy` their greedy
-        programs too, and return the bytes of the largest one's temporaries (the groups run one
-        after another; None: the backend reports none)."""
+        one program for groups of `group_size` rows, one for a smaller last group), with
+        `static_greedy` their greedy programs too, and return the bytes of the largest one's
+        temporaries (the groups run one after another; None: the backend reports none)."""
         temps = []
         sizes = self._group_rows()
         for g in sorted({0, len(sizes) - 1}):
@@ -707,14 +706,8 @@ class Scheduler:
                     temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
                 except Exception:  # noqa: BLE001 - backends without a memory analysis
                     temps.append(None)
-                if greedy:
-                    self._greedy_segment[g != 0] = compiled
-                    continue
-                if g == 0:
-                    self._segment = compiled
-                self._segment_last = compiled
-            if g == 0 and self.static_greedy:
-                self._greedy_segment[True] = self._greedy_segment[False]
+                for last in (False, True) if g == 0 else (True,):  # the last group's until its own
+                    self._segments[last, greedy] = compiled
         return None if None in temps else max(temps)
 
     def _fit_step_memory(self) -> None:
@@ -995,6 +988,7 @@ class Scheduler:
         width = self.segment_steps * self.tokens_per_step
         spans = self._spans()
         busy = [g for g, (lo, hi) in enumerate(spans) if any(self._slots[lo:hi])]
+        greedy_runs = 0
         for g in busy:
             lo, hi = spans[g]
             greedy = self._all_greedy(lo, hi)
@@ -1002,8 +996,7 @@ class Scheduler:
                 self.llm.params, _with_greedy(self._groups[g], greedy), jnp.int32(n)
             )
             self._groups[g] = _with_greedy(out, False)
-            with self.metrics.lock:
-                self.metrics.greedy_segments += greedy
+            greedy_runs += greedy
         want_lp = self.max_logprobs is not None and any(
             r is not None and r.logprobs is not None for r in self._slots
         )
@@ -1031,6 +1024,7 @@ class Scheduler:
         self._step_s = dt / n if self._step_s is None else 0.7 * self._step_s + 0.3 * dt / n
         with self.metrics.lock:
             self.metrics.segments += 1
+            self.metrics.greedy_segments += greedy_runs
             self.metrics.segment_seconds += dt
             self.metrics.segment_steps += n
         free = []

@@ -119,15 +119,15 @@ def _wait_for(pred, timeout=30.0):
 def slow_engine(server):
     """Slow each decode segment down so that requests are still running when the test acts."""
     sched = server.scheduler
-    fast = sched._segment
+    fast = sched._segments[False, False]
 
     def slow(*args):
         time.sleep(0.05)
         return fast(*args)
 
-    sched._segment = slow
+    sched._segments[False, False] = slow
     yield sched
-    sched._segment = fast
+    sched._segments[False, False] = fast
 
 
 # ------------------------------------------------------------------ host-side text
@@ -1048,13 +1048,13 @@ def test_decode_groups_run_only_busy_groups(stepped, reference, llm):
     assert sched.group_size == 3 and sched._group_rows() == [3, 1]
     assert sched.stats()["decode_groups"] == 2
     calls = {"last": 0}
-    last = sched._segment_last
+    last = sched._segments[True, False]
 
     def counted(*a):
         calls["last"] += 1
         return last(*a)
 
-    sched._segment_last = counted
+    sched._segments[True, False] = counted
     ids = [llm.tokenizer.encode(p) for p in PROMPTS] + [OTHER]
     first = _run(sched, ids[0])
     assert first.token_ids == reference[0].token_ids
