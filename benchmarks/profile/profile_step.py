@@ -657,13 +657,14 @@ def stage_split(
     launches and the loop's host round trips). Each stage row also counts its kernels per step
     (`kernels_per_step`: a launch-bound stage has many short ones). The stage and other rows sum
     to the busy time; with idle they sum to the wall time where kernels do not overlap (one GPU
-    stream: busy = active); host traces (CPU) run thunks on several threads at once, so there busy can exceed
-    active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak bandwidth their
-    times are computed at. flops: {stage: matmul flops} (bench.stage_floor_flops); tflops: the
-    peak rate: a stage whose flops take longer than its bytes gets that floor (bound "compute").
-    step_ms: the step time of the loop as timed (the traced program is
-    then a twin compiled for the trace, bench.TRACE_COMPILER_OPTIONS, whose launch gaps differ):
-    idle is step_ms - busy and the shares are of step_ms, so the rows sum to the timed step."""
+    stream: busy = active); host traces (CPU) run thunks on several threads at once, so there
+    busy can exceed active. floors: {stage: bytes} (bench.stage_floor_bytes); gbps: the peak
+    bandwidth their times are computed at. flops: {stage: matmul flops}
+    (bench.stage_floor_flops); tflops: the peak rate: a stage whose flops take longer than its
+    bytes gets that floor (bound "compute"). step_ms: the step time of the loop as timed (the
+    traced program is then a twin compiled for the trace, bench.TRACE_COMPILER_OPTIONS, whose
+    launch gaps differ): idle is step_ms - busy and the shares are of step_ms, so the rows sum to
+    the timed step."""
     ms = {row["stage"]: row["ms_per_rep"] for row in r.get("stages", [])}
     calls = {row["stage"]: row.get("calls_per_rep", 0.0) for row in r.get("stages", [])}
     flops = flops or {}
