@@ -691,6 +691,8 @@ def _check_e2e_args(a) -> None:
     for name in ("steps", "prompt_len", "topk", "depth", "breakdown_reps", "compile_workers"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(a, "rounds", 1) < 1:
+        raise ValueError(f"--rounds must be >= 1, got {a.rounds}")
     if getattr(a, "profile_loop", 0) < 0:
         raise ValueError("--profile-loop must be >= 0 (traced steps per point; 0 = off)")
     if a.warm < 0 or a.breakdown_batch < 0 or a.time_budget <= 0:
@@ -1041,14 +1043,18 @@ class _SetStates:
             self.bases[j] = _prefill(pl, self.gen, False, self.stop_at_eos)
         return self.bases[j]
 
-    def run(self, m, run, params, rm, spec, cfg, warm, steps, gen) -> list[dict]:
-        """Mode `m`'s timed window on every further set (AR then runs to the end of `gen`)."""
+    def run(self, m, run, params, rm, spec, cfg, warm, steps, gen, timing=False) -> list[dict]:
+        """Mode `m`'s timed window on every further set (AR then runs to the end of `gen`;
+        `timing`: the windows only, for `--rounds`)."""
         windows, n = [], len(self.pl["ids"])
         eos_ids = self.pl["llms"][m].eos_ids
         for j in range(len(self.sets)):
             state = _derive_state(self.base(j), rm, spec, cfg)
             r, state = timed_segment(run, params, state, warm, steps, n)
             windows.append(r)
+            if timing:
+                del state
+                continue
             if m == "ar":
                 state = run(params, state, jnp.int32(gen))
                 self.ar_out[j] = np.asarray(state.out)
@@ -1229,6 +1235,44 @@ def run_e2e(a) -> dict:
         )
     phases["compile_s"] = time.perf_counter() - t
 
+    def extra_rounds(b, timers, batch_rows, first_state, more) -> None:
+        """`--rounds R`: R - 1 more timed rounds of every mode timed at batch `b`, the modes
+        interleaved (ar, chain, ..., ar, chain, ...) so that a drift of the device between
+        rounds reaches each mode alike. Each row keeps every round's step time and throughput
+        and reports its median round; `round_speedup_vs_ar` pairs each round with AR's."""
+        n = len(plan[b]["ids"])
+        done = {m: [batch_rows[m][1]] for m in timers}
+        for k in range(1, a.rounds):
+            if time.perf_counter() > deadline:
+                skipped.append(dict(batch=b, mode="*", reason=f"rounds {k + 1}-: time budget"))
+                break
+            for m, (run, rm, spec, ora) in timers.items():
+                try:
+                    r, state = timed_segment(
+                        run, params, first_state(rm, spec, ora), a.warm, a.steps, n
+                    )
+                    del state
+                    extra = more.run(m, run, params, rm, spec, cfg, a.warm, a.steps, gen, True)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    errors.append(dict(batch=b, mode=m, error=f"round {k + 1}: {_short(e)}"))
+                    continue
+                done[m].append(pool_windows([r] + extra))
+        for m, rs in done.items():
+            row = batch_rows[m][0]
+            med = sorted(rs, key=lambda x: x["step_ms"])[(len(rs) - 1) // 2]  # the lower median
+            row.update({k: v for k, v in med.items() if k != "batch"})
+            row.update(
+                rounds=len(rs),
+                round_step_ms=[x["step_ms"] for x in rs],
+                round_tokens_per_s=[x["tokens_per_s"] for x in rs],
+            )
+            say(
+                f"[bench] B={b:<3d} {m:8s} {len(rs)} rounds: step "
+                + " / ".join(f"{x['step_ms']:.3f}" for x in rs)
+                + f" ms (median {med['step_ms']:.3f})"
+            )
+
     # ---- run the points, batch by batch; AR first (the oracle and the agreement reference)
     t = time.perf_counter()
     rows, breakdown, diverged, profiles = [], [], [], []
@@ -1240,6 +1284,15 @@ def run_e2e(a) -> dict:
         n = len(pl["ids"])
         ar_out = oracle = None
         more = _SetStates(pl, sets[b][1:], gen, a.stop_at_eos)  # --prompt-sets: sets 1..K-1
+
+        def first_state(rm, spec, ora, base=base):
+            if low_memory:  # this point's own prefill, derived in place (the oracle is shared
+                # by the batch's modes and the loop donates its state: a copy)
+                ora = None if ora is None else jnp.copy(ora)
+                return _derive_state(fresh(), rm, spec, cfg, ora, copy=False)
+            return _derive_state(base, rm, spec, cfg, ora)
+
+        timers, batch_rows = {}, {}  # --rounds: what re-times each mode, and its row
         for m in pl["llms"]:
             reason = (
                 "time budget"
@@ -1258,12 +1311,7 @@ def run_e2e(a) -> dict:
                 run = progs[b, m]
                 rm = pl["real"][m]
                 ora = oracle if p is not None else None
-                if low_memory:  # this point's own prefill, derived in place (the oracle is
-                    # shared by the batch's modes and the loop donates its state: a copy)
-                    ora = None if ora is None else jnp.copy(ora)
-                    state = _derive_state(fresh(), rm, spec, cfg, ora, copy=False)
-                else:
-                    state = _derive_state(base, rm, spec, cfg, ora)
+                state = first_state(rm, spec, ora)
                 r, state = timed_segment(run, params, state, a.warm, a.steps, n)
                 if m == "ar":  # continue to the end of the generation budget
                     state = run(params, state, jnp.int32(gen))
@@ -1339,6 +1387,7 @@ def run_e2e(a) -> dict:
                     p, spec.shape.draft_levels
                 )
             rows.append(row)
+            timers[m], batch_rows[m] = (run, rm, spec, ora), (row, r)
             if prof_steps:  # traced once every point is timed (the `profile_points` below)
                 profiles.append((b, m, run, rm, spec, oracle if p is not None else None, row))
             diverged += [
@@ -1386,6 +1435,8 @@ def run_e2e(a) -> dict:
             if low_memory:
                 _delete(state)
             del state
+        if getattr(a, "rounds", 1) > 1 and timers:
+            extra_rounds(b, timers, batch_rows, first_state, more)
         del base
         more.close()
     phases["run_s"] = time.perf_counter() - t
@@ -1418,6 +1469,9 @@ def run_e2e(a) -> dict:
             # None where the reference timed no tokens (e.g. every request finished in warm-up)
             ok = other is not None and other["tokens_per_s"] > 0
             r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if ok else None
+            if ok and ref == "ar" and len(r.get("round_tokens_per_s", ())) > 1:
+                pairs = zip(r["round_tokens_per_s"], other.get("round_tokens_per_s", ()))
+                r["round_speedup_vs_ar"] = [x / y for x, y in pairs]
     phases["total_s"] = time.perf_counter() - t_start
     cols = [
         "batch",
@@ -1435,6 +1489,13 @@ def run_e2e(a) -> dict:
         cols.insert(8, "expected_tokens_per_step")
     if any(r["mode"] == "engine" for r in rows):
         cols.insert(2, "chosen")
+    for r in rows:  # --rounds: the spread of the paired ratios, beside the median rounds' ratio
+        if r.get("round_speedup_vs_ar"):
+            r["vs_ar_rounds"] = "{:.3g}-{:.3g}".format(
+                min(r["round_speedup_vs_ar"]), max(r["round_speedup_vs_ar"])
+            )
+    if any("vs_ar_rounds" in r for r in rows):
+        cols.insert(cols.index("speedup_vs_ar") + 1, "vs_ar_rounds")
     if env["platform"] == "cpu":
         print(f"\n{CPU_NOTE}")
     print(

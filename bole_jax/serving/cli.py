@@ -597,6 +597,14 @@ def add_bench_args(ap) -> None:
         "and pool them (B = 1 then measures several requests, not only the file's first; "
         "default: %(default)s, the first B prompts)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every mode R times, the modes interleaved round by round, and report each "
+        "row's median round with every round's step time and its ratio to AR's in the same "
+        "round (a device's drift between runs reaches every mode alike; default: %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random weights, prompts and sampling")
     add_draft_vocab_arg(ap)
     add_tp_arg(ap)

@@ -1166,6 +1166,47 @@ def test_a_synthetic_calibration_counts_no_eos(tiny):
     assert table["entries"][0]["candidates"][0]["eos_requests"] in (0, 1, 2)
 
 
+def test_bench_rounds_interleave_modes_and_report_the_median(tmp_path, monkeypatch):
+    """`bench --rounds 3`: every mode is timed three times, round by round in the modes' order
+    (ar, chain, ar, chain, ...), the agreement measured once; each row reports its median round
+    (the same windows: the same tokens), every round's step time, and its ratio to AR's in each
+    round."""
+    calls = []
+    real = bench.timed_segment
+
+    def spy(run, params, state, warm, steps, n):
+        r, state = real(run, params, state, warm, steps, n)
+        calls.append(r["step_ms"])
+        return r, state
+
+    monkeypatch.setattr(bench, "timed_segment", spy)
+    argv = ["bench", "--preset", "tiny", "--dtype", "float32", "--batch", "2", "--modes", "ar"]
+    argv += ["chain", "--depth", "2", "--accept-mean", "2", "--warm", "1", "--steps", "2"]
+    argv += ["--rounds", "3"]
+    argv += ["--breakdown-batch", "0", "--no-plots", "--compile-cache", "none"]
+    res = bench.run_e2e(cli.build_parser().parse_args([*argv, "--out", str(tmp_path)]))
+    assert not res["errors"], res["errors"]
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert len(calls) == 2 * 3  # two modes, three rounds, one window each
+    for m, r in rows.items():
+        assert r["rounds"] == 3 and len(r["round_step_ms"]) == 3
+        assert r["step_ms"] == sorted(r["round_step_ms"])[1]
+        assert r["tokens_per_s"] == r["round_tokens_per_s"][r["round_step_ms"].index(r["step_ms"])]
+    # interleaved: round k's windows are calls 2k (ar) and 2k + 1 (chain)
+    assert rows["ar"]["round_step_ms"] == calls[0::2]
+    assert rows["chain"]["round_step_ms"] == calls[1::2]
+    ratios = rows["chain"]["round_speedup_vs_ar"]
+    want = [
+        c / a for c, a in zip(rows["chain"]["round_tokens_per_s"], rows["ar"]["round_tokens_per_s"])
+    ]
+    assert ratios == pytest.approx(want)
+    assert rows["chain"]["ar_agreement"] == 1.0  # fp32; measured on the first round only
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert [r["round_step_ms"] for r in saved["rows"]] == [r["round_step_ms"] for r in res["rows"]]
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        bench.run_e2e(cli.build_parser().parse_args([*argv, "--rounds", "0"]))
+
+
 def test_bench_prompt_sets_pool_disjoint_prompts(tmp_path):
     """`bench --prompt-sets K`: a batch of 1 decodes K different prompts (each set prefilled to the
     first set's KV capacity, so one program serves all of them) and pools them: the tokens and
@@ -1191,11 +1232,12 @@ def test_bench_prompt_sets_pool_disjoint_prompts(tmp_path):
         assert not res["errors"], res["errors"]
         return {r["mode"]: r for r in res["rows"]}
 
-    pooled = rows(["--batch", "1", "--prompt-sets", "3"], str(tmp_path / "a"))
+    pooled = rows(["--batch", "1", "--prompt-sets", "3", "--rounds", "2"], str(tmp_path / "a"))
     batch3 = rows(["--batch", "3"], str(tmp_path / "b"))
     for m in ("ar", "chain"):
         r = pooled[m]
         assert r["prompt_sets"] == 3 and len(r["set_tokens_per_step"]) == 3
+        assert r["rounds"] == 2 and len(r["round_step_ms"]) == 2  # every set in every round
         assert r["request_steps"] == batch3[m]["request_steps"] == 3 * 3
         assert r["tokens"] == batch3[m]["tokens"]
     assert pooled["chain"]["ar_agreement"] == 1.0
