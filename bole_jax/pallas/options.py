@@ -20,6 +20,7 @@ them at import.
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
     attention_backend   BOLE_ATTENTION_BACKEND    auto | pallas | reference (default reference)
+    draft_top_k_backend BOLE_DRAFT_TOP_K          auto | pallas | reference (default auto)
     interpret_numerics  BOLE_INTERPRET_NUMERICS   fp32 | device (default fp32)
 """
 
@@ -45,6 +46,7 @@ _ENV = dict(
     gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
     packed_verify="BOLE_PACKED_VERIFY",
     attention_backend="BOLE_ATTENTION_BACKEND",
+    draft_top_k_backend="BOLE_DRAFT_TOP_K",
     interpret_numerics="BOLE_INTERPRET_NUMERICS",
 )
 _BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
@@ -85,6 +87,9 @@ class KernelOptions:
       (`layers.attend`): "reference" (plain jnp; XLA writes the fp32 scores out), "pallas" (the
       split-S kernel of `pallas/attention.py`, interpret mode off the GPU) or "auto" (the kernel
       on the GPU, the reference elsewhere). Not under tensor parallelism.
+    draft_top_k_backend: each draft level's top-k of log-softmax (`pallas/top_k.py`): "auto"
+      (the one-program Pallas kernel on the GPU for rows of at most 8192 entries, the jnp
+      reference elsewhere), "pallas" or "reference". Same ids; log q within an ulp of lse.
     interpret_numerics: the tree verify kernel in interpret mode (backend "pallas" off the
       GPU): "fp32" (every operand fp32, as the tests compare it with the fp32 reference) or
       "device" (the launch the device's table picks, with its bf16 roundings and its TF32 dots
@@ -101,6 +106,7 @@ class KernelOptions:
     gdn_decode_backend: str = "auto"
     packed_verify: bool = True
     attention_backend: str = "reference"
+    draft_top_k_backend: str = "auto"
     interpret_numerics: str = "fp32"
 
     def __post_init__(self):
@@ -116,6 +122,7 @@ class KernelOptions:
             ("tree_gdn_nodes", NODE_NUMERICS),
             ("gdn_decode_backend", BACKENDS),
             ("attention_backend", BACKENDS),
+            ("draft_top_k_backend", BACKENDS),
             ("interpret_numerics", INTERPRET_NUMERICS),
         ):
             if getattr(self, name) not in allowed:

@@ -33,6 +33,7 @@ import numpy as np
 from bole_jax.model import logits as lm_logits
 from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
+from bole_jax.pallas.top_k import chunked_top_k, top_k_log_softmax  # noqa: F401
 
 log = logging.getLogger("bole_jax")
 
@@ -54,41 +55,16 @@ def draft_top_k(params, cfg: ModelConfig, h: jax.Array, k: int):
     mtp = params["mtp"]
     if "draft_head" in mtp:
         z = jnp.einsum("...h,hv->...v", h, mtp["draft_head"], preferred_element_type=jnp.float32)
-        lp, idx = _top_k_log_softmax(z, k)
+        lp, idx = _top_k_log_softmax(z, k, cfg)
         return lp, mtp["draft_ids"][idx]
-    return _top_k_log_softmax(lm_logits(params, cfg, h).astype(jnp.float32), k)
+    return _top_k_log_softmax(lm_logits(params, cfg, h).astype(jnp.float32), k, cfg)
 
 
-def _top_k_log_softmax(z: jax.Array, k: int):
-    """(top-k of log_softmax(z) [..., k], their indices) from fp32 logits z [..., V]. log q =
-    z - lse <= 0 exactly in fp (lse = max + log(sum exp(z - max)) with the sum >= 1), which the
-    drafter's early stop relies on (rho never increases down a path)."""
-    top, idx = chunked_top_k(z, k)
-    lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    return jnp.minimum(top - lse, 0.0), idx
-
-
-TOP_K_CHUNK = 256
-
-
-def chunked_top_k(z: jax.Array, k: int, chunk: int = TOP_K_CHUNK):
-    """`jax.lax.top_k(z, k)` over the last axis in two rounds: the top k of each `chunk`
-    consecutive entries, then the top k of those winners. The same values and indices in the same
-    order: an entry among the k best of the row (by value, ties to the lower index) has fewer
-    than k entries before it in that order, so fewer than k in its chunk, and the second round
-    sees the winners in chunk order, each chunk's in index order. On the GPU one top-k over a
-    32768-entry row runs as one thread block per row (21 us per draft level at B = 1 and at
-    B = 16 on an H200); the chunks spread the first round over the whole chip. Rows shorter than
-    4 chunks, or not a whole number of chunks, take the plain top-k."""
-    v = z.shape[-1]
-    if v % chunk or v < 4 * chunk or k > chunk:
-        return jax.lax.top_k(z, k)
-    lead = z.shape[:-1]
-    c = v // chunk
-    v1, i1 = jax.lax.top_k(z.reshape(*lead, c, chunk), k)  # [..., c, k]
-    i1 = i1 + (jnp.arange(c, dtype=i1.dtype) * chunk)[:, None]
-    v2, j = jax.lax.top_k(v1.reshape(*lead, c * k), k)
-    return v2, jnp.take_along_axis(i1.reshape(*lead, c * k), j, axis=-1)
+def _top_k_log_softmax(z: jax.Array, k: int, cfg: ModelConfig):
+    """`pallas.top_k.top_k_log_softmax` with the model's `KernelOptions.draft_top_k_backend`
+    (the reference under tensor parallelism, whose logits XLA partitions over the vocabulary)."""
+    backend = "reference" if cfg.tp > 1 else cfg.kernels.draft_top_k_backend
+    return top_k_log_softmax(z, k, backend=backend)
 
 
 def select_ids(

@@ -70,3 +70,21 @@ def test_demo_config_sizes_match_the_shipped_model():
     assert (wide.gdn_num_value_heads, wide.gdn_key_dim, wide.gdn_value_dim) == (16, 128, 128)
     with pytest.raises(ValueError, match="unknown size"):
         demo_config(8192, 0, "huge")
+
+
+def test_pallas_draft_top_k_drafts_the_same_trees(llm):
+    """The drafter's top-k by the Pallas kernel (interpret mode here) drafts the same tokens as the
+    jnp reference: the same output and the same steps, so the same acceptance."""
+    import dataclasses
+
+    from bole_jax.pallas.options import KernelOptions
+
+    prompt = ["def add(a, b):\n    return", "import numpy as np\n\nx = np."]
+    outs = {}
+    for backend in ("reference", "pallas"):
+        opts = dataclasses.replace(KernelOptions(), draft_top_k_backend=backend)
+        other = LLM(kernel_options=opts)
+        outs[backend] = other.generate(prompt, max_new_tokens=20, spec="bole")
+    for a, b in zip(outs["reference"], outs["pallas"]):
+        assert a.token_ids == b.token_ids
+        assert a.stats["steps"] == b.stats["steps"] and a.stats["tokens_per_step"] > 1.5

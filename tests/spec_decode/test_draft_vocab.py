@@ -80,25 +80,6 @@ def test_draft_top_k_is_the_top_k_over_the_subset(tied):
         draft_vocab.with_draft_vocab(params, cfg, [0, cfg.vocab_size])
 
 
-@pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize(
-    "shape,k,chunk", [((4, 4096), 4, 256), ((2, 3, 2048), 5, 128), ((3, 1000), 4, 256)]
-)
-def test_chunked_top_k_is_top_k(shape, k, chunk, ties):
-    """The two-round top-k gives lax.top_k's values and indices, in its order (ties to the lower
-    index), on fresh random rows (with many exact ties), and the plain top-k where the row is no
-    whole number of chunks (1000)."""
-    rng = np.random.default_rng()
-    z = rng.standard_normal(shape).astype(np.float32)
-    if ties:
-        z = np.round(z * 2) / 2
-    z[..., rng.integers(shape[-1])] = 9.0  # one winner in a random chunk
-    want = jax.lax.top_k(jnp.asarray(z), k)
-    got = jax.jit(draft_vocab.chunked_top_k, static_argnums=(1, 2))(jnp.asarray(z), k, chunk)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
 def test_draft_vocab_needs_mtp():
     cfg = _cfg()
     with pytest.raises(ValueError, match="MTP"):
