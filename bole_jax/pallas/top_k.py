@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from bole_jax.pallas.tree_utils import next_pow2, resolve_backend
+from bole_jax.pallas.tree_utils import next_pow2, pad_axis, resolve_backend
 
 __all__ = ["top_k_log_softmax", "top_k_log_softmax_ref", "chunked_top_k", "FUSED_MAX_V"]
 
@@ -68,14 +68,10 @@ def top_k_log_softmax_ref(z: jax.Array, k: int):
 
 
 def _kernel(z_ref, lq_ref, id_ref, *, k: int, v: int):
-    # Blocks: z [Vp] (one row, padded past v), lq / id [Kp].
+    # Blocks: z [Vp] (one row, -inf past v), lq / id [Kp].
     vp, kp = z_ref.shape[0], lq_ref.shape[0]
     idx = jnp.arange(vp, dtype=jnp.int32)
-    z = (
-        z_ref[...].astype(jnp.float32)
-        if vp == v
-        else pltriton.load(z_ref, mask=idx < v, other=-jnp.inf).astype(jnp.float32)
-    )
+    z = z_ref[...].astype(jnp.float32)
     m = jnp.max(z, axis=0)
     lse = m + jnp.log(jnp.sum(jnp.exp(z - m), axis=0))
     slot = jnp.arange(kp, dtype=jnp.int32)
@@ -98,6 +94,8 @@ def _top_k_pallas(z, *, k: int, interpret: bool, num_warps: int):
     rows = z.reshape(-1, v)
     r = rows.shape[0]
     vp, kp = next_pow2(v), next_pow2(k, minimum=2)
+    if vp != v:  # padding never wins (k <= v) and adds exp(-inf) = 0 to the sum
+        rows = pad_axis(rows, 1, vp, -jnp.inf)
     lq, ids = pl.pallas_call(
         functools.partial(_kernel, k=k, v=v),
         grid=(r,),
