@@ -1469,7 +1469,7 @@ def run_e2e(a) -> dict:
             # None where the reference timed no tokens (e.g. every request finished in warm-up)
             ok = other is not None and other["tokens_per_s"] > 0
             r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if ok else None
-            if ok and ref == "ar" and len(r.get("round_tokens_per_s", ())) > 1:
+            if ok and ref == "ar" != r["mode"] and len(r.get("round_tokens_per_s", ())) > 1:
                 pairs = zip(r["round_tokens_per_s"], other.get("round_tokens_per_s", ()))
                 r["round_speedup_vs_ar"] = [x / y for x, y in pairs]
     phases["total_s"] = time.perf_counter() - t_start
