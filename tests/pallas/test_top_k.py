@@ -77,3 +77,12 @@ def test_chunked_top_k_is_top_k(shape, k, chunk, ties):
     got = jax.jit(top_k.chunked_top_k, static_argnums=(1, 2))(jnp.asarray(z), k, chunk)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("shape,k", [((1, 4, 8192), 4), ((64, 1000), 8)])
+def test_kernel_lowers_to_triton(shape, k):
+    """The kernel lowers for cuda through Pallas -> Triton (Triton's compiler does not run)."""
+    z = jnp.zeros(shape, jnp.float32)
+    fn = jax.jit(lambda x: top_k.top_k_log_softmax(x, k, backend="pallas", interpret=False))
+    text = fn.trace(z).lower(lowering_platforms=("cuda",)).as_text()
+    assert "bole_top_k_log_softmax" in text
