@@ -20,7 +20,7 @@ them at import.
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
     attention_backend   BOLE_ATTENTION_BACKEND    auto | pallas | reference (default reference)
-    draft_top_k_backend BOLE_DRAFT_TOP_K          auto | pallas | reference (default reference)
+    draft_top_k_backend BOLE_DRAFT_TOP_K          auto | pallas | reference (default auto)
     interpret_numerics  BOLE_INTERPRET_NUMERICS   fp32 | device (default fp32)
 """
 
@@ -106,7 +106,7 @@ class KernelOptions:
     gdn_decode_backend: str = "auto"
     packed_verify: bool = True
     attention_backend: str = "reference"
-    draft_top_k_backend: str = "reference"
+    draft_top_k_backend: str = "auto"
     interpret_numerics: str = "fp32"
 
     def __post_init__(self):
