@@ -33,7 +33,7 @@ import numpy as np
 from bole_jax.model import logits as lm_logits
 from bole_jax.model import parallel
 from bole_jax.model.config import ModelConfig
-from bole_jax.pallas.top_k import chunked_top_k, top_k_log_softmax  # noqa: F401
+from bole_jax.pallas.top_k import top_k_log_softmax
 
 log = logging.getLogger("bole_jax")
 
