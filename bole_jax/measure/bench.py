@@ -1235,18 +1235,18 @@ def run_e2e(a) -> dict:
         )
     phases["compile_s"] = time.perf_counter() - t
 
-    def extra_rounds(b, timers, batch_rows, first_state, more) -> None:
+    def extra_rounds(b, timed, first_state, more) -> None:
         """`--rounds R`: R - 1 more timed rounds of every mode timed at batch `b`, the modes
         interleaved (ar, chain, ..., ar, chain, ...) so that a drift of the device between
         rounds reaches each mode alike. Each row keeps every round's step time and throughput
         and reports its median round; `round_speedup_vs_ar` pairs each round with AR's."""
         n = len(plan[b]["ids"])
-        done = {m: [batch_rows[m][1]] for m in timers}
+        done = {m: [t[5]] for m, t in timed.items()}
         for k in range(1, a.rounds):
             if time.perf_counter() > deadline:
                 skipped.append(dict(batch=b, mode="*", reason=f"rounds {k + 1}-: time budget"))
                 break
-            for m, (run, rm, spec, ora) in timers.items():
+            for m, (run, rm, spec, ora, _, _) in timed.items():
                 try:
                     r, state = timed_segment(
                         run, params, first_state(rm, spec, ora), a.warm, a.steps, n
@@ -1259,7 +1259,7 @@ def run_e2e(a) -> dict:
                     continue
                 done[m].append(pool_windows([r] + extra))
         for m, rs in done.items():
-            row = batch_rows[m][0]
+            row = timed[m][4]
             med = sorted(rs, key=lambda x: x["step_ms"])[(len(rs) - 1) // 2]  # the lower median
             row.update({k: v for k, v in med.items() if k != "batch"})
             row.update(
@@ -1292,7 +1292,7 @@ def run_e2e(a) -> dict:
                 return _derive_state(fresh(), rm, spec, cfg, ora, copy=False)
             return _derive_state(base, rm, spec, cfg, ora)
 
-        timers, batch_rows = {}, {}  # --rounds: what re-times each mode, and its row
+        timed = {}  # --rounds: per mode, what re-times it, its row and its first round
         for m in pl["llms"]:
             reason = (
                 "time budget"
@@ -1387,7 +1387,7 @@ def run_e2e(a) -> dict:
                     p, spec.shape.draft_levels
                 )
             rows.append(row)
-            timers[m], batch_rows[m] = (run, rm, spec, ora), (row, r)
+            timed[m] = (run, rm, spec, ora, row, r)
             if prof_steps:  # traced once every point is timed (the `profile_points` below)
                 profiles.append((b, m, run, rm, spec, oracle if p is not None else None, row))
             diverged += [
@@ -1435,8 +1435,8 @@ def run_e2e(a) -> dict:
             if low_memory:
                 _delete(state)
             del state
-        if getattr(a, "rounds", 1) > 1 and timers:
-            extra_rounds(b, timers, batch_rows, first_state, more)
+        if getattr(a, "rounds", 1) > 1 and timed:
+            extra_rounds(b, timed, first_state, more)
         del base
         more.close()
     phases["run_s"] = time.perf_counter() - t
@@ -1469,7 +1469,8 @@ def run_e2e(a) -> dict:
             # None where the reference timed no tokens (e.g. every request finished in warm-up)
             ok = other is not None and other["tokens_per_s"] > 0
             r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / other["tokens_per_s"] if ok else None
-            if ok and ref == "ar" != r["mode"] and len(r.get("round_tokens_per_s", ())) > 1:
+            rounds = len(r.get("round_tokens_per_s", ()))
+            if ok and ref == "ar" and r["mode"] != "ar" and rounds > 1:
                 pairs = zip(r["round_tokens_per_s"], other.get("round_tokens_per_s", ()))
                 r["round_speedup_vs_ar"] = [x / y for x, y in pairs]
     phases["total_s"] = time.perf_counter() - t_start
