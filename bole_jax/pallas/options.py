@@ -16,6 +16,7 @@ them at import.
     tree_gdn_nodes      BOLE_TREE_GDN_NODES       bf16 | fp32 (default bf16)
     mosaic              BOLE_TREE_GDN_MOSAIC      1 / 0 (default 1)
     commit_fold         BOLE_COMMIT_FOLD          auto | unroll | dot | loop (default auto)
+    fused_commit        BOLE_FUSED_COMMIT         1 / 0 (default 0)
     lazy_rows           BOLE_LAZY_ROWS            path | gather (default path)
     gdn_decode_backend  BOLE_GDN_DECODE_BACKEND   auto | pallas | reference (default auto)
     packed_verify       BOLE_PACKED_VERIFY        1 / 0 (default 1)
@@ -42,6 +43,7 @@ _ENV = dict(
     tree_gdn_nodes="BOLE_TREE_GDN_NODES",
     mosaic="BOLE_TREE_GDN_MOSAIC",
     commit_fold="BOLE_COMMIT_FOLD",
+    fused_commit="BOLE_FUSED_COMMIT",
     lazy_rows="BOLE_LAZY_ROWS",
     gdn_decode_backend="BOLE_GDN_DECODE_BACKEND",
     packed_verify="BOLE_PACKED_VERIFY",
@@ -49,7 +51,7 @@ _ENV = dict(
     draft_top_k_backend="BOLE_DRAFT_TOP_K",
     interpret_numerics="BOLE_INTERPRET_NUMERICS",
 )
-_BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify")
+_BOOLS = ("tree_gdn_bf16", "mosaic", "packed_verify", "fused_commit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,9 @@ class KernelOptions:
     commit_fold: how the Pallas commit adds the accepted path's rows (`commit_launch`): "auto"
       (unrolled fp32 rank-1 updates for a decode step's short paths, else the dot), "unroll",
       "dot" (one TF32x3 tensor-core dot) or "loop" (fp32 rank-1 updates in a loop).
+    fused_commit: the eager bole commit of every GDN layer as ONE Pallas launch on the GPU
+      (`tree_gdn_commit.commit_states`) instead of one launch per layer. Same states (the
+      same per-tile arithmetic); off the GPU each layer takes the jnp reference either way.
     lazy_rows: how the lazy bole commit keeps its pending commit: "path" (the step's factors and
       accepted path, `PendingPath`: the next verify reads the rows itself, no launch in the
       commit) or "gather" (the path's rows gathered by one launch per GDN layer,
@@ -102,6 +107,7 @@ class KernelOptions:
     tree_gdn_nodes: str = "bf16"
     mosaic: bool = True
     commit_fold: str = "auto"
+    fused_commit: bool = False
     lazy_rows: str = "path"
     gdn_decode_backend: str = "auto"
     packed_verify: bool = True

@@ -29,6 +29,8 @@ from bole_jax.pallas.triton_ops import store as _store
 __all__ = [
     "commit_state",
     "commit_state_pallas",
+    "commit_states",
+    "commit_states_pallas",
     "accepted_rows",
     "commit_path_weights",
     "pending_commit",
@@ -509,6 +511,146 @@ def commit_state_pallas(
         name="bole_commit_state",
     )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
     return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new
+
+
+def _commit_layers_kernel(count_ref, sel_ref, path_ref, *refs, layers, **kw):
+    # One launch for every GDN layer: refs = (gamma, k, ks, u, s) of each layer, then each
+    # layer's output. Grid axis 0 is the layer; the program runs `_commit_kernel` on that
+    # layer's refs (a switch over the layers: in Triton no block is loaded before a branch
+    # reads it, so a program touches only its own layer's tiles).
+    ins, outs = refs[: 5 * layers], refs[5 * layers :]
+
+    def branch(i):
+        def body():
+            _commit_kernel(count_ref, sel_ref, path_ref, *ins[5 * i : 5 * i + 5], outs[i], **kw)
+
+        return body
+
+    if layers == 1:
+        branch(0)()
+    else:
+        jax.lax.switch(pl.program_id(0), [branch(i) for i in range(layers)])
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret", "fold"))
+def commit_states_pallas(
+    states,
+    factors,
+    accepted,
+    path,
+    count,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    interpret: bool = False,
+    fold: str = "auto",
+):
+    """`commit_state_pallas` of several GDN layers in ONE launch: states and factors are
+    sequences (one entry per layer, every layer of the same shapes); accepted [B], path [B, L]
+    and count [B] are the step's, shared by all layers (as a decode step holds them). Each
+    layer's state is written in place (aliased), as the per-layer launch does. A commit of a
+    small batch is a few microseconds of work per layer behind each launch's fixed cost; one
+    launch of all layers' tiles pays that cost once and keeps every SM busy. Returns the new
+    states, a tuple in the layers' order."""
+    states, factors = tuple(states), tuple(factors)
+    if len(states) != len(factors) or not states:
+        raise ValueError(
+            f"one factor set per state, at least one layer: {len(states)} states, "
+            f"{len(factors)} factor sets"
+        )
+    shapes = {(s.shape, f.k.shape, f.u.shape) for s, f in zip(states, factors)}
+    if len(shapes) != 1:
+        raise ValueError(f"every layer's state and factors must have the same shapes: {shapes}")
+    if fold not in _FOLDS + ("auto",):
+        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
+    b, n, hk, dk = factors[0].k.shape
+    hv, dv = factors[0].u.shape[2:]
+    ratio = hv // hk
+    dkp, dvp = next_pow2(dk), next_pow2(dv)
+    accepted = jnp.asarray(accepted, jnp.int32)
+    path, count = jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
+    length = path.shape[1]
+    fold, block_v = commit_launch(b, length, fold, block_v)
+    bv = min(block_v, dvp)
+    lb = next_pow2(length) if fold == "dot" else length
+    per_req = pl.BlockSpec((None,), lambda l, t, h, i: (i,))
+    layer_specs = [
+        pl.BlockSpec((None, n, None), lambda l, t, h, i: (i, 0, h)),
+        pl.BlockSpec((None, n, None, dkp), lambda l, t, h, i: (i, 0, h // ratio, 0)),
+        pl.BlockSpec((None, n, None), lambda l, t, h, i: (i, 0, h // ratio)),
+        pl.BlockSpec((None, n, None, bv), lambda l, t, h, i: (i, 0, h, t)),
+        pl.BlockSpec((None, None, dkp, bv), lambda l, t, h, i: (i, h, 0, t)),
+    ]
+    operands = []
+    for s, f in zip(states, factors):
+        operands += [
+            f.gamma.astype(jnp.float32),
+            pad_axis(f.k, 3, dkp),
+            _k_scale(f),
+            pad_axis(f.u, 3, dvp),
+            pad_axis(pad_axis(s.astype(jnp.float32), 2, dkp), 3, dvp),
+        ]
+    layers = len(states)
+    state_spec = layer_specs[4]
+    new = pl.pallas_call(
+        functools.partial(
+            _commit_layers_kernel,
+            layers=layers,
+            fold=fold,
+            length=length,
+            nodes=n,
+            precision=None if interpret else _PRECISIONS["tf32x3"],
+        ),
+        grid=(layers, dvp // bv, hv, b),
+        in_specs=[per_req, per_req, pl.BlockSpec((None, lb), lambda l, t, h, i: (i, 0))]
+        + layer_specs * layers,
+        out_specs=[state_spec] * layers,
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dkp, dvp), jnp.float32)] * layers,
+        # in place, each layer's state into its own output (see `commit_state_pallas`)
+        input_output_aliases={3 + 5 * i + 4: i for i in range(layers)},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="bole_commit_states",
+    )(count, accepted, path, *operands)
+    if (dkp, dvp) != (dk, dv):
+        new = [x[:, :, :dk, :dv] for x in new]
+    return tuple(new)
+
+
+def commit_states(
+    states,
+    factors,
+    accepted,
+    path,
+    count,
+    *,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    fold: str = "auto",
+):
+    """The commit of several GDN layers with the step's accepted path (`commit_state` with
+    `path` and `count` given, for each layer): backend "pallas" (the default on GPU) is one
+    launch for all layers (`commit_states_pallas`); "reference" commits each layer with the
+    jnp reference. Returns a tuple of new states [B, HV, dk, dv] fp32, in the layers' order."""
+    backend, interpret = resolve_backend(backend, interpret)
+    if backend == "pallas":
+        return commit_states_pallas(
+            states,
+            factors,
+            accepted,
+            path,
+            count,
+            block_v=block_v,
+            num_warps=num_warps,
+            interpret=interpret,
+            fold=fold,
+        )
+    return tuple(
+        commit_state(s, f, None, accepted, path=path, count=count, backend="reference")
+        for s, f in zip(states, factors)
+    )
 
 
 # ------------------------------------------------------------------------- the commit, either backend

@@ -45,7 +45,7 @@ from bole_jax.model.config import LINEAR, ModelConfig
 from bole_jax.model.layers import _split_qkv, gdn_in_proj, gdn_out, rms_norm
 from bole_jax.pallas import tree_conv, tree_gdn, tree_gdn_commit, tree_pernode
 from bole_jax.pallas.factors import PendingPath, TreeFactors
-from bole_jax.pallas.tree_utils import TreeStructure, tree_structure
+from bole_jax.pallas.tree_utils import TreeStructure, resolve_backend, tree_structure
 from bole_jax.spec_decode import state_factors
 from bole_jax.spec_decode.acceptance import Accepted, NodeLogits
 from bole_jax.spec_decode.tree import Tree
@@ -369,6 +369,36 @@ def _commit_state(state, factors, parents, last, path, count, cfg: ModelConfig |
     )(state, factors, parents, last, path, count)
 
 
+def _fused_commit(cfg: ModelConfig | None) -> bool:
+    """Whether the eager bole commit of every GDN layer is one launch
+    (`KernelOptions.fused_commit`, on the GPU's Pallas backend only: elsewhere each layer
+    takes the jnp reference)."""
+    return (
+        cfg is not None
+        and cfg.kernels.fused_commit
+        and resolve_backend("auto", None)[0] == "pallas"
+    )
+
+
+def _commit_states(states, factors, last, path, count, cfg: ModelConfig):
+    """tree_gdn_commit.commit_states: every GDN layer's commit in one launch, per device on its
+    own heads under tensor parallelism."""
+    fold = cfg.kernels.commit_fold
+
+    def commit(s, f, a, pa, c):
+        return tree_gdn_commit.commit_states(s, f, a, pa, c, fold=fold)
+
+    heads, f = parallel.split_at(1), parallel.split_at(2)
+    rep = parallel.REPLICATED
+    spec = TreeFactors(k=f, u=f, gamma=f, k_scale=f)
+    return parallel.over_gdn_heads(
+        commit,
+        cfg,
+        in_specs=((heads,) * len(states), (spec,) * len(states), rep, rep, rep),
+        out_specs=(heads,) * len(states),
+    )(tuple(states), tuple(factors), last, path, count)
+
+
 def _commit_pernode_state(state, node_states, last, cfg: ModelConfig | None):
     """tree_pernode.commit_pernode_state (the baselines' copy of the accepted node's scratch
     state), per device on its own heads under tensor parallelism. Outside shard_map its Pallas
@@ -433,6 +463,8 @@ def commit(
     src = cache.lengths[:, None] + acc.path
     dst = jnp.where(j < num[:, None], cache.lengths[:, None] + j, 2**30)
     layers = []
+    fused = mode == "bole" and _fused_commit(cfg)
+    one_launch = []  # (layer index, state, factors) of the GDN layers committed together
     for c, aux in zip(cache.layers, auxs):
         if isinstance(c, GDNCache):
             state, pending = c.state, c.pending  # pending: cleared by verify_forward (now in state)
@@ -443,7 +475,10 @@ def commit(
                 conv = state_factors.commit_conv_state(c.conv, aux.conv_in, tree.parents, last)
                 # The accepted path (root first, num nodes) is the step's: no walk up the parents
                 # per layer; inactive requests (last -1) get count 0 and keep their state.
-                if pending is None:
+                if pending is None and fused:
+                    state = None  # committed below with every other GDN layer, one launch
+                    one_launch.append((len(layers), c.state, aux.factors))
+                elif pending is None:
                     state = _commit_state(
                         c.state, aux.factors, tree.parents, last, acc.path, num, cfg
                     )
@@ -468,4 +503,9 @@ def commit(
         else:
             k_rows, v_rows = take_kv(c.k, src), take_kv(c.v, src)
             layers.append(AttnCache(k=write_kv(c.k, k_rows, dst), v=write_kv(c.v, v_rows, dst)))
+    if one_launch:
+        where, states, factors = zip(*one_launch)
+        new = _commit_states(states, factors, last, acc.path, num, cfg)
+        for i, state in zip(where, new):
+            layers[i] = dataclasses.replace(layers[i], state=state)
     return Cache(layers=tuple(layers), lengths=cache.lengths + num)

@@ -235,15 +235,30 @@ _accept_stochastic = jax.jit(
 _commit = jax.jit(verify.commit, static_argnames=("mode",))
 
 
-@pytest.mark.parametrize("mode", ["bole", "bole-lazy", "bole-lazy-gather", "pernode"])
-def test_commit_equals_ar_cache(mode):
+@pytest.mark.parametrize("mode", ["bole", "bole-fused", "bole-lazy", "bole-lazy-gather", "pernode"])
+def test_commit_equals_ar_cache(mode, monkeypatch):
     """After verify + greedy accept + commit of an oracle tree, the cache equals AR's (bole-lazy:
     its committed states; the pending commit kept as the step's factors and accepted path, or
-    -gather, as the path's gathered rows)."""
+    -gather, as the path's gathered rows; bole-fused: every GDN layer's commit in one Pallas
+    launch, `KernelOptions.fused_commit`, run here in interpret mode)."""
     lazy = mode.startswith("bole-lazy")
     gather = mode == "bole-lazy-gather"
-    mode = "bole" if lazy else mode
+    fused = mode == "bole-fused"
+    mode = "bole" if lazy or fused else mode
     cfg = _cfg("qwen3_next")
+    if fused:
+        from bole_jax.pallas import tree_gdn_commit
+
+        calls = []
+
+        def one_launch(*a, **kw):
+            calls.append(len(a[0]))
+            return commit_states(*a, **kw, backend="pallas", interpret=True)
+
+        commit_states = tree_gdn_commit.commit_states
+        monkeypatch.setattr(tree_gdn_commit, "commit_states", one_launch)
+        monkeypatch.setattr(verify, "resolve_backend", lambda b, i: ("pallas", True))
+        cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, fused_commit=True))
     params = init_params(cfg, jax.random.key(2), "float32")
     rng = np.random.default_rng(5)
     b, cap, n = 3, 128, 12
@@ -298,7 +313,12 @@ def test_commit_equals_ar_cache(mode):
     hid, vcache, auxs = _verify(params, cfg, tree, cache, mode=mode)
     acc = _accept(tree, jnp.argmax(lm_logits(params, cfg, hid), -1).astype(jnp.int32), 8)
     np.testing.assert_array_equal(np.asarray(acc.num_accepted), np.array(depth_ok) + 1)
-    new = _commit(vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode)
+    commit = jax.jit(verify.commit, static_argnames=("mode", "cfg"))
+    new = commit(
+        vcache, auxs, tree, acc, jnp.ones((b,), bool), mode=mode, cfg=cfg if fused else None
+    )
+    if fused:  # one call for every GDN layer
+        assert calls == [sum(isinstance(c, GDNCache) for c in vcache.layers)] and calls[0] > 1
     if lazy:  # the commit left the accepted paths pending, the state untouched
         for c_new, c_old in zip(new.layers, vcache.layers):
             if isinstance(c_new, GDNCache):

@@ -10,7 +10,7 @@ import pytest
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
-from bole_jax.pallas.tree_gdn_commit import commit_state
+from bole_jax.pallas.tree_gdn_commit import commit_state, commit_states
 from bole_jax.spec_decode.state_factors import accepted_path, commit_conv_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -155,6 +155,90 @@ def test_commit_kernel_lowers_to_triton(n, path_len, fold):
         "bole_commit_state"
         in fn.trace(state, factors, parents, acc).lower(lowering_platforms=("cuda",)).as_text()
     )
+
+
+@pytest.mark.parametrize(
+    "layers,b,n,hk,hv,dk,dv,fold",
+    [
+        (1, 2, 9, 1, 2, 16, 16, "unroll"),
+        (3, 3, 12, 2, 4, 16, 32, "dot"),
+        (4, 4, 9, 1, 2, 24, 16, "unroll"),
+        (2, 2, 7, 1, 1, 16, 16, "loop"),
+    ],
+)
+def test_commit_of_every_layer_in_one_launch(layers, b, n, hk, hv, dk, dv, fold):
+    """`commit_states` (one Pallas launch for all layers, interpret mode) gives each layer the
+    state its own recurrence reaches at the accepted node, from the step's shared path: every
+    layer with its own random inputs, requests accepting different depths, one accepting
+    nothing (-1, count junk: the state kept bit for bit); the reference backend the same."""
+    rng = np.random.default_rng(RUN_SEED)
+    parents, num_nodes = random_trees(rng, b, n, ("random", "deep", "chain"), ragged=True)
+    acc = np.array([rng.integers(0, m) for m in num_nodes], np.int32)
+    acc[-1] = -1
+    walk = np.asarray(accepted_path(parents, acc, n))
+    count = (walk >= 0).sum(1).astype(np.int32)
+    path = rng.integers(-3, n + 3, (b, int(count.max()) + 1)).astype(np.int32)  # junk past count
+    for r in range(b):
+        path[r, : count[r]] = walk[r, : count[r]][::-1]
+    count[-1] = 2
+    states, factors, wants = [], [], []
+    for _ in range(layers):
+        x = random_gdn_inputs(rng, b, n, hk, hv, dk, dv)
+        args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+        _, per_node = tree_gdn_ref.tree_gdn_sequential(*args, parents, num_nodes)
+        _, f = tree_gdn_ref.tree_gdn_closed_form(*args, parents, num_nodes)
+        per_node = np.asarray(per_node)
+        states.append(jnp.asarray(x["state"]))
+        factors.append(f)
+        wants.append([x["state"][r] if acc[r] < 0 else per_node[r, acc[r]] for r in range(b)])
+    for kw in (dict(backend="pallas", interpret=None, block_v=16, fold=fold), {}):
+        new = commit_states(states, factors, acc, path, count, **kw)
+        assert len(new) == layers
+        for layer in range(layers):
+            for r in range(b - 1):
+                err = rel(new[layer][r], wants[layer][r])
+                assert err <= 1e-4, f"seed {RUN_SEED} layer {layer} request {r}: {err} ({kw})"
+            np.testing.assert_array_equal(new[layer][b - 1], wants[layer][b - 1])
+
+
+def test_commit_of_every_layer_checks_its_layers():
+    rng = np.random.default_rng(0)
+    x = random_gdn_inputs(rng, 1, 4, 1, 1, 16, 16)
+    parents, _ = random_trees(rng, 1, 4, ("chain",))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    _, f = tree_gdn_ref.tree_gdn_closed_form(*args, parents)
+    one = (np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32))
+    kw = dict(backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match="one factor set per state"):
+        commit_states([x["state"]], [f, f], *one, **kw)
+    wide = random_gdn_inputs(rng, 1, 4, 1, 2, 16, 16)
+    _, g = tree_gdn_ref.tree_gdn_closed_form(
+        wide["q"], wide["k"], wide["v"], wide["g"], wide["beta"], wide["state"], parents
+    )
+    with pytest.raises(ValueError, match="same shapes"):
+        commit_states([x["state"], wide["state"]], [f, g], *one, **kw)
+
+
+def test_commit_of_every_layer_lowers_to_triton():
+    """The one-launch commit lowers for the GPU: one custom call for all layers."""
+    b, n, hk, hv, d, layers = 2, 9, 2, 4, 128, 3
+    factors = tree_gdn_ref.TreeFactors(
+        k=jnp.zeros((b, n, hk, d)), u=jnp.zeros((b, n, hv, d)), gamma=jnp.zeros((b, n, hv))
+    )
+    states = [jnp.zeros((b, hv, d, d))] * layers
+    acc, path, count = jnp.zeros(b, jnp.int32), jnp.zeros((b, 9), jnp.int32), jnp.ones(b, jnp.int32)
+    for fold in ("unroll", "dot"):
+        fn = jax.jit(
+            lambda s, f, a, p, c: commit_states(
+                s, f, a, p, c, backend="pallas", interpret=False, fold=fold
+            )
+        )
+        text = (
+            fn.trace(states, [factors] * layers, acc, path, count)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert text.count("bole_commit_states") >= 1 and 'bole_commit_state"' not in text
 
 
 def test_commit_root_only_and_keep():
