@@ -43,7 +43,7 @@ from bole_jax.model import (  # noqa: E402
 )
 from bole_jax.model.cache import committed_state, with_pending  # noqa: E402
 from bole_jax.model.config import FULL, LINEAR  # noqa: E402
-from bole_jax.pallas import tree_pernode  # noqa: E402
+from bole_jax.pallas import tree_gdn_commit, tree_pernode  # noqa: E402
 from bole_jax.spec_decode import tree as tree_mod  # noqa: E402
 from bole_jax.spec_decode import verify
 from bole_jax.spec_decode.acceptance import accept_greedy  # noqa: E402
@@ -245,20 +245,30 @@ def check_logits_commit_local(cfg, params, tp, modes) -> str:
     docs/design-decisions.md).
     12 nodes: PERNODE's launch at B = 2 walks them depth-first (`PernodeConfig.auto` above 8)."""
     seen, orig = [], tree_pernode.commit_pernode_state
+    fused, orig_states, orig_backend = [], tree_gdn_commit.commit_states, verify.resolve_backend
 
     def spy(old, *a, **kw):
         seen.append(old.shape[1])
         return orig(old, *a, **kw)
 
+    def one_launch(states, *a, **kw):  # bole's commit of every layer: the kernel, interpreted
+        fused.append(states[0].shape[1])
+        return orig_states(states, *a, **kw, backend="pallas", interpret=True)
+
     tree_pernode.commit_pernode_state = spy
+    tree_gdn_commit.commit_states = one_launch
+    verify.resolve_backend = lambda b, i: ("pallas", True)  # as on a GPU: the one launch
     try:
         msg = check_logits(cfg, params, tp, modes=modes, backend="pallas", n=12)
         assert tree_pernode.PernodeConfig.auto(2, 12).order == "dfs"
     finally:
         tree_pernode.commit_pernode_state = orig
+        tree_gdn_commit.commit_states = orig_states
+        verify.resolve_backend = orig_backend
     hv = cfg.gdn_num_value_heads
     assert sorted(set(seen)) == [hv // tp, hv], f"commit saw {seen} heads (want {hv // tp} at tp)"
-    return f"{msg}; commit on {hv // tp} of {hv} heads per device"
+    assert sorted(set(fused)) == [hv // tp, hv], f"one-launch commit saw {fused} heads"
+    return f"{msg}; commits on {hv // tp} of {hv} heads per device"
 
 
 def _engine_frames(eqn) -> tuple[str, ...]:
@@ -353,6 +363,8 @@ def check_pallas_inside_shard_map(
         f"Pallas kernels outside shard_map at tp={tp} (XLA gathers their "
         "operands on every device):\n  " + "\n  ".join(outside)
     )
+    if "bole" in found:  # the eager commit of every GDN layer: one launch (fused_commit)
+        assert "bole_commit_states" in found["bole"], found["bole"]
     empty = [m for m, k in found.items() if not k]
     assert not empty, f"no Pallas launch traced for {empty}: the GPU selection did not take effect"
     return f"all Pallas launches inside shard_map at tp={tp}: " + "; ".join(notes)

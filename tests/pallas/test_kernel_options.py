@@ -28,6 +28,7 @@ def test_defaults_validation_and_hashing():
         "path",
         "auto",
     )
+    assert d.fused_commit and not KernelOptions.from_env({"BOLE_FUSED_COMMIT": "0"}).fused_commit
     assert hash(d) == hash(KernelOptions()) and d != KernelOptions(mosaic=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.mosaic = False
