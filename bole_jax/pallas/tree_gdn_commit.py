@@ -460,64 +460,22 @@ def commit_state_pallas(
     the loop measured slowest, docs/kernels.md, launch table).
     block_v: value columns per program (None: `commit_launch`).
     """
-    b, n, hk, dk = factors.k.shape
-    hv, dv = factors.u.shape[2:]
-    ratio = hv // hk
-    dkp, dvp = next_pow2(dk), next_pow2(dv)
     accepted = jnp.asarray(accepted, jnp.int32)
+    n = factors.k.shape[1]
     path, count = _raw_path(
         parents, accepted, next_pow2(min(n, max_path or n), minimum=1), path, count
     )  # power-of-two blocks when walked here
-    if fold not in _FOLDS + ("auto",):
-        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
-    length = path.shape[1]
-    fold, block_v = commit_launch(b, length, fold, block_v)
-    bv = min(block_v, dvp)
-    # dot blocks: a power of two >= 16 rows; ids past the L present are masked in the kernel
-    lb = next_pow2(length) if fold == "dot" else length
-    kf = pad_axis(factors.k, 3, dkp)
-    uf = pad_axis(factors.u, 3, dvp)
-    s = pad_axis(pad_axis(state.astype(jnp.float32), 2, dkp), 3, dvp)
-    per_req = pl.BlockSpec((None,), lambda t, h, i: (i,))
-    new = pl.pallas_call(
-        functools.partial(
-            _commit_kernel,
-            fold=fold,
-            length=length,
-            nodes=n,
-            precision=None if interpret else _PRECISIONS["tf32x3"],
-        ),
-        grid=(dvp // bv, hv, b),
-        in_specs=[
-            per_req,
-            per_req,
-            pl.BlockSpec((None, lb), lambda t, h, i: (i, 0)),
-            pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h)),
-            pl.BlockSpec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
-            pl.BlockSpec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
-            pl.BlockSpec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
-            pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
-        ],
-        out_specs=pl.BlockSpec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
-        out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
-        # In place: each program reads its tile of S before writing the same tile. Inside the
-        # decode loop the old state is dead after the commit, so XLA can write the new state into
-        # the loop-carried buffer instead of a fresh one followed by a copy (the 9B profile shows
-        # one state-sized memcpy per GDN layer per step). Outside a donating jit XLA copies the
-        # input first, as aliasing requires.
-        input_output_aliases={7: 0},
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="bole_commit_state",
-    )(count, accepted, path, factors.gamma.astype(jnp.float32), kf, _k_scale(factors), uf, s)
-    return new[:, :, :dk, :dv] if (dkp, dvp) != (dk, dv) else new
+    (new,) = _commit_launch_call(
+        (state,), (factors,), accepted, path, count, block_v, num_warps, interpret, fold
+    )
+    return new
 
 
 def _commit_layers_kernel(count_ref, sel_ref, path_ref, *refs, layers, **kw):
-    # One launch for every GDN layer: refs = (gamma, k, ks, u, s) of each layer, then each
-    # layer's output. Grid axis 0 is the layer; the program runs `_commit_kernel` on that
-    # layer's refs (a switch over the layers: in Triton no block is loaded before a branch
-    # reads it, so a program touches only its own layer's tiles).
+    # refs = (gamma, k, ks, u, s) of each layer, then each layer's output. With several layers,
+    # grid axis 0 is the layer and the program runs `_commit_kernel` on that layer's refs (a
+    # switch over the layers: in Triton no block is loaded before a branch reads it, so a
+    # program touches only its own layer's tiles).
     ins, outs = refs[: 5 * layers], refs[5 * layers :]
 
     def branch(i):
@@ -530,6 +488,77 @@ def _commit_layers_kernel(count_ref, sel_ref, path_ref, *refs, layers, **kw):
         branch(0)()
     else:
         jax.lax.switch(pl.program_id(0), [branch(i) for i in range(layers)])
+
+
+def _commit_launch_call(
+    states, factors, accepted, path, count, block_v, num_warps, interpret, fold
+):
+    """The commit kernel over `len(states)` layers of the same shapes in one launch: grid
+    (dv tiles, HV, B), with a leading layer axis when there are several. path, count as the
+    caller holds them (`_path_inputs` sanitises them in the kernel). Returns the new states."""
+    if fold not in _FOLDS + ("auto",):
+        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
+    b, n, hk, dk = factors[0].k.shape
+    hv, dv = factors[0].u.shape[2:]
+    ratio = hv // hk
+    dkp, dvp = next_pow2(dk), next_pow2(dv)
+    length = path.shape[1]
+    fold, block_v = commit_launch(b, length, fold, block_v)
+    bv = min(block_v, dvp)
+    # dot blocks: a power of two >= 16 rows; ids past the L present are masked in the kernel
+    lb = next_pow2(length) if fold == "dot" else length
+    layers = len(states)
+
+    def spec(shape, index):  # index(t, h, i); the layer axis, when there is one, is not read
+        if layers == 1:
+            return pl.BlockSpec(shape, index)
+        return pl.BlockSpec(shape, lambda l, t, h, i: index(t, h, i))
+
+    layer_specs = [
+        spec((None, n, None), lambda t, h, i: (i, 0, h)),
+        spec((None, n, None, dkp), lambda t, h, i: (i, 0, h // ratio, 0)),
+        spec((None, n, None), lambda t, h, i: (i, 0, h // ratio)),
+        spec((None, n, None, bv), lambda t, h, i: (i, 0, h, t)),
+        spec((None, None, dkp, bv), lambda t, h, i: (i, h, 0, t)),
+    ]
+    per_req = spec((None,), lambda t, h, i: (i,))
+    operands = []
+    for st, f in zip(states, factors):
+        operands += [
+            f.gamma.astype(jnp.float32),
+            pad_axis(f.k, 3, dkp),
+            _k_scale(f),
+            pad_axis(f.u, 3, dvp),
+            pad_axis(pad_axis(st.astype(jnp.float32), 2, dkp), 3, dvp),
+        ]
+    grid = (dvp // bv, hv, b)
+    new = pl.pallas_call(
+        functools.partial(
+            _commit_layers_kernel,
+            layers=layers,
+            fold=fold,
+            length=length,
+            nodes=n,
+            precision=None if interpret else _PRECISIONS["tf32x3"],
+        ),
+        grid=grid if layers == 1 else (layers,) + grid,
+        in_specs=[per_req, per_req, spec((None, lb), lambda t, h, i: (i, 0))]
+        + layer_specs * layers,
+        out_specs=[layer_specs[4]] * layers,
+        out_shape=[jax.ShapeDtypeStruct((b, hv, dkp, dvp), jnp.float32)] * layers,
+        # In place: each program reads its tile of S before writing the same tile. Inside the
+        # decode loop the old state is dead after the commit, so XLA can write the new state into
+        # the loop-carried buffer instead of a fresh one followed by a copy (the 9B profile shows
+        # one state-sized memcpy per GDN layer per step). Outside a donating jit XLA copies the
+        # input first, as aliasing requires.
+        input_output_aliases={3 + 5 * i + 4: i for i in range(layers)},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="bole_commit_state" if layers == 1 else "bole_commit_states",
+    )(count, accepted, path, *operands)
+    if (dkp, dvp) != (dk, dv):
+        new = [x[:, :, :dk, :dv] for x in new]
+    return tuple(new)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret", "fold"))
@@ -561,60 +590,11 @@ def commit_states_pallas(
     shapes = {(s.shape, f.k.shape, f.u.shape) for s, f in zip(states, factors)}
     if len(shapes) != 1:
         raise ValueError(f"every layer's state and factors must have the same shapes: {shapes}")
-    if fold not in _FOLDS + ("auto",):
-        raise ValueError(f"fold must be 'auto' or one of {_FOLDS}, got {fold!r}")
-    b, n, hk, dk = factors[0].k.shape
-    hv, dv = factors[0].u.shape[2:]
-    ratio = hv // hk
-    dkp, dvp = next_pow2(dk), next_pow2(dv)
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
-    length = path.shape[1]
-    fold, block_v = commit_launch(b, length, fold, block_v)
-    bv = min(block_v, dvp)
-    lb = next_pow2(length) if fold == "dot" else length
-    per_req = pl.BlockSpec((None,), lambda l, t, h, i: (i,))
-    layer_specs = [
-        pl.BlockSpec((None, n, None), lambda l, t, h, i: (i, 0, h)),
-        pl.BlockSpec((None, n, None, dkp), lambda l, t, h, i: (i, 0, h // ratio, 0)),
-        pl.BlockSpec((None, n, None), lambda l, t, h, i: (i, 0, h // ratio)),
-        pl.BlockSpec((None, n, None, bv), lambda l, t, h, i: (i, 0, h, t)),
-        pl.BlockSpec((None, None, dkp, bv), lambda l, t, h, i: (i, h, 0, t)),
-    ]
-    operands = []
-    for s, f in zip(states, factors):
-        operands += [
-            f.gamma.astype(jnp.float32),
-            pad_axis(f.k, 3, dkp),
-            _k_scale(f),
-            pad_axis(f.u, 3, dvp),
-            pad_axis(pad_axis(s.astype(jnp.float32), 2, dkp), 3, dvp),
-        ]
-    layers = len(states)
-    state_spec = layer_specs[4]
-    new = pl.pallas_call(
-        functools.partial(
-            _commit_layers_kernel,
-            layers=layers,
-            fold=fold,
-            length=length,
-            nodes=n,
-            precision=None if interpret else _PRECISIONS["tf32x3"],
-        ),
-        grid=(layers, dvp // bv, hv, b),
-        in_specs=[per_req, per_req, pl.BlockSpec((None, lb), lambda l, t, h, i: (i, 0))]
-        + layer_specs * layers,
-        out_specs=[state_spec] * layers,
-        out_shape=[jax.ShapeDtypeStruct((b, hv, dkp, dvp), jnp.float32)] * layers,
-        # in place, each layer's state into its own output (see `commit_state_pallas`)
-        input_output_aliases={3 + 5 * i + 4: i for i in range(layers)},
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="bole_commit_states",
-    )(count, accepted, path, *operands)
-    if (dkp, dvp) != (dk, dv):
-        new = [x[:, :, :dk, :dv] for x in new]
-    return tuple(new)
+    return _commit_launch_call(
+        states, factors, accepted, path, count, block_v, num_warps, interpret, fold
+    )
 
 
 def commit_states(
