@@ -326,6 +326,7 @@ def _cmd_serve(args) -> int:
             prefill_chunk=args.prefill_chunk,
             prefix_block=args.prefix_block,
             prefix_cache_gb=args.prefix_cache_gb,
+            prefix_checkpoints=args.prefix_checkpoints,
             memory_gb=args.memory_gb,
             limits=limits,
             api_key=args.api_key or os.environ.get("BOLE_JAX_API_KEY"),
@@ -825,8 +826,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-block",
         type=int,
         default=256,
-        help="prefix-cache block in tokens, also the prefill piece: the recurrent state is "
-        "checkpointed after every full block",
+        help="prefix-cache block in tokens, also the prefill piece: the recurrent state can "
+        "be resumed at the end of a block (see --prefix-checkpoints)",
+    )
+    s.add_argument(
+        "--prefix-checkpoints",
+        choices=("sparse", "every"),  # prefix_cache.CHECKPOINT_POLICIES (imports jax)
+        default="sparse",
+        help="which cached blocks keep a recurrent-state checkpoint (on Qwen3.5 models about "
+        "10x a block's KV): 'sparse' (default) at each prompt's last full block and at branch "
+        "points, 'every' at every block (nothing recomputed, the most memory)",
     )
     s.add_argument(
         "--prefix-cache-gb",

@@ -80,7 +80,7 @@ class Metrics:
         self.prefill_tokens = 0  # prompt tokens computed (cached ones excluded)
         self.prefill_pieces = 0  # jitted prefill calls (one block each at most)
         self.prefix_queries = 0  # requests looked up in the prefix cache
-        self.prefix_hits = 0  # ... that found at least one cached block
+        self.prefix_hits = 0  # ... that resumed from at least one cached block
         self.prefix_query_tokens = 0  # prompt tokens of the looked-up requests
         self.prefix_cached_tokens = 0  # ... restored from the cache instead of computed
 
@@ -264,7 +264,7 @@ class EngineCollector:
         metric(
             "bole_prefix_cache_hits_total",
             "counter",
-            "Lookups that found at least one cached block.",
+            "Lookups that resumed from at least one cached block (restored, not recomputed).",
             pc["hits"],
         )
         metric(

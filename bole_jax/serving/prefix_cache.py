@@ -8,8 +8,18 @@ Design
   the hidden state of its last token (the MTP entry of the next position needs it).
 - Why checkpoints. KV is per token: the rows of a block serve any continuation. A GDN layer's state
   sums the whole prefix into one matrix and cannot be rewound, so it can only be resumed where it
-  was saved. The engine therefore prefills in block-aligned pieces and checkpoints after every full
-  block (`take_block`); a request resumes at the end of its longest cached chain of blocks.
+  was saved. The engine therefore prefills in block-aligned pieces (`take_block` after each full
+  block); a request resumes at the deepest checkpoint of its longest cached chain of blocks
+  (`restore_point`) and recomputes the blocks after it.
+- Where checkpoints are kept (`checkpoints`). A checkpoint is far bigger than a block's KV on the
+  real models (Qwen3.5-27B dims, 256-token blocks: 147 MiB of GDN state against 16 MiB of KV), so
+  by default ("sparse") an entry holds one only where a later request can resume: at the last full
+  block of every prompt (the next turn of a conversation extends it) and at a branch point, the end
+  of a matched chain that had none (the second prompt that leaves a shared prefix there recomputes
+  it from the checkpoint before and stores one; a third resumes there). When a checkpoint is stored,
+  the nearest checkpoint above it on the chain is dropped if nothing branches there (that entry has
+  one child): a conversation keeps the checkpoint of its latest turn, not one per turn. "every"
+  keeps a checkpoint in every entry (no recomputation, the most memory).
 - Keys. An entry is found by (parent entry, the block's tokens): a hash chain over token blocks in
   which the dict compares the tokens themselves, so a hit is exact (no collision can alias two
   prefixes).
@@ -48,27 +58,45 @@ class PrefixBlock:
     conv:   per GDN layer [1, K-1, C] model dtype, the conv window at the block's end.
     state:  per GDN layer [1, HV, dk, dv] fp32, the recurrent state at the block's end.
     h_last: [1, H] final-normed hidden state of the block's last token.
+    conv, state and h_last (the checkpoint) are None in an entry that keeps its KV rows only.
     """
 
     attn: tuple
     mtp: tuple | None
-    conv: tuple
-    state: tuple
-    h_last: jax.Array
+    conv: tuple | None
+    state: tuple | None
+    h_last: jax.Array | None
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
+    @property
+    def has_checkpoint(self) -> bool:
+        return self.h_last is not None
 
-def block_bytes(cfg, block_tokens: int, dtype, mtp: bool) -> int:
-    """Bytes of one entry (`PrefixBlock`) for the model `cfg`, on one device under tensor
-    parallelism (KV and GDN checkpoints split over their heads)."""
+    def kv_only(self) -> "PrefixBlock":
+        return dataclasses.replace(self, conv=None, state=None, h_last=None)
+
+    def with_checkpoint(self, other: "PrefixBlock") -> "PrefixBlock":
+        return dataclasses.replace(self, conv=other.conv, state=other.state, h_last=other.h_last)
+
+
+def block_bytes(cfg, block_tokens: int, dtype, mtp: bool, checkpoint: bool = True) -> int:
+    """Bytes of one entry (`PrefixBlock`) for the model `cfg`, with its checkpoint or (checkpoint
+    False) its KV rows only, on one device under tensor parallelism (KV and GDN checkpoints split
+    over their heads)."""
     it = jnp.dtype(dtype).itemsize
     kv_rows = 2 * block_tokens * cfg.num_kv_heads * cfg.head_dim * it
     kv_rows //= parallel.shards(cfg, cfg.num_kv_heads)
     n = len(cfg.attention_layers) * kv_rows + (cfg.mtp_num_layers * kv_rows if mtp else 0)
-    n += (
+    return n + (checkpoint_bytes(cfg, dtype) if checkpoint else 0)
+
+
+def checkpoint_bytes(cfg, dtype) -> int:
+    """Bytes of one checkpoint (every GDN layer's conv window and state, the last hidden state)."""
+    it = jnp.dtype(dtype).itemsize
+    n = (
         len(cfg.gdn_layers)
         * (
             (cfg.conv_kernel - 1) * cfg.conv_dim * it
@@ -79,12 +107,23 @@ def block_bytes(cfg, block_tokens: int, dtype, mtp: bool) -> int:
     return n + cfg.hidden_size * it
 
 
+CHECKPOINT_POLICIES = ("sparse", "every")
+
+
 # ------------------------------------------------------------------ device side (jitted)
-@functools.partial(jax.jit, static_argnames=("size",))
+@functools.partial(jax.jit, static_argnames=("size", "kv", "checkpoint"))
 def take_block(
-    cache: Cache, draft_kv, h_last: jax.Array, start: jax.Array, *, size: int
+    cache: Cache,
+    draft_kv,
+    h_last: jax.Array,
+    start: jax.Array,
+    *,
+    size: int,
+    kv: bool = True,
+    checkpoint: bool = True,
 ) -> PrefixBlock:
-    """Copy rows [start, start + size) of a batch-1 prefill cache and its current checkpoint.
+    """Copy rows [start, start + size) of a batch-1 prefill cache (kv) and its current checkpoint
+    (checkpoint); what is not taken is left empty (() or None).
 
     Call right after the prefill piece that ended at start + size (the checkpoint is the cache's
     committed GDN state now, a pending lazy commit included). h_last [1, H]: that piece's last
@@ -95,11 +134,11 @@ def take_block(
     gdn = [c for c in cache.layers if isinstance(c, GDNCache)]
     mtp = None if draft_kv is None else tuple((rows(c.k), rows(c.v)) for c in draft_kv)
     return PrefixBlock(
-        attn=attn,
-        mtp=mtp,
-        conv=tuple(jnp.copy(c.conv) for c in gdn),
-        state=tuple(jnp.copy(committed_state(c)) for c in gdn),
-        h_last=jnp.copy(h_last),
+        attn=attn if kv else (),
+        mtp=mtp if kv else None,
+        conv=tuple(jnp.copy(c.conv) for c in gdn) if checkpoint else None,
+        state=tuple(jnp.copy(committed_state(c)) for c in gdn) if checkpoint else None,
+        h_last=jnp.copy(h_last) if checkpoint else None,
     )
 
 
@@ -155,10 +194,15 @@ class PrefixCache:
     entries' arrays live on the device). Not thread-safe: the engine thread owns it; `stats()` may
     be read from other threads (it only copies counters)."""
 
-    def __init__(self, block_tokens: int, budget_bytes: int):
+    def __init__(self, block_tokens: int, budget_bytes: int, checkpoints: str = "sparse"):
         if block_tokens < 1:
             raise ValueError(f"--prefix-block must be >= 1 token, got {block_tokens}")
+        if checkpoints not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"--prefix-checkpoints must be one of {CHECKPOINT_POLICIES}, got {checkpoints!r}"
+            )
         self.block_tokens = block_tokens
+        self.checkpoints = checkpoints
         self.budget_bytes = max(int(budget_bytes), 0)
         self.bytes = 0
         self._index: dict[tuple[int, tuple[int, ...]], Entry] = {}  # (parent id or -1, tokens)
@@ -167,6 +211,8 @@ class PrefixCache:
         self.inserted = 0
         self.evicted = 0
         self.rejected = 0  # blocks not stored: no room even after evicting every unpinned leaf
+        self.checkpointed = 0  # entries holding a checkpoint now
+        self.checkpoints_dropped = 0  # checkpoints dropped from an entry that stays (sparse)
 
     @property
     def enabled(self) -> bool:
@@ -194,6 +240,51 @@ class PrefixCache:
         if chain:
             self._touch(chain[-1])
         return chain
+
+    @staticmethod
+    def restore_point(chain: list[Entry]) -> int:
+        """Index in `chain` of the deepest entry holding a checkpoint (-1: none): a request resumes
+        there and recomputes the chain's blocks after it."""
+        return max((i for i, e in enumerate(chain) if e.block.has_checkpoint), default=-1)
+
+    def wants_checkpoint(self, index: int, last: int, branch: int | None) -> bool:
+        """Whether the block `index` of a prompt whose last full block is `last` keeps a checkpoint
+        (see the module docstring); `branch`: the index of its matched chain's end, when that end
+        held no checkpoint."""
+        return self.checkpoints == "every" or index == last or index == branch
+
+    def add_checkpoint(self, entry: Entry, block: PrefixBlock) -> bool:
+        """Attach the checkpoint of `block` to an entry that keeps its KV rows only. False when it
+        does not fit (the entry stays as it was) or the entry was evicted meanwhile."""
+        if self._lru.get(entry.id) is not entry or entry.block.has_checkpoint:
+            return False
+        new = entry.block.with_checkpoint(block)
+        extra = new.nbytes - entry.nbytes
+        if not self._make_room(extra, pinned=entry):
+            self.rejected += 1
+            return False
+        entry.block, entry.nbytes = new, entry.nbytes + extra
+        self.bytes += extra
+        self.checkpointed += 1
+        self._thin(entry)
+        self._touch(entry)
+        return True
+
+    def _thin(self, entry: Entry) -> None:
+        """Sparse: drop the nearest checkpoint above a newly checkpointed entry where nothing
+        branches (its entry has one child, so every prompt through it continues towards `entry`)."""
+        if self.checkpoints != "sparse":
+            return
+        a = entry.parent
+        while a is not None and not a.block.has_checkpoint:
+            a = a.parent
+        if a is not None and a.children == 1:
+            kv = a.block.kv_only()
+            freed = a.nbytes - kv.nbytes
+            a.block, a.nbytes = kv, a.nbytes - freed
+            self.bytes -= freed
+            self.checkpointed -= 1
+            self.checkpoints_dropped += 1
 
     def child(self, parent: Entry | None, tokens: tuple[int, ...]) -> Entry | None:
         """The cached block `tokens` right after `parent` (None: at the start), touched; or None."""
@@ -232,6 +323,9 @@ class PrefixCache:
             self.inserted += 1
             if parent is not None:
                 parent.children += 1
+            if block.has_checkpoint:
+                self.checkpointed += 1
+                self._thin(e)
         self._touch(e)
         return e
 
@@ -239,6 +333,7 @@ class PrefixCache:
         self._index.clear()
         self._lru.clear()
         self.bytes = 0
+        self.checkpointed = 0
 
     def _touch(self, e: Entry | None) -> None:
         while e is not None:  # leaf first: every ancestor ends up more recent than its descendants
@@ -265,4 +360,5 @@ class PrefixCache:
             e.parent.children -= 1
         self.bytes -= e.nbytes
         self.evicted += 1
+        self.checkpointed -= e.block.has_checkpoint
         e.block = None  # drop the device arrays now

@@ -23,11 +23,12 @@ Design
   every iteration still runs a decode segment, so the running rows keep streaming. One request is
   prefilled at a time, oldest first, and only while a slot is free (FIFO: nothing overtakes, and
   each iteration advances the head request, so nothing starves).
-- Prefix cache (`prefix_cache.py`). After every full block the job stores the block's KV rows and
-  the recurrent-state checkpoint at its end (GDN conv + state, and the MTP rows and last hidden
-  state in the spec modes); a new request restores the longest cached chain of its blocks and
-  prefills only the rest. GDN layers cannot resume anywhere else: that is why pieces are
-  block-aligned. LRU eviction under a byte budget.
+- Prefix cache (`prefix_cache.py`). After every full block the job stores the block's KV rows (and
+  the MTP rows in the spec modes), and where a later request can resume (the prompt's last full
+  block, a branch point; every block with `prefix_checkpoints="every"`) the recurrent-state
+  checkpoint at its end (GDN conv + state, last hidden state); a new request restores its longest
+  cached chain up to the deepest checkpoint on it and prefills only the rest. GDN layers cannot
+  resume anywhere else: that is why pieces are block-aligned. LRU eviction under a byte budget.
 - Insertion. When the last piece is done, `LLM.state_after_prefill` samples the first token with
   the request's own key and the row is written into the lowest free slot by `insert_slot` (jitted,
   state donated):
@@ -55,8 +56,6 @@ to `sampling.sample` and the acceptance).
 Not done yet:
 - batched prefill of several new requests in one call, or a prefill piece fused into the decode
   step (a piece now runs between segments, so it still adds its time to the running rows' TPOT);
-- checkpoints only where they pay off (branch points, prompt ends): a GDN checkpoint is much bigger
-  than a block's KV on the real models, and every full block stores one.
 """
 
 from __future__ import annotations
@@ -196,6 +195,8 @@ class PrefillJob:
     parent:  the prefix-cache entry of the block ending at `pos` (the next full block is stored
              under it), None at the start of the prompt.
     chained: False once a block could not be stored (budget): later blocks would be unreachable.
+    branch:  index of the block ending the prompt's matched chain when that block held no
+             checkpoint (it is recomputed, and given one), else None.
     """
 
     req: Request
@@ -205,6 +206,7 @@ class PrefillJob:
     pos: int = 0
     parent: Entry | None = None
     chained: bool = True
+    branch: int | None = None
 
 
 class Scheduler:
@@ -230,6 +232,8 @@ class Scheduler:
         the recurrent state is taken after every full block).
       prefix_cache_gb: prefix cache budget in GiB (0 = off; default: the memory the slots leave, see
         `plan_memory`).
+      prefix_checkpoints: which prefix-cache entries keep a recurrent-state checkpoint: "sparse"
+        (prompt ends and branch points) or "every" block (prefix_cache.py).
       memory_gb: cap in GiB on what slots + prefix cache may use (default: no cap beyond the free
         device memory).
       memory_fraction: share of the free device memory the slots and the prefix cache may use.
@@ -256,6 +260,7 @@ class Scheduler:
         prefill_chunk: int = 1024,
         prefix_block: int = 256,
         prefix_cache_gb: float | None = None,
+        prefix_checkpoints: str = "sparse",
         memory_gb: float | None = None,
         memory_fraction: float = 0.9,
         max_waiting: int = 4096,
@@ -360,7 +365,8 @@ class Scheduler:
         self.step_memory: dict | None = None  # the compiled segment's temporaries, once known
         self.slot_bytes, self.memory = mine.slot_bytes, mine.plan
         self.num_slots, self.device_memory = self.memory.num_slots, self.memory.device_stats
-        self.prefix = PrefixCache(prefix_block, self.memory.prefix_bytes)
+        self.prefix_checkpoints = prefix_checkpoints
+        self.prefix = self._new_prefix_cache(self.memory.prefix_bytes)
         entry = block_bytes(cfg, prefix_block, self.dtype, mtp=self.spec is not None)
         if self.prefix.enabled and prefix_block > self.max_context - 2:
             log.warning(
@@ -557,16 +563,18 @@ class Scheduler:
         self._ensure_state()
         longest = self.max_context - 1  # the longest prompt (max_tokens >= 1)
         lengths = sorted({min(t, longest) for t in self._piece_sizes()})
-        if (
-            self.prefix_block < longest
-        ):  # a full block and a partial piece, twice: checkpoint, restore
-            lengths += [self.prefix_block + 1] * 2
+        p = self.prefix_block
+        prompts = [[1] * n for n in lengths]
+        if p < longest:  # a full block and a partial piece, twice: checkpoint, restore
+            prompts += [[1] * (p + 1)] * 2
+        if 2 * p < longest:  # a block kept without its checkpoint, then one given it (a branch)
+            prompts += [[3] * (2 * p + 1), [3] * p + [4] * (p + 1)]
         row = None
-        for n in lengths:
+        for ids in prompts:
             row, _ = self._prefill_now(
-                Request([1] * n, RequestParams(max_tokens=1), None, internal=True)
+                Request(ids, RequestParams(max_tokens=1), None, internal=True)
             )
-        self.prefix = PrefixCache(self.prefix_block, self.prefix.budget_bytes)  # forget the dummies
+        self.prefix = self._new_prefix_cache(self.prefix.budget_bytes)  # forget the dummies
         width = self.segment_steps * self.tokens_per_step
         spans, rows = self._spans(), self._group_rows()
         for g in [0] if rows[-1] == rows[0] else [0, len(rows) - 1]:  # each group shape once
@@ -764,7 +772,7 @@ class Scheduler:
         self.slot_bytes, self.memory = parts, plan
         old = self.plans[self.mode]
         self.plans[self.mode] = dataclasses.replace(old, slot_bytes=parts, plan=plan)
-        self.prefix = PrefixCache(self.prefix_block, plan.prefix_bytes)
+        self.prefix = self._new_prefix_cache(plan.prefix_bytes)
         if plan.num_slots < before:
             log.warning(
                 "the compiled decode step needs %.1f MiB of temporaries at %d slots (estimate %.1f "
@@ -807,6 +815,9 @@ class Scheduler:
             }
         )
 
+    def _new_prefix_cache(self, budget_bytes: int) -> PrefixCache:
+        return PrefixCache(self.prefix_block, budget_bytes, self.prefix_checkpoints)
+
     def _new_job(self, req: Request) -> "PrefillJob":
         """Start prefilling `req`: fresh batch-1 caches of the slots' capacity, then the longest
         cached prefix restored into them (KV rows of every block, the checkpoint of the last)."""
@@ -817,18 +828,20 @@ class Scheduler:
         if not self.prefix.enabled:
             return job
         chain = self.prefix.match(req.prompt_ids)
-        p = self.prefix_block
-        for i, e in enumerate(chain):
+        p, k = self.prefix_block, self.prefix.restore_point(chain)
+        for i, e in enumerate(chain[: k + 1]):
             job.cache, job.draft_kv = restore_kv(job.cache, job.draft_kv, e.block, jnp.int32(i * p))
-        if chain:
-            job.cache = restore_checkpoint(job.cache, chain[-1].block, jnp.int32(len(chain) * p))
-            job.h_last = chain[-1].block.h_last  # never donated (prefill_chunk reads it)
-            job.pos, job.parent = len(chain) * p, chain[-1]
+        if k >= 0:
+            job.cache = restore_checkpoint(job.cache, chain[k].block, jnp.int32((k + 1) * p))
+            job.h_last = chain[k].block.h_last  # never donated (prefill_chunk reads it)
+            job.pos, job.parent = (k + 1) * p, chain[k]
+        if k < len(chain) - 1:  # the blocks after the checkpoint are recomputed
+            job.branch = len(chain) - 1
         req.cached_tokens = req.prefilled = job.pos
         if not req.internal:
             with self.metrics.lock:
                 self.metrics.prefix_queries += 1
-                self.metrics.prefix_hits += bool(chain)
+                self.metrics.prefix_hits += job.pos > 0
                 self.metrics.prefix_query_tokens += len(req.prompt_ids)
                 self.metrics.prefix_cached_tokens += job.pos
         return job
@@ -853,10 +866,14 @@ class Scheduler:
         job.pos = job.req.prefilled = start + w
         if w == p and job.chained and self.prefix.enabled:
             toks = tuple(ids[start : start + p])
+            want = self.prefix.wants_checkpoint(start // p, len(ids) // p - 1, job.branch)
             entry = self.prefix.child(job.parent, toks)
+            take = functools.partial(take_block, job.cache, job.draft_kv, job.h_last)
             if entry is None:
-                block = take_block(job.cache, job.draft_kv, job.h_last, jnp.int32(start), size=p)
+                block = take(jnp.int32(start), size=p, checkpoint=want)
                 entry = self.prefix.insert(job.parent, toks, block)
+            elif want and not entry.block.has_checkpoint:
+                self.prefix.add_checkpoint(entry, take(jnp.int32(start), size=p, kv=False))
             job.parent, job.chained = (
                 entry,
                 entry is not None,
@@ -1121,6 +1138,9 @@ class Scheduler:
                 inserted=pc.inserted,
                 evicted=pc.evicted,
                 rejected=pc.rejected,
+                checkpoints=pc.checkpoints,
+                checkpointed=pc.checkpointed,
+                checkpoints_dropped=pc.checkpoints_dropped,
                 queries=m.prefix_queries,
                 hits=m.prefix_hits,
                 misses=m.prefix_queries - m.prefix_hits,

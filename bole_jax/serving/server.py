@@ -1178,6 +1178,7 @@ def build_server(
     prefill_chunk: int = 1024,
     prefix_block: int = 256,
     prefix_cache_gb: float | None = None,
+    prefix_checkpoints: str = "sparse",
     memory_gb: float | None = None,
     limits: Limits | None = None,
     api_key: str | None = None,
@@ -1205,6 +1206,7 @@ def build_server(
         prefill_chunk=prefill_chunk,
         prefix_block=prefix_block,
         prefix_cache_gb=prefix_cache_gb,
+        prefix_checkpoints=prefix_checkpoints,
         memory_gb=memory_gb,
         max_logprobs=max_logprobs,
         slot_group=slot_group,
@@ -1300,7 +1302,8 @@ def serve(model: str | None = None, **kwargs) -> None:
     s = server.scheduler
     pc = s.prefix
     prefix = (
-        f"prefix cache {pc.budget_bytes / 2**30:.2f} GiB in {pc.block_tokens}-token blocks"
+        f"prefix cache {pc.budget_bytes / 2**30:.2f} GiB in {pc.block_tokens}-token blocks "
+        f"({pc.checkpoints} checkpoints)"
         if pc.enabled
         else "prefix cache off"
     )

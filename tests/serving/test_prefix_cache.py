@@ -44,7 +44,7 @@ def _store(pc: PrefixCache, tokens: list[int]) -> list:
 
 
 def test_longest_chain_leaves_one_token_to_prefill():
-    pc = PrefixCache(P, 10_000)
+    pc = PrefixCache(P, 10_000, "every")
     a = list(range(1, 13))  # 3 full blocks
     assert _store(pc, a) == [] and len(pc) == 3
     assert len(pc.match(a)) == 2  # 12 tokens: the last block would leave nothing to prefill
@@ -55,7 +55,7 @@ def test_longest_chain_leaves_one_token_to_prefill():
 
 
 def test_lru_evicts_leaves_and_never_the_chain_being_extended():
-    pc = PrefixCache(P, 3 * 400)  # three blocks
+    pc = PrefixCache(P, 3 * 400, "every")  # three blocks
     a, b = list(range(1, 14)), list(range(100, 113))
     _store(pc, a)  # a1 a2 a3
     assert len(pc) == 3 and pc.bytes == 1200
@@ -63,7 +63,7 @@ def test_lru_evicts_leaves_and_never_the_chain_being_extended():
     assert pc.evicted == 2 and len(pc) == 3
     assert len(pc.match(a)) == 1 and len(pc.match(b[:9])) == 2
     # A chain that does not fit: its own parent is pinned, so the last block is rejected.
-    small = PrefixCache(P, 2 * 400)
+    small = PrefixCache(P, 2 * 400, "every")
     _store(small, a)
     assert len(small) == 2 and small.rejected == 1 and len(small.match(a)) == 2
     # Touching a chain protects it: after matching b, a1 is the least recent leaf.
@@ -79,6 +79,81 @@ def test_disabled_and_oversized():
     assert pc.insert(None, (1, 2, 3, 4), _block(400)) is None and pc.rejected == 1 and len(pc) == 0
     with pytest.raises(ValueError, match="--prefix-block"):
         PrefixCache(0, 100)
+    with pytest.raises(ValueError, match="--prefix-checkpoints"):
+        PrefixCache(P, 100, "some")
+
+
+KV, CK = 128, 300  # bytes of a block's KV rows and of a checkpoint in the sparse tests
+
+
+def _kv_block(checkpoint: bool) -> PrefixBlock:
+    h = jnp.zeros((CK // 4,), jnp.float32) if checkpoint else None
+    attn = ((jnp.zeros((KV // 8,), jnp.float32), jnp.zeros((KV // 8,), jnp.float32)),)
+    return PrefixBlock(attn=attn, mtp=None, conv=None if h is None else (), state=None, h_last=h)
+
+
+def _prefill(pc: PrefixCache, tokens: list[int]) -> int:
+    """The engine's prefill of `tokens` (scheduler._new_job, _prefill_piece) on fake blocks:
+    resume at the chain's deepest checkpoint, store every full block, checkpoints where the policy
+    wants them. Returns the tokens resumed (not recomputed)."""
+    chain = pc.match(tokens)
+    k = pc.restore_point(chain)
+    branch = len(chain) - 1 if k < len(chain) - 1 else None
+    parent = chain[k] if k >= 0 else None
+    for start in range((k + 1) * P, len(tokens) - P + 1, P):
+        blk = tuple(tokens[start : start + P])
+        want = pc.wants_checkpoint(start // P, len(tokens) // P - 1, branch)
+        e = pc.child(parent, blk)
+        if e is None:
+            e = pc.insert(parent, blk, _kv_block(want))
+        elif want and not e.block.has_checkpoint:
+            pc.add_checkpoint(e, _kv_block(True))
+        if e is None:
+            break
+        parent = e
+    return (k + 1) * P
+
+
+def _checkpointed(pc: PrefixCache, tokens: list[int]) -> list[bool]:
+    return [e.block.has_checkpoint for e in pc.match(tokens + [0])]
+
+
+def test_sparse_checkpoints_at_prompt_ends_and_branch_points():
+    pc = PrefixCache(P, 100_000)
+    a = list(range(1, 15))  # 3 full blocks + 2 tokens
+    assert _prefill(pc, a) == 0
+    assert _checkpointed(pc, a) == [False, False, True]  # the prompt's last full block only
+    assert pc.bytes == 3 * KV + CK and pc.checkpointed == 1
+    # The next turn extends the prompt: resumes at its end, and the old end's checkpoint goes
+    # (nothing branches there).
+    a2 = a + list(range(50, 60))  # 6 full blocks
+    assert _prefill(pc, a2) == 3 * P
+    assert _checkpointed(pc, a2) == [False] * 5 + [True]
+    assert pc.bytes == 6 * KV + CK and pc.checkpoints_dropped == 1
+    # A prompt leaving the chain after 2 blocks: nothing to resume from; its branch point and its
+    # own end get checkpoints, and the branch point stays (two children).
+    b = a[:8] + list(range(70, 80))
+    assert _prefill(pc, b) == 0
+    assert _checkpointed(pc, b) == [False, True, False, True]
+    assert _checkpointed(pc, a2) == [False, True, False, False, False, True]
+    assert pc.checkpointed == 3 and pc.bytes == 8 * KV + 3 * CK
+    # A third prompt through the branch point resumes there.
+    c = a[:8] + list(range(90, 95))
+    assert _prefill(pc, c) == 2 * P
+    assert pc.bytes == len(pc) * KV + pc.checkpointed * CK
+
+
+def test_every_block_checkpointed_and_eviction_of_sparse_entries():
+    every = PrefixCache(P, 100_000, "every")
+    a = list(range(1, 15))
+    assert _prefill(every, a) == 0 and _checkpointed(every, a) == [True] * 3
+    assert _prefill(every, a[:8] + [99] * 5) == 2 * P  # any block boundary resumes
+    # Sparse entries under a budget: the bytes held never pass it; leaves go first.
+    pc = PrefixCache(P, 4 * KV + CK)
+    _prefill(pc, a)  # 3 KV + 1 checkpoint
+    _prefill(pc, list(range(200, 210)))  # 2 blocks + checkpoint: a's leaf is evicted
+    assert pc.bytes <= pc.budget_bytes and pc.evicted >= 1
+    assert pc.bytes == len(pc) * KV + pc.checkpointed * CK
 
 
 def test_take_and_restore_round_trip():

@@ -19,7 +19,7 @@ import pytest
 from bole_jax import LLM
 from bole_jax.serving import cli
 from bole_jax.serving.memory import plan_memory, plan_slots, slot_bytes
-from bole_jax.serving.prefix_cache import block_bytes
+from bole_jax.serving.prefix_cache import block_bytes, checkpoint_bytes
 from bole_jax.serving.requests import RequestParams
 from bole_jax.serving.scheduler import Scheduler
 from bole_jax.serving.server import ChatTemplate, OpenAIServer, build_server
@@ -37,6 +37,7 @@ _PREFIX = _ids(40)  # 2.5 blocks shared by SHARED
 SHARED = [_PREFIX + _ids(6), _PREFIX + _ids(10)]  # 46 and 50 tokens
 OTHER = _ids(46)  # 2 full blocks of its own
 LONG = _ids(100)  # 7 prefill pieces
+BRANCHES = [LONG[:64] + _ids(20), LONG[:64] + _ids(20)]  # leave LONG after 4 blocks
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,12 @@ def chat_ids(model_dir, llm):
 
 @pytest.fixture(scope="module")
 def reference(llm, chat_ids):
-    """LLM.generate's greedy outputs for PROMPTS, the chat prompt, SHARED, OTHER and LONG (one
-    batch: one compile)."""
+    """LLM.generate's greedy outputs for PROMPTS, the chat prompt, SHARED, OTHER, LONG and
+    BRANCHES (one batch: one compile)."""
     return llm.generate(
-        PROMPTS + [chat_ids] + SHARED + [OTHER, LONG], max_new_tokens=MAX_TOKENS, spec="ar"
+        PROMPTS + [chat_ids] + SHARED + [OTHER, LONG] + BRANCHES,
+        max_new_tokens=MAX_TOKENS,
+        spec="ar",
     )
 
 
@@ -261,7 +264,8 @@ def _metric(text, name):
 
 
 def test_prefix_cache_hits_match_generate(server, reference):
-    """Prompts sharing 2.5 blocks: later ones resume from the cached checkpoint, same greedy text."""
+    """Prompts sharing 2.5 blocks: later ones resume from a cached checkpoint, same greedy text
+    (sparse checkpoints, the default)."""
     _, before = _request(server, "GET", "/metrics")
     cached = []
     for ids in (SHARED[0], SHARED[1], SHARED[1], SHARED[0]):
@@ -270,9 +274,11 @@ def test_prefix_cache_hits_match_generate(server, reference):
         assert status == 200, out
         assert out["choices"][0]["text"] == _ref(reference, ids).text
         cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
-    # SHARED[0] stores blocks 0-1; SHARED[1] resumes after them and stores its block 2 (its own
-    # tokens 32-47); again: 3 blocks; SHARED[0] again: its 46 tokens reuse the 2 shared blocks.
-    assert cached == [0, 2 * BLOCK, 3 * BLOCK, 2 * BLOCK]
+    # SHARED[0] stores blocks 0-1, the checkpoint at its last full block (1); SHARED[1] resumes
+    # there and stores its block 2 (its own tokens 32-47) with the checkpoint, dropping block 1's
+    # (one child: nothing branches there); again: 3 blocks; SHARED[0] again recomputes its 2
+    # blocks from the start and gives block 1 its checkpoint back.
+    assert cached == [0, 2 * BLOCK, 3 * BLOCK, 0]
     chunks = _stream(
         server,
         "/v1/completions",
@@ -288,8 +294,8 @@ def test_prefix_cache_hits_match_generate(server, reference):
     _, after = _request(server, "GET", "/metrics")
     delta = lambda name: _metric(after, name) - _metric(before, name)
     assert delta("bole_prefix_cache_queries_total") == 5
-    assert delta("bole_prefix_cache_hits_total") == 4
-    assert delta("bole_prefix_cache_cached_tokens_total") == 10 * BLOCK
+    assert delta("bole_prefix_cache_hits_total") == 3
+    assert delta("bole_prefix_cache_cached_tokens_total") == 8 * BLOCK
     assert delta("bole_prefix_cache_query_tokens_total") == 2 * 46 + 3 * 50
     assert 0 < _metric(after, "bole_prefix_cache_hit_rate") <= 1
     assert 0 < _metric(after, "bole_prefix_cache_cached_token_fraction") < 1
@@ -365,7 +371,11 @@ def test_prefix_cache_eviction_recomputes(stepped, reference, llm):
     """A budget of two blocks: a chain that does not fit stops storing; another prompt's blocks
     evict the least recent leaves; the evicted prefix is recomputed with the same output."""
     per_block = block_bytes(llm.cfg, BLOCK, llm.params["embed"].dtype, mtp=False)
-    sched = stepped(prefix_cache_gb=2.5 * per_block / 2**30, prefill_chunk=4 * BLOCK)
+    sched = stepped(
+        prefix_cache_gb=2.5 * per_block / 2**30,
+        prefill_chunk=4 * BLOCK,
+        prefix_checkpoints="every",
+    )
     outs = [_run(sched, ids) for ids in (SHARED[0], SHARED[1], OTHER, SHARED[1], SHARED[0])]
     for r in outs:
         assert r.token_ids == _ref(reference, r.prompt_ids).token_ids
@@ -376,6 +386,25 @@ def test_prefix_cache_eviction_recomputes(stepped, reference, llm):
     # SHARED[1] then OTHER's two.
     assert pc["rejected"] >= 1 and pc["evicted"] == 4
     assert pc["hits"] == 2 and pc["misses"] == 3
+
+
+def test_sparse_checkpoints_resume_at_branch_points(stepped, reference, llm):
+    """Sparse checkpoints: LONG keeps one at its last full block; the first prompt leaving it after
+    4 blocks recomputes them and checkpoints the branch point, the second resumes there; the bytes
+    held are the entries' KV plus the checkpoints kept; every output equals LLM.generate's."""
+    sched = stepped(prefill_chunk=4 * BLOCK)
+    outs = [_run(sched, ids) for ids in (LONG, BRANCHES[0], BRANCHES[1], LONG)]
+    for r in outs:
+        assert r.token_ids == _ref(reference, r.prompt_ids).token_ids
+    assert [r.cached_tokens for r in outs] == [0, 0, 4 * BLOCK, 6 * BLOCK]
+    pc = sched.stats()["prefix_cache"]
+    assert pc["checkpoints"] == "sparse"
+    # LONG's 6 blocks, each branch's 5th: checkpoints at LONG's end, the branch point, each branch's end.
+    assert pc["entries"] == 8 and pc["checkpointed"] == 4 and pc["checkpoints_dropped"] == 0
+    dt = llm.params["embed"].dtype
+    kv = block_bytes(llm.cfg, BLOCK, dt, mtp=False, checkpoint=False)
+    assert pc["bytes"] == 8 * kv + 4 * checkpoint_bytes(llm.cfg, dt)
+    assert pc["hits"] == 2 and pc["cached_tokens"] == 10 * BLOCK
 
 
 def test_memory_gb_caps_slots_and_prefix_cache(llm):
