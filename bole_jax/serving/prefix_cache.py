@@ -10,7 +10,7 @@ Design
   sums the whole prefix into one matrix and cannot be rewound, so it can only be resumed where it
   was saved. The engine therefore prefills in block-aligned pieces (`take_block` after each full
   block); a request resumes at the deepest checkpoint of its longest cached chain of blocks
-  (`restore_point`) and recomputes the blocks after it.
+  (`resume`) and recomputes the blocks after it; `store` keeps each block it prefills.
 - Where checkpoints are kept (`checkpoints`). A checkpoint is far bigger than a block's KV on the
   real models (Qwen3.5-27B dims, 256-token blocks: 147 MiB of GDN state against 16 MiB of KV), so
   by default ("sparse") an entry holds one only where a later request can resume: at the last full
@@ -39,7 +39,7 @@ import collections
 import dataclasses
 import functools
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -241,19 +241,39 @@ class PrefixCache:
             self._touch(chain[-1])
         return chain
 
-    @staticmethod
-    def restore_point(chain: list[Entry]) -> int:
-        """Index in `chain` of the deepest entry holding a checkpoint (-1: none): a request resumes
-        there and recomputes the chain's blocks after it."""
-        return max((i for i, e in enumerate(chain) if e.block.has_checkpoint), default=-1)
+    def resume(self, tokens: Sequence[int]) -> tuple[list[Entry], int | None]:
+        """Where a prompt resumes: (its chain up to and including the deepest checkpoint on its
+        longest cached chain, to restore; the index of that longest chain's last block when it is
+        recomputed because it held no checkpoint, else None: `store` gives it one)."""
+        chain = self.match(tokens)
+        k = max((i for i, e in enumerate(chain) if e.block.has_checkpoint), default=-1)
+        return chain[: k + 1], (len(chain) - 1 if k < len(chain) - 1 else None)
 
-    def wants_checkpoint(self, index: int, last: int, branch: int | None) -> bool:
-        """Whether the block `index` of a prompt whose last full block is `last` keeps a checkpoint
-        (see the module docstring); `branch`: the index of its matched chain's end, when that end
-        held no checkpoint."""
-        return self.checkpoints == "every" or index == last or index == branch
+    def store(
+        self,
+        parent: Entry | None,
+        tokens: Sequence[int],
+        start: int,
+        branch: int | None,
+        take: Callable[..., PrefixBlock],
+    ) -> Entry | None:
+        """After prefilling the full block tokens[start : start + P] of a prompt whose chain so
+        far ends at `parent`: find or insert its entry, with a checkpoint where the policy keeps
+        one (every block; else the prompt's last full block and `branch`, from `resume`).
+        take(kv=..., checkpoint=...) copies that much of the block from the prefill cache. Returns
+        the entry, or None when it could not be stored (the prompt stores no further block)."""
+        p = self.block_tokens
+        index = start // p
+        want = self.checkpoints == "every" or index in (len(tokens) // p - 1, branch)
+        blk = tuple(tokens[start : start + p])
+        entry = self.child(parent, blk)
+        if entry is None:
+            return self.insert(parent, blk, take(kv=True, checkpoint=want))
+        if want and not entry.block.has_checkpoint:
+            self._add_checkpoint(entry, take(kv=False, checkpoint=True))
+        return entry
 
-    def add_checkpoint(self, entry: Entry, block: PrefixBlock) -> bool:
+    def _add_checkpoint(self, entry: Entry, block: PrefixBlock) -> bool:
         """Attach the checkpoint of `block` to an entry that keeps its KV rows only. False when it
         does not fit (the entry stays as it was) or the entry was evicted meanwhile."""
         if self._lru.get(entry.id) is not entry or entry.block.has_checkpoint:

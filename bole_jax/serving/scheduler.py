@@ -827,16 +827,14 @@ class Scheduler:
         job = PrefillJob(req, cache, draft_kv, jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype))
         if not self.prefix.enabled:
             return job
-        chain = self.prefix.match(req.prompt_ids)
-        p, k = self.prefix_block, self.prefix.restore_point(chain)
-        for i, e in enumerate(chain[: k + 1]):
+        chain, job.branch = self.prefix.resume(req.prompt_ids)
+        p = self.prefix_block
+        for i, e in enumerate(chain):
             job.cache, job.draft_kv = restore_kv(job.cache, job.draft_kv, e.block, jnp.int32(i * p))
-        if k >= 0:
-            job.cache = restore_checkpoint(job.cache, chain[k].block, jnp.int32((k + 1) * p))
-            job.h_last = chain[k].block.h_last  # never donated (prefill_chunk reads it)
-            job.pos, job.parent = (k + 1) * p, chain[k]
-        if k < len(chain) - 1:  # the blocks after the checkpoint are recomputed
-            job.branch = len(chain) - 1
+        if chain:
+            job.cache = restore_checkpoint(job.cache, chain[-1].block, jnp.int32(len(chain) * p))
+            job.h_last = chain[-1].block.h_last  # never donated (prefill_chunk reads it)
+            job.pos, job.parent = len(chain) * p, chain[-1]
         req.cached_tokens = req.prefilled = job.pos
         if not req.internal:
             with self.metrics.lock:
@@ -865,15 +863,10 @@ class Scheduler:
         )
         job.pos = job.req.prefilled = start + w
         if w == p and job.chained and self.prefix.enabled:
-            toks = tuple(ids[start : start + p])
-            want = self.prefix.wants_checkpoint(start // p, len(ids) // p - 1, job.branch)
-            entry = self.prefix.child(job.parent, toks)
-            take = functools.partial(take_block, job.cache, job.draft_kv, job.h_last)
-            if entry is None:
-                block = take(jnp.int32(start), size=p, checkpoint=want)
-                entry = self.prefix.insert(job.parent, toks, block)
-            elif want and not entry.block.has_checkpoint:
-                self.prefix.add_checkpoint(entry, take(jnp.int32(start), size=p, kv=False))
+            take = functools.partial(
+                take_block, job.cache, job.draft_kv, job.h_last, jnp.int32(start), size=p
+            )
+            entry = self.prefix.store(job.parent, ids, start, job.branch, take)
             job.parent, job.chained = (
                 entry,
                 entry is not None,

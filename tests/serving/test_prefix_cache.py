@@ -93,25 +93,17 @@ def _kv_block(checkpoint: bool) -> PrefixBlock:
 
 
 def _prefill(pc: PrefixCache, tokens: list[int]) -> int:
-    """The engine's prefill of `tokens` (scheduler._new_job, _prefill_piece) on fake blocks:
-    resume at the chain's deepest checkpoint, store every full block, checkpoints where the policy
-    wants them. Returns the tokens resumed (not recomputed)."""
-    chain = pc.match(tokens)
-    k = pc.restore_point(chain)
-    branch = len(chain) - 1 if k < len(chain) - 1 else None
-    parent = chain[k] if k >= 0 else None
-    for start in range((k + 1) * P, len(tokens) - P + 1, P):
-        blk = tuple(tokens[start : start + P])
-        want = pc.wants_checkpoint(start // P, len(tokens) // P - 1, branch)
-        e = pc.child(parent, blk)
-        if e is None:
-            e = pc.insert(parent, blk, _kv_block(want))
-        elif want and not e.block.has_checkpoint:
-            pc.add_checkpoint(e, _kv_block(True))
-        if e is None:
+    """The engine's prefill of `tokens` (scheduler._new_job, _prefill_piece) on fake blocks.
+    Returns the tokens resumed (not recomputed)."""
+    chain, branch = pc.resume(tokens)
+    parent = chain[-1] if chain else None
+    for start in range(len(chain) * P, len(tokens) - P + 1, P):
+        parent = pc.store(
+            parent, tokens, start, branch, lambda kv, checkpoint: _kv_block(checkpoint)
+        )
+        if parent is None:
             break
-        parent = e
-    return (k + 1) * P
+    return len(chain) * P
 
 
 def _checkpointed(pc: PrefixCache, tokens: list[int]) -> list[bool]:
