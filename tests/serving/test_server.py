@@ -38,6 +38,7 @@ SHARED = [_PREFIX + _ids(6), _PREFIX + _ids(10)]  # 46 and 50 tokens
 OTHER = _ids(46)  # 2 full blocks of its own
 LONG = _ids(100)  # 7 prefill pieces
 BRANCHES = [LONG[:64] + _ids(20), LONG[:64] + _ids(20)]  # leave LONG after 4 blocks
+FORKS = [_PREFIX[:16] + _ids(30), _PREFIX[:16] + _ids(30)]  # leave SHARED after 1 block
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,10 @@ def chat_ids(model_dir, llm):
 
 @pytest.fixture(scope="module")
 def reference(llm, chat_ids):
-    """LLM.generate's greedy outputs for PROMPTS, the chat prompt, SHARED, OTHER, LONG and
-    BRANCHES (one batch: one compile)."""
+    """LLM.generate's greedy outputs for PROMPTS, the chat prompt, SHARED, OTHER, LONG, BRANCHES
+    and FORKS (one batch: one compile)."""
     return llm.generate(
-        PROMPTS + [chat_ids] + SHARED + [OTHER, LONG] + BRANCHES,
+        PROMPTS + [chat_ids] + SHARED + [OTHER, LONG] + BRANCHES + FORKS,
         max_new_tokens=MAX_TOKENS,
         spec="ar",
     )
@@ -820,10 +821,11 @@ def test_bole_server_greedy_matches_generate(model_dir, reference, server):
             t.join(120)
         for i, ref in enumerate(reference[:3]):
             assert "".join(c["choices"][0]["text"] for c in outs[i][:-1]) == ref.text
-        # The prefix cache in a spec mode: the checkpoints also hold the drafter's (MTP) KV rows and
-        # the hidden state its next entry needs.
+        # The prefix cache in a spec mode: the entries also hold the drafter's (MTP) KV rows, the
+        # checkpoints the hidden state its next entry needs. FORKS leave the chain after block 0,
+        # which holds no checkpoint: the first recomputes it and gives it one, the second resumes.
         cached = []
-        for ids in (SHARED[0], SHARED[1], SHARED[1]):
+        for ids in (SHARED[0], SHARED[1], SHARED[1], FORKS[0], FORKS[1]):
             status, out = _request(
                 srv,
                 "POST",
@@ -832,7 +834,7 @@ def test_bole_server_greedy_matches_generate(model_dir, reference, server):
             )
             assert status == 200 and out["choices"][0]["text"] == _ref(reference, ids).text
             cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
-        assert cached == [0, 2 * BLOCK, 3 * BLOCK]
+        assert cached == [0, 2 * BLOCK, 3 * BLOCK, 0, BLOCK]
         s = sched.stats()
         assert s["mode"] == "bole" and s["slot_steps"] > 0 and s["mean_tokens_per_step"] >= 1.0
         assert s["slot_bytes"]["drafter"] > 0
