@@ -252,8 +252,20 @@ class EngineCollector:
         metric(
             "bole_prefix_cache_entries",
             "gauge",
-            "Cached blocks (KV rows + state checkpoint).",
+            "Cached blocks (KV rows, and a state checkpoint where one is kept).",
             pc["entries"],
+        )
+        metric(
+            "bole_prefix_cache_checkpoints",
+            "gauge",
+            "Cached blocks holding a recurrent-state checkpoint (--prefix-checkpoints).",
+            pc["checkpointed"],
+        )
+        metric(
+            "bole_prefix_cache_checkpoints_dropped_total",
+            "counter",
+            "Checkpoints dropped from a block that stays (sparse: a later one on its chain).",
+            pc["checkpoints_dropped"],
         )
         metric(
             "bole_prefix_cache_queries_total",
@@ -268,7 +280,10 @@ class EngineCollector:
             pc["hits"],
         )
         metric(
-            "bole_prefix_cache_misses_total", "counter", "Lookups that found nothing.", pc["misses"]
+            "bole_prefix_cache_misses_total",
+            "counter",
+            "Lookups that resumed from nothing.",
+            pc["misses"],
         )
         metric(
             "bole_prefix_cache_query_tokens_total",

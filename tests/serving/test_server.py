@@ -296,6 +296,10 @@ def test_prefix_cache_hits_match_generate(server, reference):
     delta = lambda name: _metric(after, name) - _metric(before, name)
     assert delta("bole_prefix_cache_queries_total") == 5
     assert delta("bole_prefix_cache_hits_total") == 3
+    assert delta("bole_prefix_cache_checkpoints_dropped_total") == 1  # block 1's, by SHARED[1]
+    assert _metric(after, "bole_prefix_cache_checkpoints") <= _metric(
+        after, "bole_prefix_cache_entries"
+    )
     assert delta("bole_prefix_cache_cached_tokens_total") == 8 * BLOCK
     assert delta("bole_prefix_cache_query_tokens_total") == 2 * 46 + 3 * 50
     assert 0 < _metric(after, "bole_prefix_cache_hit_rate") <= 1
