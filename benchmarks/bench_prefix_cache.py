@@ -8,8 +8,8 @@ use and Spec-Bench two-turn chats; the system prompt with its tool descriptions 
 bench_online renders it) are turned into the token ids of every call, with the demo model's
 tokenizer and chat template, as `bole-jax serve --preset` sees them (an answer without a recorded
 one is a fixed pseudo-random text of --max-tokens tokens). The calls then go through the server's
-prefix-cache index (`serving/prefix_cache.py`: the same `resume` / `store` the scheduler calls) with
-entries of the preset's real sizes (its attention and MTP KV per block, its GDN checkpoint) under a
+prefix-cache index (`serving/prefix_cache.py`: `store_prompt`, over the `resume` / `store` the
+scheduler calls) with entries of the preset's real sizes (its attention and MTP KV per block, its GDN checkpoint) under a
 byte budget, for each policy (`--prefix-checkpoints`): `C` sessions are in flight at a time, each
 sending its next call in turn (round robin), a finished session replaced by the next one in a
 seeded order. No device memory is allocated (the entries are zero-stride views of their size): the
@@ -120,16 +120,11 @@ def replay(calls, policy: str, budget: int, concurrency: int, block: int, kv_byt
         for item in list(live):
             s, i = item
             ids = calls[s][i]
-            chain, branch = pc.resume(ids)
-            parent = chain[-1] if chain else None
-            for start in range(len(chain) * block, len(ids) - block + 1, block):
-                parent = pc.store(parent, ids, start, branch, take)
-                if parent is None:
-                    break
+            done = pc.store_prompt(ids, take)
             n_calls += 1
             tokens += len(ids)
-            resumed += len(chain) * block
-            calls_resumed += bool(chain)
+            resumed += done
+            calls_resumed += done > 0
             item[1] += 1
             if item[1] == len(calls[s]):
                 live.remove(item)

@@ -273,22 +273,32 @@ class PrefixCache:
             self._add_checkpoint(entry, take(kv=False, checkpoint=True))
         return entry
 
-    def _add_checkpoint(self, entry: Entry, block: PrefixBlock) -> bool:
-        """Attach the checkpoint of `block` to an entry that keeps its KV rows only. False when it
-        does not fit (the entry stays as it was) or the entry was evicted meanwhile."""
-        if self._lru.get(entry.id) is not entry or entry.block.has_checkpoint:
-            return False
+    def store_prompt(self, tokens: Sequence[int], take: Callable[..., PrefixBlock]) -> int:
+        """The index's side of prefilling a whole prompt at once (`resume`, then `store` for every
+        full block after the restored chain), for replays without a device; the engine calls them
+        piece by piece. Returns the prompt tokens resumed from the cache."""
+        p = self.block_tokens
+        chain, branch = self.resume(tokens)
+        parent = chain[-1] if chain else None
+        for start in range(len(chain) * p, len(tokens) - p + 1, p):
+            parent = self.store(parent, tokens, start, branch, take)
+            if parent is None:
+                break
+        return len(chain) * p
+
+    def _add_checkpoint(self, entry: Entry, block: PrefixBlock) -> None:
+        """Attach the checkpoint of `block` to an entry that keeps its KV rows only, unless it does
+        not fit (the entry stays as it was)."""
         new = entry.block.with_checkpoint(block)
         extra = new.nbytes - entry.nbytes
         if not self._make_room(extra, pinned=entry):
             self.rejected += 1
-            return False
+            return
         entry.block, entry.nbytes = new, entry.nbytes + extra
         self.bytes += extra
         self.checkpointed += 1
         self._thin(entry)
         self._touch(entry)
-        return True
 
     def _thin(self, entry: Entry) -> None:
         """Sparse: drop the nearest checkpoint above a newly checkpointed entry where nothing

@@ -567,7 +567,8 @@ class Scheduler:
         prompts = [[1] * n for n in lengths]
         if p < longest:  # a full block and a partial piece, twice: checkpoint, restore
             prompts += [[1] * (p + 1)] * 2
-        if 2 * p < longest:  # a block kept without its checkpoint, then one given it (a branch)
+        if 2 * p < longest and self.prefix_checkpoints == "sparse":
+            # a block kept without its checkpoint, then one given it (a branch)
             prompts += [[3] * (2 * p + 1), [3] * p + [4] * (p + 1)]
         row = None
         for ids in prompts:

@@ -93,17 +93,8 @@ def _kv_block(checkpoint: bool) -> PrefixBlock:
 
 
 def _prefill(pc: PrefixCache, tokens: list[int]) -> int:
-    """The engine's prefill of `tokens` (scheduler._new_job, _prefill_piece) on fake blocks.
-    Returns the tokens resumed (not recomputed)."""
-    chain, branch = pc.resume(tokens)
-    parent = chain[-1] if chain else None
-    for start in range(len(chain) * P, len(tokens) - P + 1, P):
-        parent = pc.store(
-            parent, tokens, start, branch, lambda kv, checkpoint: _kv_block(checkpoint)
-        )
-        if parent is None:
-            break
-    return len(chain) * P
+    """The engine's prefill of `tokens` on fake blocks. Returns the tokens resumed."""
+    return pc.store_prompt(tokens, lambda kv, checkpoint: _kv_block(checkpoint))
 
 
 def _checkpointed(pc: PrefixCache, tokens: list[int]) -> list[bool]:
