@@ -639,16 +639,18 @@ class LLM:
         """'bole' when the model has an MTP head (the drafter), else plain autoregressive."""
         return "bole" if self.cfg.mtp_num_layers and "mtp" in self.params else "ar"
 
-    def _spec_config(self, mode: str, batch: int | None = None) -> SpecConfig:
+    def _spec_config(self, mode: str, batch: int | None = None, quiet: bool = False) -> SpecConfig:
         """SpecConfig for `mode` at a batch bucket (default: max_batch_size). The tree width comes
-        from a matching calibration table (bole-jax calibrate), else a safe default (logged once);
+        from a matching calibration table (bole-jax calibrate), else a safe default (logged once;
+        `quiet`: a configuration looked up for comparison only, neither logged nor remembered);
         explicit spec_options win."""
         if mode not in ("ar",) + SPEC_MODES:
             raise ValueError(f"unknown spec mode {mode!r}: expected one of {('ar',) + SPEC_MODES}")
         batch = batch or self.max_batch_size
-        if (batch, mode) not in self._resolved_spec_options:
-            self._resolved_spec_options[batch, mode] = spec_options_for(self, mode, batch)
-        opts = dict(self._resolved_spec_options[batch, mode])
+        known = self._resolved_spec_options
+        if (batch, mode) not in known and not quiet:
+            known[batch, mode] = spec_options_for(self, mode, batch)
+        opts = dict(known.get((batch, mode)) or spec_options_for(self, mode, batch, quiet=True))
         if opts.get("simulate_accept_mean") is not None:  # p at the depth this mode drafts
             if "simulate_accept" in opts:
                 raise ValueError("give spec_options simulate_accept or simulate_accept_mean")

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic v2) and the server's limits.
 
 Every field is bounded before any work is done on it: string lengths in characters, list sizes,
-numeric ranges. Types are strict (no "10" for 10, no "yes" for true); unknown fields are ignored,
+numeric ranges. Types are strict (no "10" for 10, no "yes" for true); a null reads as the field's default;
+unknown fields are ignored,
 as OpenAI clients send fields this server has no use for. The limits that depend on the server
 (prompt characters, stops, prompts per request, n, max_tokens) are checked by `Limits.check_*`
 after parsing, with the configured values in the message.
@@ -20,6 +21,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    model_validator,
 )
 
 # Hard ceilings of the schema (the configurable limits are below them).
@@ -36,6 +38,21 @@ Number = Union[StrictInt, StrictFloat]
 
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for a field whose default is not null means "not given" (clients that
+        serialise every field send `"n": null`, `"stream": null`), as OpenAI's API reads it."""
+        if isinstance(data, dict):
+            return {
+                k: v
+                for k, v in data.items()
+                if not (
+                    v is None and k in cls.model_fields and cls.model_fields[k].default is not None
+                )
+            }
+        return data
 
 
 class StreamOptions(_Model):

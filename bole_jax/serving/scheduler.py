@@ -422,9 +422,13 @@ class Scheduler:
             return specs
         mine = self.spec
         tree = (
-            mine if self.mode in ("bole", "pernode") else self.llm._spec_config("bole", max_batch)
+            mine
+            if self.mode in ("bole", "pernode")
+            else self.llm._spec_config("bole", max_batch, quiet=True)
         )
-        specs["chain"] = mine if self.mode == "chain" else self.llm._spec_config("chain", max_batch)
+        specs["chain"] = (
+            mine if self.mode == "chain" else self.llm._spec_config("chain", max_batch, quiet=True)
+        )
         specs["pernode"] = dataclasses.replace(tree, mode="pernode")
         specs["bole"] = dataclasses.replace(tree, mode="bole")
         return specs

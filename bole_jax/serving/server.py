@@ -864,7 +864,7 @@ class OpenAIServer:
             ]
 
         if body.stream:
-            return self._stream(reqs, sink, chunks, head, bool(opts and opts.include_usage))
+            return self._stream(reqs, sink, chunks, head, bool(opts and opts.include_usage), body.n)
         await self._collect(request, reqs, sink)
         choices = [
             {
@@ -875,7 +875,7 @@ class OpenAIServer:
             }
             for r in reqs
         ]
-        return {**head, "choices": choices, "usage": _usage(reqs, len(prompts), body.n)}
+        return {**head, "choices": choices, "usage": _usage(reqs, body.n)}
 
     async def _chat(self, request, body: ChatRequest):
         from starlette.concurrency import run_in_threadpool
@@ -898,7 +898,12 @@ class OpenAIServer:
         params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
         want_lp = body.logprobs
         sink = _Sink(asyncio.get_running_loop())
-        reqs = self.submit_all([ids], params, body.n, sink)
+        try:
+            reqs = self.submit_all([ids], params, body.n, sink)
+        except ApiError as e:
+            if e.param == "logprobs" and self.scheduler.max_logprobs is not None:
+                e.param = "top_logprobs"  # the count over the limit is chat's top_logprobs
+            raise
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -950,7 +955,9 @@ class OpenAIServer:
                 }
                 for r in reqs
             ]
-            return self._stream(reqs, sink, chunks, head, bool(opts and opts.include_usage), first)
+            return self._stream(
+                reqs, sink, chunks, head, bool(opts and opts.include_usage), body.n, first
+            )
         await self._collect(request, reqs, sink)
         choices = []
         for r in reqs:
@@ -970,7 +977,7 @@ class OpenAIServer:
             **head,
             "object": "chat.completion",
             "choices": choices,
-            "usage": _usage(reqs, 1, body.n),
+            "usage": _usage(reqs, body.n),
         }
 
     def _token_text(self, tok: int) -> str:
@@ -1037,8 +1044,9 @@ class OpenAIServer:
             raise ApiError(499, "the client closed the connection")
         work.result()  # raises the engine error, if any
 
-    def _stream(self, reqs, sink, make_chunks, head, include_usage, first=()):
-        """Server-sent events until every request finished, then the usage chunk and [DONE]."""
+    def _stream(self, reqs, sink, make_chunks, head, include_usage, n, first=()):
+        """Server-sent events until every request finished, then the usage chunk (each prompt's
+        tokens counted once over its `n` choices) and [DONE]."""
         reasons = {}
 
         async def events():
@@ -1063,7 +1071,7 @@ class OpenAIServer:
                     for c in make_chunks(d, reason):
                         yield _sse(c)
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(reqs, None, None)})
+                    yield _sse({**head, "choices": [], "usage": _usage(reqs, n)})
                 yield b"data: [DONE]\n\n"
             finally:
                 self._cancel(reqs)
@@ -1130,26 +1138,58 @@ def _parse(model, raw: bytes):
         raise _from_validation(e.errors(include_url=False)) from None
 
 
+_UNION_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc) -> list[str]:
+    """An error's location without pydantic's union-branch tags ('constrained-str',
+    'list[constrained-int]', 'float', a model's class name): the fields and indices a user wrote."""
+    out = []
+    for x in loc:
+        if x == "body":
+            continue
+        if isinstance(x, str) and (
+            x in _UNION_TAGS or "[" in x or "-" in x or (x[:1].isupper() and x.isidentifier())
+        ):
+            continue
+        out.append(str(x))
+    return out
+
+
 def _from_validation(errors) -> ApiError:
-    """The first pydantic error as a 400 naming the field (the top-level one in `param`)."""
-    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    """A 400 naming the field (the top-level one in `param`). A value that matches no branch of a
+    union gets one error per branch; the error of the branch that matched furthest is reported
+    (a value out of range in a token-id list, not "should be a valid string"), or, where every
+    branch rejected the value's type, the types the field takes."""
+    if not errors:
+        return ApiError(400, "invalid request")
+    e = errors[0]
     if e.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {e.get('msg')}")
+    loc = _field_path(e.get("loc", ()))
     if e.get("type") == "model_type" and not loc:
         return ApiError(400, "the request body must be a JSON object")
-    where = ".".join(loc) or "body"
-    return ApiError(400, f"{where}: {e.get('msg')}", loc[0] if loc else None)
+    top = loc[0] if loc else None
+    same = [x for x in errors if (_field_path(x.get("loc", ())) or [None])[0] == top]
+    typed = [x for x in same if not x.get("type", "").endswith("_type")]
+    if typed:  # a constraint, not the type, failed in some branch: the deepest such
+        e = max(typed, key=lambda x: len(x.get("loc", ())))
+        msg = e.get("msg")
+    else:
+        msgs = list(dict.fromkeys(x.get("msg") for x in same))
+        msg = " or ".join([msgs[0]] + [m.replace("Input should be ", "") for m in msgs[1:]])
+    where = ".".join(_field_path(e.get("loc", ()))) or "body"
+    return ApiError(400, f"{where}: {msg}", top)
 
 
-def _usage(reqs: list[Request], prompts: int | None, n: int | None) -> dict:
-    # Choices of one prompt share its prompt tokens: counted once, as OpenAI does for n > 1.
+def _usage(reqs: list[Request], n: int) -> dict:
+    # Choices of one prompt (request indices i * n .. i * n + n - 1) share its prompt tokens:
+    # counted once, as OpenAI does for n > 1.
     seen, p, cached = set(), 0, 0
     for r in reqs:
-        key = r.index // n if n else id(r)
-        if n and key in seen:
+        if r.index // n in seen:
             continue
-        seen.add(key)
+        seen.add(r.index // n)
         p += len(r.prompt_ids)
         cached += r.cached_tokens
     c = sum(r.completion_tokens for r in reqs)

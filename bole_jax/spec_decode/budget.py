@@ -466,12 +466,14 @@ def choice_for(
     identity: dict | None = None,
     command: str | None = None,
     topk: int | None = None,
+    quiet: bool = False,
 ) -> BudgetChoice:
     """The decode configuration for `batch` requests from the matching table (see `find_table`):
     mode None = the best of every mode; a mode name = that mode's best shape (topk: of bole
     trees with that many children per node only). Without a table (or
     a table that timed no candidate of `mode`): mode None -> `untabled_mode()`; an explicit mode
-    keeps it at `default_choice`'s width; one notice per model and device, naming `command`."""
+    keeps it at `default_choice`'s width; one notice per model and device, naming `command` (none
+    with `quiet`: a configuration looked up for comparison, not decoded with)."""
     table, where = find_table(
         cfg, param_dtype, path=calibration, model_dir=model_dir, identity=identity
     )
@@ -485,6 +487,8 @@ def choice_for(
         d = BudgetChoice(num_nodes=1, budget=None, source="default", mode=m)
     else:
         d = dataclasses.replace(default_choice(batch), mode=mode)
+    if quiet:
+        return d
     _warn_once(
         (device_name(), _sha(identity or model_signature(cfg, param_dtype)), mode is None),
         notice(
@@ -507,6 +511,7 @@ def resolve_spec_options(
     mode: str = "bole",
     identity: dict | None = None,
     command: str | None = None,
+    quiet: bool = False,
 ) -> dict:
     """`LLM(spec_options=...)` for `mode` with the calibrated tree shape filled in.
 
@@ -528,6 +533,7 @@ def resolve_spec_options(
         mode=mode,
         identity=identity,
         command=command,
+        quiet=quiet,
     )
     if c.mode == "chain":  # chain's width is depth + 1 (SpecConfig.for_mode)
         return {**{k: v for k, v in c.spec_options().items() if k == "depth"}, **opts}
@@ -587,8 +593,9 @@ def llm_command(llm) -> str:
     return calibrate_command(path, embedded=is_embedded_model(path))
 
 
-def spec_options_for(llm, mode: str, batch: int) -> dict:
-    """The SpecConfig options `llm` decodes `mode` with at a batch of `batch` requests."""
+def spec_options_for(llm, mode: str, batch: int, quiet: bool = False) -> dict:
+    """The SpecConfig options `llm` decodes `mode` with at a batch of `batch` requests (`quiet`:
+    without the no-table notice)."""
     return resolve_spec_options(
         llm.cfg,
         llm.spec_options,
@@ -598,4 +605,5 @@ def spec_options_for(llm, mode: str, batch: int) -> dict:
         mode=mode,
         identity=llm_identity(llm),
         command=llm_command(llm),
+        quiet=quiet,
     )

@@ -1000,6 +1000,57 @@ def test_logprobs_in_responses_and_streams(server, reference):
     assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
     status, out = _request(server, "POST", "/v1/completions", {**body, "logprobs": 3})
     assert status == 400 and "--max-logprobs" in out["error"]["message"]
+    status, out = _request(server, "POST", "/v1/chat/completions", {**chat, "top_logprobs": 3})
+    assert status == 400 and out["error"]["param"] == "top_logprobs", out
+
+
+def test_usage_counts_each_prompt_once_over_its_choices(server):
+    """n choices share their prompt: prompt_tokens once per prompt, streamed or not (the usage
+    chunk of a stream once counted it n times)."""
+    for path, body in (
+        ("/v1/completions", {"prompt": [PROMPTS[0], PROMPTS[1]]}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ):
+        body = {**body, "max_tokens": 3, "temperature": 1.0, "seed": 5}
+        status, single = _request(server, "POST", path, {**body, "n": 1})
+        assert status == 200, single
+        status, out = _request(server, "POST", path, {**body, "n": 3})
+        assert status == 200, out
+        assert len(out["choices"]) == 3 * len(single["choices"])
+        assert out["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+        chunks = _stream(server, path, {**body, "n": 3, "stream_options": {"include_usage": True}})
+        streamed = chunks[-2]["usage"]
+        assert streamed["prompt_tokens"] == single["usage"]["prompt_tokens"], (path, streamed)
+
+
+def test_null_reads_as_the_default(server):
+    """Clients that serialise every field send nulls: `"n": null` is n = 1, `"stream": null` no
+    stream, as for the fields whose default is null."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 2, "n": None, "stream": None, "ignore_eos": None}
+    status, out = _request(server, "POST", "/v1/completions", {**body, "temperature": None})
+    assert status == 200, out
+    assert out["object"] == "text_completion" and len(out["choices"]) == 1
+    status, out = _request(server, "POST", "/v1/completions", {"prompt": None, "max_tokens": 2})
+    assert status == 400 and out["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"prompt": [2**63]}, "prompt.0: Input should be less than 9223372036854775808"),
+        ({"prompt": [[1, 2], []]}, "prompt.1: List should have at least 1 item"),
+        ({"prompt": 5}, "prompt: Input should be a valid string or a valid "),
+        ({"prompt": "x", "temperature": "NaN"}, "temperature: Input should be a valid integer or"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content.0.type"),
+    ],
+)
+def test_union_fields_name_what_went_wrong(server, body, message):
+    """A value no branch of a union takes is reported by the branch that matched furthest (the id
+    out of range, the empty list), not by the first branch's "should be a valid string"."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, out = _request(server, "POST", path, body)
+    assert status == 400 and message in out["error"]["message"], out
+    assert "constrained" not in out["error"]["message"]
 
 
 def test_internal_errors_leak_nothing(server, monkeypatch):

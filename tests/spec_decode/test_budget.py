@@ -472,6 +472,12 @@ def test_notice_names_the_exact_command(tiny, tmp_path, monkeypatch, caplog):
     assert "decoding with ar" in notes[1] and "tree width 16" in notes[0]
     budget._warned.clear()
     with caplog.at_level(logging.WARNING, logger="bole_jax"):
+        seen = len(caplog.records)
+        # a configuration looked up for comparison (the memory plan's rows): no notice
+        assert budget.spec_options_for(Fake(m), "bole", 16, quiet=True) == opts
+    assert not [r for r in caplog.records[seen:] if "no calibration table" in r.message]
+    budget._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="bole_jax"):
         budget.spec_options_for(Fake(m), "chain", 16)
     (note,) = [r.message for r in caplog.records[-1:] if "no calibration table" in r.message]
     assert "decoding with chain." in note and "width" not in note  # a chain has no tree width
