@@ -496,3 +496,27 @@ def test_compile_cache_folder_is_written(monkeypatch, tmp_path):
     finally:
         jcc.reset_cache()
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_commands_reserve_the_device_memory_pool_first(monkeypatch, tmp_path):
+    """Every command sets XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's allocator pool, 75% of a GPU by
+    default) before the first device query, and a value in the environment wins."""
+    assert cli.reserve_device_memory({}) == cli.XLA_POOL_FRACTION == "0.95"
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert (
+        cli.reserve_device_memory(env) == "0.5" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    )
+    seen = []
+
+    def enable(folder):  # the first thing after parsing that queries the backend
+        seen.append(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+        return None
+
+    monkeypatch.setattr(cli.compile_cache, "enable", enable)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert cli.main(["generate", "--model", str(tmp_path / "nowhere"), "x"]) == 2
+    assert seen and set(seen) == {"0.95"}
+    seen.clear()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.7")
+    assert cli.main(["generate", "--model", str(tmp_path / "nowhere"), "x"]) == 2
+    assert seen and set(seen) == {"0.7"}
