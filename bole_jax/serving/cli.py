@@ -1067,8 +1067,8 @@ def build_parser() -> argparse.ArgumentParser:
 # JAX's GPU allocator reserves 75% of the device by default (XLA_PYTHON_CLIENT_MEM_FRACTION);
 # what the model's weights leave of that pool is what the server plans its slots and prefix cache
 # in. The commands reserve 95% (as the capacity runs in docs/benchmarks.md section 3 did): on an
-# 80 GB card a 27B model's 51 GiB of weights leave 8.4 GiB of the default pool and 24 GiB of this
-# one. A value in the environment wins.
+# 80 GB H100 under a 27B model that is 21.9 GiB usable instead of 7.65, 46 bole slots instead of
+# 15 (docs/benchmarks.md section 3). A value in the environment wins.
 XLA_POOL_FRACTION = "0.95"
 
 
