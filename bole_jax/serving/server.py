@@ -575,7 +575,7 @@ class OpenAIServer:
             log.error("internal error", exc_info=e)
             return error(ApiError(500, "internal server error (see the server log)"))
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers
         async def health():
             sched = self.scheduler
             err = sched.error or self.startup_error

@@ -458,6 +458,11 @@ def test_health_says_starting_while_compiling(model_dir):
 
 def test_health_models_metrics(server):
     assert _request(server, "GET", "/health") == (200, {"status": "ok", "error": None})
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("HEAD", "/health")  # load balancers' probe
+    resp = conn.getresponse()
+    assert (resp.status, resp.read()) == (200, b"")
+    conn.close()
     status, models = _request(server, "GET", "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
     assert models["data"][0]["max_model_len"] == MAX_CONTEXT
