@@ -67,7 +67,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -399,6 +399,10 @@ class Scheduler:
         self._spec_batch = max_batch
         self._seed = seed
         self.warming_up = False
+        # Called with a line per compilation stage of start() (the server prints them: a large
+        # model's decode segment compiles for minutes); None: silent.
+        self.progress: Callable[[str], None] | None = None
+        self._t_start: float | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Request] = collections.deque()
         self._groups: list[DecodeState] | None = None  # the running state, group by group
@@ -520,6 +524,7 @@ class Scheduler:
     def start(self, warmup: bool = True) -> "Scheduler":
         """Compile (`warmup`) and start the engine thread."""
         if self._thread is None:
+            self._t_start = time.perf_counter()
             if warmup:
                 self.warming_up = True  # /health: 503 "starting" until the engine runs
                 try:
@@ -527,9 +532,15 @@ class Scheduler:
                 finally:
                     self.warming_up = False
             self._ensure_state()
+            self._note("done")
             self._thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
             self._thread.start()
         return self
+
+    def _note(self, what: str) -> None:
+        """Report a compilation stage of start() to `progress`, with the seconds since start()."""
+        if self.progress is not None and self._t_start is not None:
+            self.progress(f"[{time.perf_counter() - self._t_start:6.1f} s] {what}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -575,7 +586,8 @@ class Scheduler:
             # a block kept without its checkpoint, then one given it (a branch)
             prompts += [[3] * (2 * p + 1), [3] * p + [4] * (p + 1)]
         row = None
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
+            self._note(f"prefill {i + 1}/{len(prompts)} ({len(ids)} tokens)")
             row, _ = self._prefill_now(
                 Request(ids, RequestParams(max_tokens=1), None, internal=True)
             )
@@ -583,6 +595,7 @@ class Scheduler:
         width = self.segment_steps * self.tokens_per_step
         spans, rows = self._spans(), self._group_rows()
         for g in [0] if rows[-1] == rows[0] else [0, len(rows) - 1]:  # each group shape once
+            self._note(f"first decode segment ({rows[g]} rows)")
             first, end = spans[g]
             st = insert_slot(self._groups[g], row, jnp.int32(0))
             st = self._segment_of(end - first)(self.llm.params, st, jnp.int32(self.segment_steps))
@@ -680,6 +693,7 @@ class Scheduler:
         step's temporary memory (`_fit_step_memory`)."""
         if self._groups is not None:
             return
+        self._note(f"decode state ({self.num_slots} slots)")
         self._build_state()
         if self.step_memory is None:
             self._fit_step_memory()
@@ -711,6 +725,10 @@ class Scheduler:
         sizes = self._group_rows()
         for g in sorted({0, len(sizes) - 1}):
             for greedy in (False, True) if self.static_greedy else (False,):
+                self._note(
+                    f"decode segment ({sizes[g]} rows, {self.segment_steps} steps"
+                    + (", greedy)" if greedy else ")")
+                )
                 state = _with_greedy(self._groups[g], greedy)
                 compiled = self._segment_jit.lower(
                     self.llm.params, state, jnp.int32(self.segment_steps)

@@ -1362,6 +1362,7 @@ def serve(model: str | None = None, **kwargs) -> None:
     )
     table = format_plan_table(s.plans, s.mode)  # every mode in the same memory, this one marked
     print("\n".join("bole-jax: " + line for line in table.splitlines()), flush=True)
+    s.progress = lambda line: print(f"bole-jax: compiling {line}", flush=True)
     server.serve_forever(
         on_ready=lambda: print(f"bole-jax: ready on {server.url}{_step_note(s)}", flush=True)
     )

@@ -1212,3 +1212,22 @@ def test_static_greedy_program_runs_the_all_greedy_groups(model_dir, reference):
         outs[static] = [r.token_ids for r in reqs]
     assert outs[True][0] == outs[False][0] == reference[0].token_ids
     assert outs[True][1] == outs[False][1] != outs[False][0]  # sampled, not the greedy tokens
+
+
+def test_start_reports_each_compilation_stage(stepped):
+    """start() reports its compilation stages (the server prints them: a large model's decode
+    segment compiles for minutes), each with the seconds since start(), then "done"."""
+    sched = stepped()
+    lines = []
+    sched.progress = lines.append
+    sched.start()
+    try:
+        assert lines and lines[-1].endswith("] done"), lines
+        stages = [line.split("] ", 1)[1] for line in lines]
+        assert any(x.startswith("decode segment (4 rows") for x in stages), stages
+        assert any(x.startswith("prefill 1/") for x in stages), stages
+        assert any(x.startswith("first decode segment") for x in stages), stages
+        seconds = [float(line[1 : line.index(" s]")]) for line in lines]
+        assert seconds == sorted(seconds) and seconds[-1] > 0
+    finally:
+        sched.stop()
