@@ -61,6 +61,7 @@ Not done yet:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -720,25 +721,38 @@ class Scheduler:
         """Compile the decode segment for the running state's groups (their shapes never change:
         one program for groups of `group_size` rows, one for a smaller last group), with
         `static_greedy` their greedy programs too, and return the bytes of the largest one's
-        temporaries (the groups run one after another; None: the backend reports none)."""
-        temps = []
+        temporaries (the groups run one after another; None: the backend reports none). The
+        programs are traced here one after another and compiled at the same time, one thread
+        each (XLA compiles outside the GIL)."""
         sizes = self._group_rows()
-        for g in sorted({0, len(sizes) - 1}):
-            for greedy in (False, True) if self.static_greedy else (False,):
-                self._note(
-                    f"decode segment ({sizes[g]} rows, {self.segment_steps} steps"
-                    + (", greedy)" if greedy else ")")
-                )
-                state = _with_greedy(self._groups[g], greedy)
-                compiled = self._segment_jit.lower(
-                    self.llm.params, state, jnp.int32(self.segment_steps)
-                ).compile()
-                try:
-                    temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
-                except Exception:  # noqa: BLE001 - backends without a memory analysis
-                    temps.append(None)
-                for last in (False, True) if g == 0 else (True,):  # the last group's until its own
-                    self._segments[last, greedy] = compiled
+        jobs = [
+            (g, greedy)
+            for g in sorted({0, len(sizes) - 1})
+            for greedy in ((False, True) if self.static_greedy else (False,))
+        ]
+        lowered = []
+        for g, greedy in jobs:
+            self._note(
+                f"decode segment ({sizes[g]} rows, {self.segment_steps} steps"
+                + (", greedy)" if greedy else ")")
+            )
+            state = _with_greedy(self._groups[g], greedy)
+            lowered.append(
+                self._segment_jit.lower(self.llm.params, state, jnp.int32(self.segment_steps))
+            )
+        if len(lowered) == 1:
+            programs = [lowered[0].compile()]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+                programs = list(pool.map(lambda low: low.compile(), lowered))
+        temps = []
+        for (g, greedy), compiled in zip(jobs, programs):
+            try:
+                temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            except Exception:  # noqa: BLE001 - backends without a memory analysis
+                temps.append(None)
+            for last in (False, True) if g == 0 else (True,):  # the last group's until its own
+                self._segments[last, greedy] = compiled
         return None if None in temps else max(temps)
 
     def _fit_step_memory(self) -> None:
