@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic v2) and the server's limits.
 
 Every field is bounded before any work is done on it: string lengths in characters, list sizes,
-numeric ranges. Types are strict (no "10" for 10, no "yes" for true); a null reads as the field's default;
-unknown fields are ignored,
-as OpenAI clients send fields this server has no use for. The limits that depend on the server
-(prompt characters, stops, prompts per request, n, max_tokens) are checked by `Limits.check_*`
-after parsing, with the configured values in the message.
+numeric ranges. Types are strict (no "10" for 10, no "yes" for true); a null reads as the field's
+default; unknown fields are ignored, as OpenAI clients send fields this server has no use for.
+The limits that depend on the server (prompt characters, stops, prompts per request, n,
+max_tokens) are checked by `Limits.check_*` after parsing, with the configured values in the
+message.
 """
 
 from __future__ import annotations

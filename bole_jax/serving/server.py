@@ -1171,9 +1171,9 @@ def _from_validation(errors) -> ApiError:
         return ApiError(400, "the request body must be a JSON object")
     top = loc[0] if loc else None
     same = [x for x in errors if (_field_path(x.get("loc", ())) or [None])[0] == top]
-    typed = [x for x in same if not x.get("type", "").endswith("_type")]
-    if typed:  # a constraint, not the type, failed in some branch: the deepest such
-        e = max(typed, key=lambda x: len(x.get("loc", ())))
+    constraint = [x for x in same if not x.get("type", "").endswith("_type")]
+    if constraint:  # a constraint, not the type, failed in some branch: the deepest such
+        e = max(constraint, key=lambda x: len(x.get("loc", ())))
         msg = e.get("msg")
     else:
         msgs = list(dict.fromkeys(x.get("msg") for x in same))
