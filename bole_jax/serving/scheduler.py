@@ -403,6 +403,7 @@ class Scheduler:
         # Called with a line per compilation stage of start() (the server prints them: a large
         # model's decode segment compiles for minutes); None: silent.
         self.progress: Callable[[str], None] | None = None
+        self.stage: str | None = None  # the last of those lines (/health shows it while starting)
         self._t_start: float | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -539,9 +540,13 @@ class Scheduler:
         return self
 
     def _note(self, what: str) -> None:
-        """Report a compilation stage of start() to `progress`, with the seconds since start()."""
-        if self.progress is not None and self._t_start is not None:
-            self.progress(f"[{time.perf_counter() - self._t_start:6.1f} s] {what}")
+        """Report a compilation stage of start() to `progress` (and keep it in `stage`), with the
+        seconds since start()."""
+        if self._t_start is None:
+            return
+        self.stage = f"[{time.perf_counter() - self._t_start:6.1f} s] {what}"
+        if self.progress is not None:
+            self.progress(self.stage)
 
     def stop(self) -> None:
         self._stop.set()

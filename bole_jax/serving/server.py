@@ -583,7 +583,9 @@ class OpenAIServer:
             if self.draining:
                 return JSONResponse({"status": "draining", "error": None}, status_code=503)
             if not ok and err is None:
-                return JSONResponse({"status": "starting", "error": None}, status_code=503)
+                return JSONResponse(
+                    {"status": "starting", "error": None, "stage": sched.stage}, status_code=503
+                )
             body = {"status": "ok" if ok else "error", "error": err}
             if self.simulated is not None:  # benchmark servers say so (/v1/models: what)
                 body["simulated"] = True

@@ -451,7 +451,12 @@ def test_health_says_starting_while_compiling(model_dir):
     srv._start_http()  # HTTP only: the engine is not started
     try:
         sched.warming_up = True
-        assert _request(srv, "GET", "/health") == (503, {"status": "starting", "error": None})
+        starting = {"status": "starting", "error": None, "stage": None}
+        assert _request(srv, "GET", "/health") == (503, starting)
+        sched._t_start = time.perf_counter()
+        sched._note("decode segment (2 rows, 4 steps)")  # what start() reports while compiling
+        status, body = _request(srv, "GET", "/health")
+        assert status == 503 and body["stage"].endswith("] decode segment (2 rows, 4 steps)")
     finally:
         srv.shutdown()
 
