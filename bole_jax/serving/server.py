@@ -688,6 +688,12 @@ class OpenAIServer:
             raise ApiError(
                 400, f"max_tokens = {max_tokens} is above this server's limit ({cap})", "max_tokens"
             )
+        vocab = s.llm.cfg.vocab_size
+        bad = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:  # an id outside the vocabulary would never match: the client meant something else
+            raise ApiError(
+                400, f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", "stop_token_ids"
+            )
         top_k = d["top_k"] if body.top_k is None else body.top_k
         seed = 0 if body.seed is None else body.seed
         return RequestParams(

@@ -614,6 +614,8 @@ def test_chatml_fallback_and_template_errors(llm):
         ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
         ("/v1/completions", b'{"prompt": "x", "n": 17}', 400, "n"),
         ("/v1/completions", b'{"prompt": [1, 99999], "max_tokens": 2}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [-1]}', 400, "stop_token_ids"),
+        ("/v1/completions", b'{"prompt": "x", "stop_token_ids": [99999]}', 400, "stop_token_ids"),
         ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
         ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
         ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages"),
