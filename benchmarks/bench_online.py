@@ -459,7 +459,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        t0, last = time.monotonic(), 0.0
+        t0, last, stage = time.monotonic(), 0.0, None
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -469,10 +469,12 @@ class ServerProcess:
             try:
                 # The socket accepts before the engine has compiled; a request waits in the backlog
                 # until then, so a short timeout would only leave broken pipes in the server log.
-                status, _ = http_json(self.url, "/health", timeout=120.0)
+                status, health = http_json(self.url, "/health", timeout=120.0)
                 if status == 200:
                     print(f"  server up after {time.monotonic() - t0:.0f} s", flush=True)
                     return self
+                if isinstance(health, dict):
+                    stage = health.get("stage") or stage
             except OSError:
                 pass
             waited = time.monotonic() - t0
@@ -483,9 +485,8 @@ class ServerProcess:
                 )
             if waited - last >= 30:
                 last = waited
-                print(
-                    f"  waiting for the server ({waited:.0f} s: loading and compiling)", flush=True
-                )
+                what = f"compiling {stage}" if stage else "loading and compiling"
+                print(f"  waiting for the server ({waited:.0f} s: {what})", flush=True)
             time.sleep(1.0)
 
     def tail(self, n: int = 15) -> str:
