@@ -9,11 +9,11 @@ bench_online renders it) are turned into the token ids of every call, with the d
 tokenizer and chat template, as `bole-jax serve --preset` sees them (an answer without a recorded
 one is a fixed pseudo-random text of --max-tokens tokens). The calls then go through the server's
 prefix-cache index (`serving/prefix_cache.py`: `store_prompt`, over the `resume` / `store` the
-scheduler calls) with entries of the preset's real sizes (its attention and MTP KV per block, its GDN checkpoint) under a
-byte budget, for each policy (`--prefix-checkpoints`): `C` sessions are in flight at a time, each
-sending its next call in turn (round robin), a finished session replaced by the next one in a
-seeded order. No device memory is allocated (the entries are zero-stride views of their size): the
-result is what the index decides, not a timing.
+scheduler calls) with entries of the preset's real sizes (its attention and MTP KV per block, its
+GDN checkpoint) under a byte budget, for each policy (`--prefix-checkpoints`): `C` sessions are in
+flight at a time, each sending its next call in turn (round robin), a finished session replaced by
+the next one in a seeded order. No device memory is allocated (the entries are zero-stride views
+of their size): the result is what the index decides, not a timing.
 
 Per (policy, budget, concurrency): the share of prompt tokens resumed from the cache (the prefill
 the cache spares), the calls that resumed anything, and the checkpoints and bytes held at the end.

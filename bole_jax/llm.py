@@ -650,7 +650,10 @@ class LLM:
         known = self._resolved_spec_options
         if (batch, mode) not in known and not quiet:
             known[batch, mode] = spec_options_for(self, mode, batch)
-        opts = dict(known.get((batch, mode)) or spec_options_for(self, mode, batch, quiet=True))
+        if (batch, mode) in known:
+            opts = dict(known[batch, mode])
+        else:
+            opts = spec_options_for(self, mode, batch, quiet=True)
         if opts.get("simulate_accept_mean") is not None:  # p at the depth this mode drafts
             if "simulate_accept" in opts:
                 raise ValueError("give spec_options simulate_accept or simulate_accept_mean")
