@@ -21,8 +21,9 @@ Design
   pieces of `prefix_block` tokens that end on block boundaries (the last one shorter), at most
   `prefill_chunk` prompt tokens per iteration: a long prompt is spread over several iterations and
   every iteration still runs a decode segment, so the running rows keep streaming. One request is
-  prefilled at a time, oldest first, and only while a slot is free (FIFO: nothing overtakes, and
-  each iteration advances the head request, so nothing starves).
+  prefilled at a time, and only while a slot is free: the oldest waiting one of the HTTP request
+  holding the fewest slots (`_next_waiting`: FIFO between single requests, turns between
+  multi-prompt / `n` requests), and each iteration advances the one started, so nothing starves.
 - Prefix cache (`prefix_cache.py`). After every full block the job stores the block's KV rows (and
   the MTP rows in the spec modes), and where a later request can resume (the prompt's last full
   block, a branch point; every block with `prefix_checkpoints="every"`) the recurrent-state
@@ -409,7 +410,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._groups: list[DecodeState] | None = None  # the running state, group by group
         self._set_slots(self.num_slots)
-        self._job: PrefillJob | None = None  # the request being prefilled (one at a time, FIFO)
+        self._job: PrefillJob | None = None  # the request being prefilled (one at a time)
         self.state_bytes = 0  # bytes of the running state (its shapes never change)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -971,8 +972,8 @@ class Scheduler:
         return self._row(job)
 
     def _admit(self) -> None:
-        """This iteration's prefill: up to `prefill_chunk` prompt tokens, in pieces, oldest request
-        first (FIFO; one request at a time, continued next iteration when its prompt is longer). A
+        """This iteration's prefill: up to `prefill_chunk` prompt tokens, in pieces, one request at
+        a time (chosen by `_next_waiting`, continued next iteration when its prompt is longer). A
         request whose prefill completes takes a free slot. A request is only started while a slot is
         free, so a completed prefill always finds one."""
         budget = self.prefill_chunk
@@ -1000,10 +1001,32 @@ class Scheduler:
             with self.metrics.lock:
                 self.metrics.prefill_seconds += time.perf_counter() - t0
 
+    def _next_waiting(self) -> Request:
+        """Take the waiting request to start next: the oldest of the HTTP request (the requests
+        sharing one event queue: a request's prompts and `n` choices) that holds the fewest slots.
+        A request of many prompts or choices thus takes turns with the others instead of queueing
+        them behind all of its own; with one engine request each this is FIFO."""
+        held: dict[int, int] = {}
+        for r in self._slots:
+            if r is not None:
+                held[id(r.events)] = held.get(id(r.events), 0) + 1
+        if not held:
+            return self._waiting.popleft()
+        best, fewest = 0, None
+        for i, r in enumerate(self._waiting):
+            n = held.get(id(r.events), 0)
+            if fewest is None or n < fewest:
+                best, fewest = i, n
+                if n == 0:
+                    break
+        req = self._waiting[best]
+        del self._waiting[best]
+        return req
+
     def _start_next(self) -> bool:
         """Start the next waiting request's prefill if a slot is free. False when none can start."""
         while self._waiting and None in self._slots:
-            req = self._waiting.popleft()
+            req = self._next_waiting()
             if req.cancelled:
                 self._end(req, "cancelled")
                 continue

@@ -8,6 +8,7 @@ Greedy outputs are compared with `LLM.generate` on the same weights.
 
 import http.client
 import json
+import queue
 import re
 import socket
 import threading
@@ -370,6 +371,30 @@ def test_cancel_mid_prefill_frees_the_slot(stepped, llm):
         r.cancel()
     sched.step()
     assert sched.active_slots == 0 and sched.stats()["finished"]["cancelled"] == 5
+
+
+def test_a_many_choice_request_takes_turns_with_others(stepped, llm):
+    """Six choices of one HTTP request (one event queue) and a single request behind them: once
+    the first choice holds a slot the single request starts next, not after all six."""
+    sched = stepped()
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    sink = queue.Queue()
+    many = [
+        sched.submit(ids, RequestParams(max_tokens=100), events=sink, index=i) for i in range(6)
+    ]
+    one = sched.submit(ids, RequestParams(max_tokens=100))
+    while sched.active_slots < 4:
+        sched.step()
+    assert one.t_first is not None
+    assert [r.t_first is not None for r in many] == [True] * 3 + [False] * 3
+    assert sched.queue_depth == 3
+    one.cancel()
+    sched.step()  # the freed slot goes to the next choice, the oldest one waiting
+    assert many[3].t_first is not None and many[4].t_first is None
+    for r in many:
+        r.cancel()
+    sched.step()
+    assert sched.active_slots == 0 and sched.queue_depth == 0
 
 
 def test_prefix_cache_eviction_recomputes(stepped, reference, llm):
