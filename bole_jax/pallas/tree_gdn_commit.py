@@ -411,6 +411,10 @@ def apply_pending(state, pending: PendingCommit, precision: str | None = "highes
 UNROLL_MAX_ROWS = 16
 
 
+# Most GDN layers one commit launch holds (`commit_states_pallas`).
+COMMIT_LAYERS_PER_LAUNCH = 8
+
+
 def commit_launch(b: int, length: int, fold: str = "auto", block_v: int | None = None):
     """(fold, block_v) of a commit of b requests whose accepted paths have `length` rows:
     "auto" -> "unroll" up to UNROLL_MAX_ROWS rows at b >= 4, else "dot"; block_v None -> 64
@@ -561,7 +565,9 @@ def _commit_launch_call(
     return tuple(new)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret", "fold"))
+@functools.partial(
+    jax.jit, static_argnames=("block_v", "num_warps", "interpret", "fold", "layers_per_launch")
+)
 def commit_states_pallas(
     states,
     factors,
@@ -573,14 +579,17 @@ def commit_states_pallas(
     num_warps: int = 4,
     interpret: bool = False,
     fold: str = "auto",
+    layers_per_launch: int | None = None,
 ):
-    """`commit_state_pallas` of several GDN layers in ONE launch: states and factors are
+    """`commit_state_pallas` of several GDN layers in few launches: states and factors are
     sequences (one entry per layer, every layer of the same shapes); accepted [B], path [B, L]
     and count [B] are the step's, shared by all layers (as a decode step holds them). Each
     layer's state is written in place (aliased), as the per-layer launch does. A commit of a
     small batch is a few microseconds of work per layer behind each launch's fixed cost; one
-    launch of all layers' tiles pays that cost once and keeps every SM busy. Returns the new
-    states, a tuple in the layers' order."""
+    launch of many layers' tiles pays that cost once and keeps every SM busy. A launch holds at
+    most `layers_per_launch` layers (None: COMMIT_LAYERS_PER_LAUNCH): its kernel is a switch with
+    a copy of the commit per layer, and the GPU compile time grows faster than the copies.
+    Returns the new states, a tuple in the layers' order."""
     states, factors = tuple(states), tuple(factors)
     if len(states) != len(factors) or not states:
         raise ValueError(
@@ -592,9 +601,23 @@ def commit_states_pallas(
         raise ValueError(f"every layer's state and factors must have the same shapes: {shapes}")
     accepted = jnp.asarray(accepted, jnp.int32)
     path, count = jnp.asarray(path, jnp.int32), jnp.asarray(count, jnp.int32)
-    return _commit_launch_call(
-        states, factors, accepted, path, count, block_v, num_warps, interpret, fold
-    )
+    per = COMMIT_LAYERS_PER_LAUNCH if layers_per_launch is None else layers_per_launch
+    if per < 1:
+        raise ValueError(f"layers_per_launch must be >= 1, got {per}")
+    new = ()
+    for i in range(0, len(states), per):
+        new += _commit_launch_call(
+            states[i : i + per],
+            factors[i : i + per],
+            accepted,
+            path,
+            count,
+            block_v,
+            num_warps,
+            interpret,
+            fold,
+        )
+    return new
 
 
 def commit_states(
@@ -609,11 +632,13 @@ def commit_states(
     block_v: int | None = None,
     num_warps: int = 4,
     fold: str = "auto",
+    layers_per_launch: int | None = None,
 ):
     """The commit of several GDN layers with the step's accepted path (`commit_state` with
     `path` and `count` given, for each layer): backend "pallas" (the default on GPU) is one
-    launch for all layers (`commit_states_pallas`); "reference" commits each layer with the
-    jnp reference. Returns a tuple of new states [B, HV, dk, dv] fp32, in the layers' order."""
+    launch per `layers_per_launch` layers (`commit_states_pallas`); "reference" commits each
+    layer with the jnp reference. Returns a tuple of new states [B, HV, dk, dv] fp32, in the
+    layers' order."""
     backend, interpret = resolve_backend(backend, interpret)
     if backend == "pallas":
         return commit_states_pallas(
@@ -626,6 +651,7 @@ def commit_states(
             num_warps=num_warps,
             interpret=interpret,
             fold=fold,
+            layers_per_launch=layers_per_launch,
         )
     return tuple(
         commit_state(s, f, None, accepted, path=path, count=count, backend="reference")

@@ -400,6 +400,9 @@ class Scheduler:
         }
         self._spec_batch = max_batch
         self._seed = seed
+        # prefill piece width -> its compiled program (a future while `_compile_prefill`'s threads
+        # compile it); a width not in it runs through the jit
+        self._prefill_programs: dict[int, Any] = {}
         self.warming_up = False
         # Called with a line per compilation stage of start() (the server prints them: a large
         # model's decode segment compiles for minutes); None: silent.
@@ -700,6 +703,8 @@ class Scheduler:
         step's temporary memory (`_fit_step_memory`)."""
         if self._groups is not None:
             return
+        if not self._prefill_programs:
+            self._compile_prefill()
         self._note(f"decode state ({self.num_slots} slots)")
         self._build_state()
         if self.step_memory is None:
@@ -722,6 +727,46 @@ class Scheduler:
         self.state_bytes = sum(
             x.nbytes for st in self._groups for x in jax.tree.leaves(_shared_fields_cleared(st))
         )
+
+    def _compile_prefill(self) -> None:
+        """Start compiling the prefill program of every piece width (`_piece_sizes`): traced here
+        one after another, compiled in threads (XLA compiles outside the GIL) while start-up goes
+        on; `_prefill_piece` waits for its width's program. At Qwen3.5-27B dims each width
+        compiles for about 40 s (its 64 layers unrolled)."""
+        self._note("prefill programs")
+        cache, draft_kv = self.llm.prefill_caches(
+            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch
+        )
+        h = jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype)
+        lowered = {
+            w: loop.prefill_chunk.lower(
+                self.llm.params,
+                cache,
+                jnp.zeros((1, w), jnp.int32),
+                jnp.ones((1,), jnp.int32),
+                h,
+                draft_kv,
+                cfg=self.llm.cfg,
+            )
+            for w in self._piece_sizes()
+        }
+        pool = concurrent.futures.ThreadPoolExecutor(len(lowered), "bole-compile")
+        self._prefill_programs = {w: pool.submit(low.compile) for w, low in lowered.items()}
+        pool.shutdown(wait=False)
+
+    def _prefill_program(self, width: int):
+        """The compiled prefill program of a piece width (waiting for its compile), else the jit."""
+        prog = self._prefill_programs.get(width)
+        if isinstance(prog, concurrent.futures.Future):
+            try:
+                prog = prog.result()
+            except Exception:  # noqa: BLE001 - the jit compiles it again on its first call
+                log.warning("compiling the %d-token prefill program failed", width, exc_info=True)
+                prog = None
+            self._prefill_programs[width] = prog
+        if prog is None:
+            return functools.partial(loop.prefill_chunk, cfg=self.llm.cfg)
+        return prog
 
     def _compile_segment(self) -> int | None:
         """Compile the decode segment for the running state's groups (their shapes never change:
@@ -895,14 +940,13 @@ class Scheduler:
         w = min(p, len(ids) - start)
         piece = np.zeros((1, self._piece_width(w)), np.int32)
         piece[0, :w] = ids[start : start + w]
-        job.h_last, job.cache, job.draft_kv = loop.prefill_chunk(
+        job.h_last, job.cache, job.draft_kv = self._prefill_program(piece.shape[1])(
             self.llm.params,
             job.cache,
             jnp.asarray(piece),
             jnp.full((1,), w, jnp.int32),
             job.h_last,
             job.draft_kv,
-            cfg=self.llm.cfg,
         )
         job.pos = job.req.prefilled = start + w
         if w == p and job.chained and self.prefix.enabled:

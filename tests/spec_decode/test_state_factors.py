@@ -2,6 +2,7 @@
 the per-branch recurrence reaches; conv-state commit against the per-node windows."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +192,8 @@ def test_commit_of_every_layer_in_one_launch(layers, b, n, hk, hv, dk, dv, fold)
         states.append(jnp.asarray(x["state"]))
         factors.append(f)
         wants.append([x["state"][r] if acc[r] < 0 else per_node[r, acc[r]] for r in range(b)])
-    for kw in (dict(backend="pallas", interpret=None, block_v=16, fold=fold), {}):
+    pallas = dict(backend="pallas", interpret=None, block_v=16, fold=fold)
+    for kw in (pallas, dict(pallas, layers_per_launch=2), {}):  # 2: launches of 2 (+ 1) layers
         new = commit_states(states, factors, acc, path, count, **kw)
         assert len(new) == layers
         for layer in range(layers):
@@ -239,6 +241,19 @@ def test_commit_of_every_layer_lowers_to_triton():
             .as_text()
         )
         assert text.count("bole_commit_states") >= 1 and 'bole_commit_state"' not in text
+    # a launch holds at most layers_per_launch layers: 3 layers in launches of 2 and 1
+    fn = jax.jit(
+        lambda s, f, a, p, c: commit_states(
+            s, f, a, p, c, backend="pallas", interpret=False, layers_per_launch=2
+        )
+    )
+    text = (
+        fn.trace(states, [factors] * layers, acc, path, count)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    names = re.findall(r'name = "(bole_commit_states?)"', text)
+    assert names == ["bole_commit_states", "bole_commit_state"], names
 
 
 def test_commit_root_only_and_keep():
