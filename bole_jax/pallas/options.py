@@ -75,11 +75,12 @@ class KernelOptions:
     commit_fold: how the Pallas commit adds the accepted path's rows (`commit_launch`): "auto"
       (unrolled fp32 rank-1 updates for a decode step's short paths, else the dot), "unroll",
       "dot" (one TF32x3 tensor-core dot) or "loop" (fp32 rank-1 updates in a loop).
-    fused_commit: the eager bole commit of every GDN layer as ONE Pallas launch on the GPU
-      (`tree_gdn_commit.commit_states`) instead of one launch per layer. Same states (the
-      same per-tile arithmetic); off the GPU each layer takes the jnp reference either way.
-      Measured in the decode loop (one H100, Qwen3.5-9B dims, 24 GDN layers): the commit stage
-      0.172 -> 0.120 ms per step at B = 1, 0.727 -> 0.652 at B = 16 (docs/kernels.md, section 3).
+    fused_commit: the eager bole commit of the GDN layers in few Pallas launches on the GPU
+      (`tree_gdn_commit.commit_states`: up to COMMIT_LAYERS_PER_LAUNCH layers each) instead of
+      one launch per layer. Same states (the same per-tile arithmetic); off the GPU each layer
+      takes the jnp reference either way. Measured in the decode loop with all 24 layers in one
+      launch (one H100, Qwen3.5-9B dims): the commit stage 0.172 -> 0.120 ms per step at B = 1,
+      0.727 -> 0.652 at B = 16 (docs/kernels.md, section 3).
     lazy_rows: how the lazy bole commit keeps its pending commit: "path" (the step's factors and
       accepted path, `PendingPath`: the next verify reads the rows itself, no launch in the
       commit) or "gather" (the path's rows gathered by one launch per GDN layer,
