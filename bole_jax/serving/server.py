@@ -1092,6 +1092,28 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+class _DroppedStreams(logging.Filter):
+    """Keeps uvicorn's "ASGI callable returned without completing response." out of the log for
+    the streams `_EventStream` drops on purpose (it has logged why): one record per drop, counted
+    on the event loop's thread, where both the drop and uvicorn's record happen."""
+
+    MESSAGE = "ASGI callable returned without completing response"
+
+    def __init__(self):
+        super().__init__()
+        self.pending = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pending and record.getMessage().startswith(self.MESSAGE):
+            self.pending -= 1
+            return False
+        return True
+
+
+_DROPPED = _DroppedStreams()
+logging.getLogger("uvicorn.error").addFilter(_DROPPED)
+
+
 class _EventStream(Response):
     """text/event-stream over chunked encoding; the stream is cancelled when the client
     disconnects (its generator's `finally` cancels the requests) or stops reading for
@@ -1130,6 +1152,7 @@ class _EventStream(Response):
                             "a stream's client read nothing for %g s: dropping the connection",
                             self.write_timeout,
                         )
+                        _DROPPED.pending += 1
                         return  # uvicorn closes a connection whose response was left incomplete
                 await write(b"", False)
             finally:
