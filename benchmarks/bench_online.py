@@ -28,7 +28,9 @@ Method:
   Recorded assistant messages (tool calls) enter the history whatever the model generated (the
   tool outputs after them stay true); the others keep the generated text. Greedy by default, so
   the replay is the same in every lossless mode (up to low-precision near-ties). A call over the server's context limit ends its
-  session (counted in `ctx_end`). Each rate replays its own slice of the (seeded) session order;
+  session (counted in `ctx_end`); a call still streaming 5 s after the drain window is cut by the
+  replay (counted in `cut`, not in `errors`). Each rate replays its own slice of the (seeded)
+  session order;
   all modes see the same sessions at the same arrival times. The server, and its prefix cache,
   stays warm from one rate to the next (the same for every mode).
 - TTFT: sent -> first content delta; TPOT: (last delta - first delta) / (completion_tokens - 1);
@@ -213,7 +215,8 @@ def summarize(calls: list[dict], wall_s: float, deltas: dict[str, float] | None 
     row = dict(
         calls=len(calls),
         ok=len(ok),
-        errors=sum(c["error"] is not None and c["status"] != "context" for c in calls),
+        errors=sum(c["error"] is not None and c["status"] not in ("context", "cut") for c in calls),
+        cut=sum(c["status"] == "cut" for c in calls),
         ctx_end=sum(c["status"] == "context" for c in calls),
         wall_s=wall_s,
         req_per_s=len(ok) / wall_s if wall_s > 0 else None,
@@ -294,28 +297,28 @@ def scrape_metrics(url: str) -> dict[str, float]:
 
 
 class Connections:
-    """Open streaming connections, so that a deadline or Ctrl-C can cut them (which also makes
-    the server cancel their requests)."""
+    """The sockets of open streaming calls, so that a deadline or Ctrl-C can cut them (which also
+    makes the server cancel their requests). Sockets, not connections: http.client drops a
+    connection's socket once a response says `Connection: close`, and the response reads on."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._open: set = set()
 
-    def add(self, conn) -> None:
+    def add(self, sock) -> None:
         with self._lock:
-            self._open.add(conn)
+            self._open.add(sock)
 
-    def discard(self, conn) -> None:
+    def discard(self, sock) -> None:
         with self._lock:
-            self._open.discard(conn)
+            self._open.discard(sock)
 
     def close_all(self) -> None:
         with self._lock:
-            conns = list(self._open)
-        for c in conns:
+            socks = list(self._open)
+        for sock in socks:
             try:
-                if c.sock is not None:
-                    c.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -332,7 +335,8 @@ def _sse_events(resp) -> Iterator[str]:
 
 def chat_stream(url: str, body: dict, timeout: float, conns: Connections | None = None) -> dict:
     """One streaming chat completion. Returns timings (seconds, perf_counter), text, usage and
-    status: "ok", "context" (over the server's context limit), "http" or "error"."""
+    status: "ok", "context" (over the server's context limit), "http" or "error" (the replay marks
+    an error of a call it cut at the end of the drain window "cut")."""
     host, port = _split_url(url)
     res = dict(
         t_send=time.perf_counter(),
@@ -349,11 +353,13 @@ def chat_stream(url: str, body: dict, timeout: float, conns: Connections | None 
         chunks=0,
     )
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    if conns is not None:
-        conns.add(conn)
+    sock = None
     try:
         payload = json.dumps(body).encode()
         conn.request("POST", "/v1/chat/completions", payload, {"Content-Type": "application/json"})
+        if conns is not None:
+            sock = conn.sock
+            conns.add(sock)
         resp = conn.getresponse()
         if resp.status != 200:
             err = resp.read().decode("utf-8", "replace")
@@ -399,8 +405,8 @@ def chat_stream(url: str, body: dict, timeout: float, conns: Connections | None 
         res.update(status="error", error=f"{type(e).__name__}: {e}"[:300])
     finally:
         res["t_end"] = time.perf_counter()
-        if conns is not None:
-            conns.discard(conn)
+        if conns is not None and sock is not None:
+            conns.discard(sock)
         conn.close()
     return res
 
@@ -555,6 +561,7 @@ class Replay:
         self.conns = Connections()
         self.started = self.finished = 0
         self.t0 = 0.0
+        self.cut_t: float | None = None  # when the calls still running past the window were cut
 
     def run_session(self, idx: int, s: Session, deadline: float) -> None:
         a = self.a
@@ -579,6 +586,9 @@ class Replay:
                     stream_options={"include_usage": True},
                 )
                 r = chat_stream(self.url, body, a.request_timeout, self.conns)
+                cut = self.cut_t  # read once: set by run() before it closes the connections
+                if r["status"] == "error" and cut is not None and r["t_end"] >= cut:
+                    r.update(status="cut", error="still running at the end of the drain window")
                 rec = dict(
                     session=s.id,
                     arrival=idx,
@@ -661,6 +671,8 @@ class Replay:
                         print(self.progress(), flush=True)
                         next_report += a.progress_interval
                     if now > deadline + 5:  # calls still running past the drain window: cut them
+                        if self.cut_t is None:
+                            self.cut_t = now
                         self.stop.set()
                         self.conns.close_all()
         except BaseException:
@@ -731,6 +743,7 @@ TABLE_COLS = [
     "sessions",
     "ok",
     "errors",
+    "cut",
     "ctx_end",
     "req_per_s",
     "out_tok_per_s",
@@ -766,6 +779,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 "out_tok_per_s",
             )
         }
+        t["cut"] = r.get("cut", 0)  # rows of runs before the column: 0
         for name in ("ttft", "tpot"):
             for p in PCTS:
                 t[f"{name}_p{p}_ms"] = _ms(r[f"{name}_p{p}"])
@@ -926,7 +940,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds after the arrival window for running sessions to finish; calls "
-        "not started by then are dropped (default: max(duration, 30))",
+        "not started by then are dropped, calls still running 5 s later are cut "
+        "(default: max(duration, 30))",
     )
     ap.add_argument("--progress-interval", type=float, default=None, help="seconds (default 15)")
     ap.add_argument("--seed", type=int, default=0)

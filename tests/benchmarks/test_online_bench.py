@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -116,6 +117,8 @@ def test_percentiles_and_summary():
         call(0.1, 0.01, 100, 0, 11),
         call(0.3, 0.03, 300, 200, 21),
         call(0, 0, None, None, 0, status="context"),
+        call(0, 0, None, None, 0, status="cut"),  # still running when the replay's window ended
+        call(0, 0, None, None, 0, status="error"),
     ]
     deltas = bo.metric_deltas(
         {"bole_decode_tokens_total": 10, "bole_decode_slot_steps_total": 5},
@@ -128,7 +131,7 @@ def test_percentiles_and_summary():
         },
     )
     r = bo.summarize(calls, wall_s=2.0, deltas=deltas)
-    assert (r["calls"], r["ok"], r["errors"], r["ctx_end"]) == (3, 2, 0, 1)
+    assert (r["calls"], r["ok"], r["errors"], r["cut"], r["ctx_end"]) == (5, 2, 1, 1, 1)
     assert r["out_tok_per_s"] == 16.0 and r["req_per_s"] == 1.0
     assert r["ttft_p50"] == pytest.approx(0.2) and r["tpot_mean"] == pytest.approx(0.02)
     assert r["prefix_hit_rate"] == 0.5  # 200 of 400 prompt tokens
@@ -164,6 +167,7 @@ class _StubHandler(BaseHTTPRequestHandler):
     has more than `limit` messages."""
 
     limit = 99
+    stall = 0.0  # seconds to wait after the first token (a call the replay has to cut)
     seen: list = []
 
     def log_message(self, *args):
@@ -201,15 +205,17 @@ class _StubHandler(BaseHTTPRequestHandler):
                 },
             },
         ]
-        for e in events:
+        for i, e in enumerate(events):
             self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
             self.wfile.flush()
+            if i == 1 and self.stall:
+                time.sleep(self.stall)
         self.wfile.write(b"data: [DONE]\n\n")
 
 
 @pytest.fixture
 def stub():
-    handler = type("H", (_StubHandler,), {"seen": [], "limit": 99})
+    handler = type("H", (_StubHandler,), {"seen": [], "limit": 99, "stall": 0.0})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
@@ -348,3 +354,34 @@ def test_preset_and_simulated_acceptance_reach_every_server():
             bo.resolve_args(a)
     with pytest.raises(SystemExit):  # one source of weights
         bo.build_parser().parse_args(["--model", "DIR", "--preset", "tiny"])
+
+
+def test_calls_cut_at_the_end_of_the_window_are_not_errors(stub):
+    """A call still streaming 5 s past the drain window is cut by the replay: counted as "cut",
+    not as a server error."""
+    url, handler = stub
+    handler.stall = 30.0
+    s = bo.Session(
+        "x/2",
+        "test",
+        "SYS",
+        [{"role": "user", "content": "u"}] * 1 + [{"role": "assistant", "content": None}],
+    )
+    a = SimpleNamespace(
+        max_calls=None,
+        max_tokens=3,
+        temperature=0.0,
+        request_timeout=60,
+        think_time=0.0,
+        duration=0.2,
+        drain_timeout=0.3,
+        progress_interval=60,
+    )
+    t0 = time.perf_counter()
+    calls, wall = bo.Replay(url, a, "t").run([s], [0.0])
+    assert time.perf_counter() - t0 < 20
+    assert [(c["status"], c["error"]) for c in calls] == [
+        ("cut", "still running at the end of the drain window")
+    ]
+    row = bo.summarize(calls, wall)
+    assert (row["ok"], row["errors"], row["cut"]) == (0, 0, 1)
