@@ -224,6 +224,12 @@ def stub():
     srv.server_close()
 
 
+def _replay_args(**kw):
+    """The replay's settings (bench_online's argparse namespace) for a stub server."""
+    base = dict(max_calls=None, max_tokens=3, temperature=0.0, think_time=0.0, progress_interval=60)
+    return SimpleNamespace(**base, **kw)
+
+
 def test_chat_stream_and_session_replay(stub):
     url, handler = stub
     r = bo.chat_stream(url, {"messages": [{"role": "user", "content": "hi"}]}, timeout=10)
@@ -244,16 +250,7 @@ def test_chat_stream_and_session_replay(stub):
             {"role": "assistant", "content": None},
         ],
     )
-    a = SimpleNamespace(
-        max_calls=None,
-        max_tokens=3,
-        temperature=0.0,
-        request_timeout=10,
-        think_time=0.0,
-        duration=1.0,
-        drain_timeout=10.0,
-        progress_interval=60,
-    )
+    a = _replay_args(request_timeout=10, duration=1.0, drain_timeout=10.0)
     handler.limit = 5  # the third call (6 messages with the system prompt) is over the limit
     calls, wall = bo.Replay(url, a, "t").run([s], [0.0])
     assert [c["status"] for c in calls] == ["ok", "ok", "context"]
@@ -367,16 +364,7 @@ def test_calls_cut_at_the_end_of_the_window_are_not_errors(stub):
         "SYS",
         [{"role": "user", "content": "u"}] * 1 + [{"role": "assistant", "content": None}],
     )
-    a = SimpleNamespace(
-        max_calls=None,
-        max_tokens=3,
-        temperature=0.0,
-        request_timeout=60,
-        think_time=0.0,
-        duration=0.2,
-        drain_timeout=0.3,
-        progress_interval=60,
-    )
+    a = _replay_args(request_timeout=60, duration=0.2, drain_timeout=0.3)
     t0 = time.perf_counter()
     calls, wall = bo.Replay(url, a, "t").run([s], [0.0])
     assert time.perf_counter() - t0 < 20
