@@ -12,6 +12,12 @@ is not a dependency of this project) and that Triton's `ptxas` / `cuobjdump`:
 `--kernel commit` compiles the selected-state commit (`tree_gdn_commit.commit_state_pallas`) instead,
 with the accepted path handed in as the decode step does; --config then takes its launch
 (`{"block_v": null, "num_warps": 4, "fold": "auto"}`, the defaults: `tree_gdn_commit.commit_launch`).
+`--kernel commit_states --layers L` compiles one launch of the eager commit of L GDN layers
+(`commit_states_pallas`, a switch over L copies of the commit; `--hv 48` for Qwen3.5-27B's value
+heads), printing how long Triton and ptxas took:
+
+    python benchmarks/profile/offline_compile.py --triton-python PY --kernel commit_states \
+        --layers 8 --hv 48 --B 32 --N 16
 
 Prints shared memory, registers, spill bytes, the SASS instruction count and its most frequent
 opcodes. A proxy only: the Triton version differs from XLA's (with Triton 3.6 here, XLA's
@@ -32,6 +38,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -148,39 +155,43 @@ def _lower(b: int, n: int, cfg, pending):
     return _lower_fn(f, q, q, v, g, g, state, parents, pend)
 
 
-def _lower_commit(b: int, n: int, commit_cfg: dict):
-    """As `_lower`, for the commit kernel: factors of bench_tree_gdn's dims, the accepted path
-    handed in ([B, MAX_DEPTH] node ids and their count, as a decode step passes them)."""
+def _lower_commit(b: int, n: int, commit_cfg: dict, layers: int | None = None, hv=None):
+    """As `_lower`, for the commit kernel: factors of bench_tree_gdn's dims (`hv` value heads if
+    given), the accepted path handed in ([B, MAX_DEPTH] node ids and their count, as a decode
+    step passes them). `layers`: one launch of that many layers (`commit_states_pallas`)."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.bench_tree_gdn import DK, DV, HK, HV, MAX_DEPTH
     from bole_jax.pallas.factors import TreeFactors
-    from bole_jax.pallas.tree_gdn_commit import commit_state_pallas
+    from bole_jax.pallas.tree_gdn_commit import commit_state_pallas, commit_states_pallas
 
+    hv = hv or HV
     sd = jax.ShapeDtypeStruct
     fac = TreeFactors(
         k=sd((b, n, HK, DK), jnp.bfloat16),
-        u=sd((b, n, HV, DV), jnp.float32),
-        gamma=sd((b, n, HV), jnp.float32),
+        u=sd((b, n, hv, DV), jnp.float32),
+        gamma=sd((b, n, hv), jnp.float32),
         k_scale=sd((b, n, HK), jnp.float32),
     )
     i32 = jnp.int32
+    state = sd((b, hv, DK, DV), jnp.float32)
+    path, per_req = sd((b, min(MAX_DEPTH, n)), i32), sd((b,), i32)
+    if layers is not None:
+
+        def fs(states, facs, accepted, path, count):
+            return commit_states_pallas(
+                states, facs, accepted, path, count, layers_per_launch=layers, **commit_cfg
+            )
+
+        return _lower_fn(fs, [state] * layers, [fac] * layers, per_req, path, per_req)
 
     def f(state, fac, parents, accepted, path, count):
         return commit_state_pallas(
             state, fac, parents, accepted, path=path, count=count, **commit_cfg
         )
 
-    return _lower_fn(
-        f,
-        sd((b, HV, DK, DV), jnp.float32),
-        fac,
-        sd((b, n), i32),
-        sd((b,), i32),
-        sd((b, min(MAX_DEPTH, n)), i32),
-        sd((b,), i32),
-    )
+    return _lower_fn(f, state, fac, sd((b, n), i32), per_req, path, per_req)
 
 
 def _lower_pernode(b: int, n: int, cfg):
@@ -383,7 +394,11 @@ def main(argv=None):
     )
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--N", type=int, default=64)
-    ap.add_argument("--kernel", choices=("verify", "commit", "pernode"), default="verify")
+    ap.add_argument(
+        "--kernel", choices=("verify", "commit", "commit_states", "pernode"), default="verify"
+    )
+    ap.add_argument("--layers", type=int, default=8, help="--kernel commit_states: layers")
+    ap.add_argument("--hv", type=int, default=None, help="commit kernels: value heads")
     ap.add_argument(
         "--config",
         default="{}",
@@ -416,7 +431,7 @@ def main(argv=None):
         if args.kernel == "pernode":
             cfg = PernodeConfig(**json.loads(args.config))
             num_warps, num_stages, stem = cfg.num_warps, cfg.num_stages, "tree_pernode_verify"
-        elif args.kernel == "commit":
+        elif args.kernel in ("commit", "commit_states"):
             cfg = commit_config(json.loads(args.config))
             num_warps, num_stages, stem = cfg["num_warps"], 1, "bole_commit_state"
         else:
@@ -441,7 +456,9 @@ def main(argv=None):
     if args.lineinfo:
         _attribute_helpers_to_callers()
     if args.kernel == "commit":
-        modules, launches = _lower_commit(args.B, args.N, cfg)
+        modules, launches = _lower_commit(args.B, args.N, cfg, hv=args.hv)
+    elif args.kernel == "commit_states":
+        modules, launches = _lower_commit(args.B, args.N, cfg, args.layers, args.hv)
     elif args.kernel == "pernode":
         modules, launches = _lower_pernode(args.B, args.N, cfg)
     else:
@@ -449,7 +466,7 @@ def main(argv=None):
     for i, (module, launch) in enumerate(zip(modules, launches)):
         name = stem + (f"_{i}" if len(modules) > 1 else "")
         text = with_source_locations(module) if args.lineinfo else strip_locations(module)
-        shared, params, scratch = _compile_one(
+        shared, params, scratch, seconds = _compile_one(
             args.triton_python, text, os.path.join(out, name), num_warps, num_stages, args.lineinfo
         )
         manifest = dict(
@@ -464,7 +481,9 @@ def main(argv=None):
             B=args.B,
             N=args.N,
             pending=args.pending,
-            config=cfg if args.kernel == "commit" else dataclasses.asdict(cfg),
+            config=cfg if args.kernel.startswith("commit") else dataclasses.asdict(cfg),
+            layers=args.layers if args.kernel == "commit_states" else None,
+            **seconds,
             lineinfo=args.lineinfo,
             **launch,
         )
@@ -493,11 +512,13 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     ttir, ptx, cubin = (f"{stem}.{e}" for e in ("ttir", "ptx", "cubin"))
     with open(ttir, "w") as f:
         f.write(ttir_text)
+    t0 = time.perf_counter()
     res = subprocess.run(
         [triton_python, "-c", _COMPILE, ttir, str(num_warps), str(num_stages), ptx],
         capture_output=True,
         text=True,
     )
+    t1 = time.perf_counter()
     if res.returncode:
         sys.exit(f"Triton compile failed:\n{res.stderr[-3000:]}")
     scratch, shared, bin_dir = res.stdout.split()[-3:]
@@ -529,6 +550,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
         capture_output=True,
         text=True,
     )
+    t2 = time.perf_counter()
     if ptxas.returncode:
         sys.exit(f"ptxas failed:\n{ptxas.stderr[-3000:]}")
     info = " ".join(
@@ -542,12 +564,17 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     with open(f"{stem}.sass", "w") as f:
         f.write(sass)
     ops = sass_opcodes(sass)
-    print(f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info}")
+    seconds = dict(triton_s=t1 - t0, ptxas_s=t2 - t1)
+    print(
+        f"[{os.path.basename(stem)}] shared {int(shared)} bytes | {info} | Triton "
+        f"{seconds['triton_s']:.1f} s (its Python's start-up included), ptxas "
+        f"{seconds['ptxas_s']:.1f} s"
+    )
     print(
         f"SASS {len(ops)} instructions; top: "
         + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10))
     )
-    return int(shared), params, int(scratch)
+    return int(shared), params, int(scratch), seconds
 
 
 def sass_opcodes(sass: str) -> list[str]:

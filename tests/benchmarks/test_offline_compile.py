@@ -202,3 +202,19 @@ def test_ncu_lines_sums_per_source_line():
         ("tree_gdn.py", 7): {"smsp__pcsamp_sample_count": 7.0, "inst_executed": 1.0},
         ("tree_gdn.py", 9): {"smsp__pcsamp_sample_count": 5.0, "inst_executed": 2.0},
     }
+
+
+def test_commit_states_module_holds_each_layer():
+    """`--kernel commit_states`: one launch of L layers lowered for cuda, its grid led by the layer
+    axis, (gamma, k, k_scale, u, state) of every layer among the operands; the module grows with
+    L (a copy of the commit per layer)."""
+    cfg = offline_compile.commit_config({})
+    sizes = {}
+    for layers in (1, 3):
+        (raw,), (launch,) = offline_compile._lower_commit(4, 9, cfg, layers, hv=48)
+        text = offline_compile.strip_locations(raw)
+        assert text.startswith("module @bole_commit_state")
+        assert launch["grid"][-2:] == [48, 4] and len(launch["grid"]) == 3 + (layers > 1)
+        assert len(launch["inputs"]) == 3 + 5 * layers and len(launch["outputs"]) == layers
+        sizes[layers] = len(text)
+    assert sizes[3] > 2 * sizes[1]
