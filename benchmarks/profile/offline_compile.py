@@ -517,6 +517,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
         [triton_python, "-c", _COMPILE, ttir, str(num_warps), str(num_stages), ptx],
         capture_output=True,
         text=True,
+        env=dict(os.environ, TRITON_ALWAYS_COMPILE="1"),  # a compile, not Triton's cache, timed
     )
     t1 = time.perf_counter()
     if res.returncode:
@@ -539,7 +540,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
             )
     ptxas = subprocess.run(
         [
-            os.path.join(bin_dir, "ptxas"),
+            _ptxas(bin_dir),
             "-arch=sm_90a",
             "-v",
             *(["-lineinfo"] if lineinfo else []),
@@ -554,7 +555,7 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
     if ptxas.returncode:
         sys.exit(f"ptxas failed:\n{ptxas.stderr[-3000:]}")
     info = " ".join(
-        line.split("ptxas info    :")[-1].strip()
+        re.split(r"ptxas(?:-blackwell)? info\s*:", line)[-1].strip()
         for line in ptxas.stderr.splitlines()
         if "registers" in line or "spill" in line
     )
@@ -575,6 +576,13 @@ def _compile_one(triton_python, ttir_text, stem, num_warps, num_stages, lineinfo
         + ", ".join(f"{op} {c}" for op, c in collections.Counter(ops).most_common(10))
     )
     return int(shared), params, int(scratch), seconds
+
+
+def _ptxas(bin_dir: str) -> str:
+    """The ptxas of the separate Triton: newer Tritons write PTX that only the CUDA 13 ptxas they
+    ship as `ptxas-blackwell` reads (Triton 3.9: PTX 9.4; its `ptxas` is CUDA 12.8's)."""
+    newer = os.path.join(bin_dir, "ptxas-blackwell")
+    return newer if os.path.exists(newer) else os.path.join(bin_dir, "ptxas")
 
 
 def sass_opcodes(sass: str) -> list[str]:
