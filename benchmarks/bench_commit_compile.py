@@ -11,9 +11,11 @@ such, not waited for):
 
 - lower_s / compile_s: tracing and XLA compile of a jitted commit of every layer (states
   donated, as the decode step runs it), per batch size;
-- us: device time of one commit of every layer (median of --reps calls);
-- err: the largest relative error of any layer's new state against the jnp reference commit
-  (the first batch size; fresh random factors, requests accepting different depths).
+- us: wall time of one commit of every layer, waited for (median of --reps calls; the state
+  donated from one call to the next, as in the decode loop);
+- err: the largest relative error (`bench_tree_gdn.rel`) of any layer's new state against the
+  jnp reference commit (the first batch size; fresh random factors, requests accepting
+  different depths).
 
 Prints a table and writes <out>/bench_commit_compile.json (command, git commit, GPU, jax version,
 every number).
@@ -73,6 +75,7 @@ def run_one(args) -> dict:
     import jax
     import numpy as np
 
+    from benchmarks.bench_tree_gdn import rel
     from bole_jax.pallas import tree_gdn_commit as tgc
 
     interpret = args.cpu_dry_run
@@ -97,12 +100,8 @@ def run_one(args) -> dict:
         row = dict(batch=b, lower_s=t1 - t0, compile_s=t2 - t1)
         if bi == 0:  # against the jnp reference, layer by layer
             want = tgc.commit_states(states, factors, acc, path, count, backend="reference")
-            want = [np.asarray(w) for w in want]
             got = comp([jax.numpy.copy(s) for s in states], factors, acc, path, count)
-            row["err"] = max(
-                float(np.abs(np.asarray(g) - w).max() / (np.abs(w).max() + 1e-30))
-                for g, w in zip(got, want)
-            )
+            row["err"] = max(rel(g, w) for g, w in zip(got, want))
         ts = []
         cur = states
         for i in range(args.warmup + args.reps):
