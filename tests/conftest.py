@@ -26,6 +26,12 @@ os.environ["XLA_FLAGS"] = (
     "--xla_llvm_disable_expensive_passes=true " + os.environ.get("XLA_FLAGS", "")
 ).strip()
 
+# The fresh random inputs of the kernel tests: one seed per test run, drawn here and shared by
+# every process of the run (pytest-xdist workers inherit the variable, so they collect the same
+# test ids); BOLE_JAX_TESTS_SEED=N repeats a run's inputs (the seed is in the test ids).
+os.environ.setdefault("BOLE_JAX_TESTS_SEED", str(int.from_bytes(os.urandom(4), "little")))
+RUN_SEED = int(os.environ["BOLE_JAX_TESTS_SEED"])
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -129,8 +135,14 @@ def wait_until_healthy(proc, url: str, log, timeout: float, poll: float = 0.25) 
     pytest.fail("the server did not start:\n" + log.read_text())
 
 
+def pytest_report_header(config):
+    return f"BOLE_JAX_TESTS_SEED={RUN_SEED}"
+
+
 def pytest_collection_finish(session):
-    if session.config.option.collectonly:
+    # Under pytest-xdist every worker collects every test but runs only some: the tests start
+    # their subprocesses themselves when they run (each background module has that fallback).
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     selected = {}
     for item in session.items:

@@ -7,12 +7,11 @@ lengths, several splits with an empty last split, and bf16; a lowering test buil
 for the GPU. Through the model, the kernel's greedy tokens equal the reference's.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax import LLM, ModelConfig
 from bole_jax.model import forward, init_cache, init_params
@@ -22,7 +21,6 @@ from bole_jax.pallas.testing import random_attention_inputs
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 SEEDS = [0, RUN_SEED]
 
 

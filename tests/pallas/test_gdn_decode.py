@@ -5,13 +5,12 @@ lowering test builds the Triton IR for the GPU. Random inputs are fresh every ru
 in failure messages) plus a fixed seed.
 """
 
-import os
-
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.model import layers
 from bole_jax.model.cache import GDNCache
@@ -20,7 +19,6 @@ from bole_jax.pallas.gdn_decode import gdn_decode, gdn_decode_reference
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 SEEDS = [0, RUN_SEED]
 
 

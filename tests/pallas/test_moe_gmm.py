@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.model import ModelConfig, layers
 from bole_jax.pallas import moe_gmm
 from bole_jax.pallas.moe_gmm import GMMConfig, gmm, gmm_ref, group_layout
 
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 SEEDS = [0, RUN_SEED]
 TOL = {np.float32: 2e-6, jnp.bfloat16: 1e-2}  # bf16: output rounding and summation order
 

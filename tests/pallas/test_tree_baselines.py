@@ -1,11 +1,10 @@
 """TREE-PERNODE and CHAIN baselines (Pallas, interpret mode) vs the sequential reference."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref, tree_pernode
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
@@ -13,8 +12,6 @@ from bole_jax.pallas.tree_pernode import PernodeConfig
 from bole_jax.pallas.tree_utils import dfs_order, tree_structure
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 
 
 def rel(a, b):

@@ -1,16 +1,13 @@
 """Tree causal conv: jnp reference and Pallas kernel (interpret mode) vs a naive per-node loop."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_conv
 from bole_jax.pallas.testing import random_trees
-
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 
 
 def rel(a, b):

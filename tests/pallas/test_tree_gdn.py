@@ -7,12 +7,12 @@ in every failure message) plus fixed seeds.
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_gdn_ref as ref
 from bole_jax.pallas.factors import PendingCommit, PendingPath, TreeFactors
@@ -30,7 +30,6 @@ from bole_jax.pallas.tree_utils import accepted_path, check_parents, tree_struct
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 SEEDS = [0, RUN_SEED]
 sequential = ref.tree_gdn_sequential
 closed_form = ref.tree_gdn_closed_form

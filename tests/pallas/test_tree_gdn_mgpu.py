@@ -2,12 +2,11 @@
 Mosaic GPU interpret mode on the CPU. Needs jax >= 0.11 (the GPU image's version); skipped under
 0.10.2, whose interpret mode cannot run the kernel (docs/kernels.md section 2b)."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_gdn_mgpu, tree_gdn_ref
 from bole_jax.pallas.factors import PendingCommit
@@ -18,8 +17,6 @@ from bole_jax.pallas.tree_utils import tree_structure
 pytestmark = pytest.mark.skipif(
     not tree_gdn_mgpu.AVAILABLE, reason=tree_gdn_mgpu.UNAVAILABLE_REASON or "unavailable"
 )
-
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 
 
 def rel(a, b):

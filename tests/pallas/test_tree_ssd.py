@@ -6,12 +6,11 @@ lowering test builds the Triton IR for the GPU. Random inputs are fresh every ru
 every failure message) plus a fixed seed. Kept small: CI runs it on 2 cores.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_ssd_ref as ref
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
@@ -21,7 +20,6 @@ from bole_jax.pallas.tree_utils import tree_structure
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 SEEDS = [0, RUN_SEED]
 
 

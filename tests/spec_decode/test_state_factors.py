@@ -1,13 +1,13 @@
 """Selected-state commit from factors: every possible accepted node (and -1) against the state
 the per-branch recurrence reaches; conv-state commit against the per-node windows."""
 
-import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import RUN_SEED
 
 from bole_jax.pallas import tree_conv, tree_gdn_ref
 from bole_jax.pallas.testing import random_gdn_inputs, random_trees
@@ -15,8 +15,6 @@ from bole_jax.pallas.tree_gdn_commit import commit_state, commit_states
 from bole_jax.spec_decode.state_factors import accepted_path, commit_conv_state
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-RUN_SEED = int.from_bytes(os.urandom(4), "little")
 
 
 def rel(a, b):
