@@ -281,7 +281,11 @@ class LLM:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         validate_sampling(temperature, top_p, top_k)
-        mode = calibrate_mod.decode_mode(self, spec, min(len(prompts), self.max_batch_size))
+        ids = self._encode(prompts)
+        # The mode for the batch bucket and the context it decodes at (a table timed at long
+        # contexts can choose ar there): the KV capacity the longest request needs.
+        kv = _pow2(max(map(len, ids)) + max_new_tokens + 1, lo=64)
+        mode = calibrate_mod.decode_mode(self, spec, min(len(prompts), self.max_batch_size), kv)
         if mode != "ar":
             # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
             spec_cfg = self._spec_config(mode, _pow2(min(len(prompts), self.max_batch_size)))
@@ -294,7 +298,6 @@ class LLM:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        ids = self._encode(prompts)
         max_context = max_context or self.cfg.max_position_embeddings
         for i, t in enumerate(ids):
             if len(t) + max_new_tokens > max_context:

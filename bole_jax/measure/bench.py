@@ -804,7 +804,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen, longest=None) -
         run_ar = run_ar and ("ar" in only.get(b, ()) or (p is not None and bool(spec_modes)))
     dtype = params["embed"].dtype
     longest = longest or max(map(len, ids))
-    kv_guess = 1 << (longest + gen).bit_length()
+    # the KV capacity the table's choice is looked up at: --context's (filled) when given
+    kv_guess = getattr(a, "context", None) or 1 << (longest + gen).bit_length()
     nv = (
         int(params["mtp"]["draft_ids"].shape[0])
         if draft_vocab_mod.has_draft_vocab(params)

@@ -272,6 +272,23 @@ def check_calibration_args(batch_buckets, node_buckets, depths, *, steps=16, war
     )
 
 
+def check_contexts(contexts: Sequence[int]) -> tuple[int, ...]:
+    """Validated, sorted filled-context KV capacities (powers of two >= 64)."""
+    vals = list(contexts or ())
+    bad = [
+        v
+        for v in vals
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 64 or v & (v - 1)
+    ]
+    if bad:
+        raise ValueError(f"contexts: KV capacities must be powers of two >= 64, got {bad}")
+    return tuple(sorted(set(int(v) for v in vals)))
+
+
+def _pow2(n: int) -> int:
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
 # ---------------------------------------------------------------- the measurement
 
 
@@ -314,6 +331,7 @@ def calibrate(
     seed: int = 0,
     prompts: Sequence[str] | None = None,
     prompts_source: str | None = None,
+    contexts: Sequence[int] = (),
 ) -> dict:
     """Time whole decode steps of every candidate and estimate their acceptance (module docstring).
 
@@ -331,11 +349,19 @@ def calibrate(
       The table's choice weighs step time against acceptance, and the acceptance of a tree over
       a chain depends on the text (docs/budget.md, "Which prompts"); trailing whitespace is
       stripped (`prompt_token_ids`). prompts_source: recorded in the table.
+    contexts: KV capacities (powers of two, above the calibration's own) to time every batch
+      bucket at as well: each request's KV cache is filled to that many tokens (its prompt,
+      filler rows that attention reads like real context, then the generation, as `bole-jax
+      bench --context`), and the entry records `context`. A step's attention and the drafter's
+      read the whole context, so the choice there can differ (ar where a tree wins at short
+      contexts); `budget.choose(kv=...)` looks it up. Only step times come from these runs: the
+      acceptance is measured at the calibration's own context (the filler is not text).
     Returns the table (JSON-ready dict: `format_table` prints it, `save_table` writes it).
     """
     batch_buckets, node_buckets, depths = check_calibration_args(
         batch_buckets, node_buckets, depths, steps=steps, warm=warm
     )
+    contexts = check_contexts(contexts)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     ks = [topk] if isinstance(topk, (int, np.integer)) else list(topk)
@@ -357,51 +383,76 @@ def calibrate(
     ids_all = _prompt_ids(llm, prompt_len, synthetic, seed, prompts)
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     gen = 1 + (warm + repeats * steps) * (max(depths) + 1)  # no request finishes while timed
+    if contexts:  # each one above the own context's capacity at every batch (nothing run yet)
+        for b in batch_buckets:
+            ids = [ids_all[i % len(ids_all)] for i in range(b)]
+            own = _pow2(_own_need(ids, gen, _bucket_llms(llm, cands, b, accept_prob, backend)[2]))
+            if contexts[0] <= own:
+                raise ValueError(
+                    f"contexts: {contexts[0]} is not above the calibration's own KV capacity "
+                    f"({own} at batch {b}: the prompts, {gen} generated tokens and the tree's "
+                    "rows); give a larger power of two"
+                )
     entries, acc = [], {}
-    bar = progress_bar(len(batch_buckets) * len(cands), "calibrate", "prog") if progress else None
+    # (batch, filled context or None): the calibration's own context first, for every batch
+    buckets = [(b, None) for b in batch_buckets] + [(b, L) for L in contexts for b in batch_buckets]
+    bar = progress_bar(len(buckets) * len(cands), "calibrate", "prog") if progress else None
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
         # Every bucket is prefilled and lowered first and all programs compile together in the
         # pool (one bucket at a time left most workers idle: 7 programs per bucket, 4 buckets of
         # about 70 s compiles each at 9B dims, 365 s in all on a 16-core host); then the buckets
         # are timed in order, with no compilation running beside a timed loop.
-        prepared = []  # (batch, prepared bucket or None: past the time budget)
-        for b in batch_buckets:
+        prepared = []  # (batch, context, prepared bucket or None: past the time budget)
+        for b, ctx in buckets:
             if deadline is not None and time.perf_counter() > deadline and prepared:
                 # Past the budget: no prefill, lowering or compilation for this bucket (its
                 # compilations would run on in the pool's threads, which the process waits for at
                 # exit: Qwen3.5-9B dims, four buckets, --time-budget 170 once ran 345 s). Its
                 # candidates are listed untimed, so the table chooses nothing there rather than
                 # another bucket's choice.
-                prepared.append((b, None))
+                prepared.append((b, ctx, None))
                 continue
             ids = [ids_all[i % len(ids_all)] for i in range(b)]
-            prepared.append((b, _prepare_bucket(llm, ids, cands, gen, accept_prob, backend, pool)))
-        jobs = [f for _, prep in prepared if prep is not None for f in prep["jobs"].values()]
+            prep = _prepare_bucket(llm, ids, cands, gen, accept_prob, backend, pool, ctx)
+            if ctx is not None:
+                # A filled context's caches wait in host memory for their turn (all of them on
+                # the device at once: 85 requests x 16k tokens at 9B dims are 42 GiB).
+                from bole_jax.measure.bench import park_on_host
+
+                prep["base"] = park_on_host({0: prep["base"]}).get(0, prep["base"])
+            prepared.append((b, ctx, prep))
+        jobs = [f for _, _, prep in prepared if prep is not None for f in prep["jobs"].values()]
         concurrent.futures.wait(
             jobs, timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0)
         )
         settle_compiles(jobs)
-        first = next((prep for _, prep in prepared if prep is not None), None)
+        first = next((prep for _, _, prep in prepared if prep is not None), None)
         if first is not None:
             _warm_device(first, cands[0], cfg, params, warm)
         kv = None
-        for k, (b, prep) in enumerate(prepared):
+        for k, (b, ctx, prep) in enumerate(prepared):
             if prep is None:
                 entry = dict(
                     batch=b,
-                    kv=kv,
+                    kv=kv if ctx is None else ctx,
                     candidates=[dict(c, note="skipped (time budget)") for c in cands],
                 )
                 if bar is not None:
                     bar.update(len(cands))
             else:
+                from bole_jax.measure.bench import unpark
+
+                prep = dict(prep, base=unpark(prep["base"]))
                 entry, measured = _time_bucket(llm, prep, cands, warm, steps, repeats, bar)
-                prepared[k] = (b, None)  # its states and programs are no longer needed
-                kv = entry["kv"]
-                for cid, (toks, nsteps) in measured.items():
-                    t0, s0 = acc.get(cid, (0, 0))
-                    acc[cid] = (t0 + toks, s0 + nsteps)
+                prepared[k] = (b, ctx, None)  # its states and programs are no longer needed
+                if ctx is None:
+                    kv = entry["kv"]
+                    for cid, (toks, nsteps) in measured.items():  # text, not filler: acceptance
+                        t0, s0 = acc.get(cid, (0, 0))
+                        acc[cid] = (t0 + toks, s0 + nsteps)
+            if ctx is not None:
+                entry["context"] = ctx
             entries.append(entry)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -452,6 +503,7 @@ def calibrate(
         repeats=repeats,
         warm=warm,
         batch_buckets=list(batch_buckets),
+        contexts=list(contexts),
         node_buckets=list(node_buckets),
         depths=list(depths),
         topk=topk if isinstance(topk, int) else sorted({int(k) for k in topk}),
@@ -474,13 +526,10 @@ def _with_choices(table: dict) -> dict:
     return table
 
 
-def _prepare_bucket(llm, ids, cands, gen, p, backend, pool) -> dict:
-    """One batch bucket's shared prefill, and every candidate's program lowered here (tracing
-    holds the GIL) and submitted to `pool` for compilation. Returns the bucket's base state, its
-    LLMs, specs and compile futures."""
-    cfg, params = llm.cfg, llm.params
-    b = len(ids)
-    mk = type(llm)
+def _bucket_llms(llm, cands, b, p, backend):
+    """Per candidate of a batch bucket of `b`: its LLM (sharing the weights), its SpecConfig (spec
+    modes), and the KV rows its tree writes past the committed tokens (`slack`; 0 for ar)."""
+    cfg, params, mk = llm.cfg, llm.params, type(llm)
     llms, specs = {}, {}
     for c in cands:
         cid = candidate_id(c)
@@ -497,20 +546,43 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool) -> dict:
         llms[cid] = mk(cfg, params=params, max_batch_size=b, spec_options=opts)
         specs[cid] = llms[cid]._spec_config(c["mode"], b)
     slack = {cid: specs[cid].slack if cid in specs else 0 for cid in llms}
+    return llms, specs, slack
+
+
+def _own_need(ids, gen: int, slack: dict) -> int:
+    """KV rows a bucket's requests need at the calibration's own context (start_batch sizes its
+    capacity as the next power of two, 64 at least)."""
+    return max(map(len, ids)) + gen + max(slack.values()) + 1
+
+
+def _prepare_bucket(llm, ids, cands, gen, p, backend, pool, context=None) -> dict:
+    """One batch bucket's shared prefill, and every candidate's program lowered here (tracing
+    holds the GIL) and submitted to `pool` for compilation. Returns the bucket's base state, its
+    LLMs, specs and compile futures. context: each request's KV cache holds that many tokens (a
+    power of two): its prompt, filler rows counted as committed context, then the generation."""
+    cfg, params = llm.cfg, llm.params
+    b = len(ids)
+    llms, specs, slack = _bucket_llms(llm, cands, b, p, backend)
     base_id = max(llms, key=lambda k: specs[k].shape.draft_slots if k in specs else -1)
     base_mode = next(c["mode"] for c in cands if candidate_id(c) == base_id)
     oracle = None
     if p is not None and base_mode != "ar":  # the synthetic drafter forces random chains
         rng = np.random.default_rng(b)
         oracle = rng.integers(1, cfg.vocab_size, (b, gen + 1)).tolist()
+    # filled context: start_batch's capacity is then exactly `context` (checked in `calibrate`)
+    fill = 0 if context is None else context - _own_need(ids, gen, slack)
     base = llms[base_id].start_batch(
         ids,
         gen,
         mode=base_mode,
         spec_batch=b,
         oracle=oracle,
-        extra_capacity=max(slack.values()) - slack[base_id],
+        extra_capacity=max(slack.values()) - slack[base_id] + fill,
     )
+    if fill:  # the filler rows count as committed context (as `bole-jax bench --context`)
+        base = dataclasses.replace(
+            base, cache=dataclasses.replace(base.cache, lengths=base.cache.lengths + fill)
+        )
     base = ignore_eos(base)  # batches stay full, as in the bench
     jax.block_until_ready(base)
     jobs = {}
@@ -626,15 +698,17 @@ def format_table(table: dict) -> str:
     for e in table["entries"]:
         ranked = {candidate_id(c): c for c in budget.rank_candidates(table, e)}
         best = next(iter(ranked), None)
+        # entries timed over a filled long context: "16 @16384"
+        bucket = str(e["batch"]) + (f" @{e['context']}" if e.get("context") else "")
         for c in e["candidates"]:
             cid = candidate_id(c)
             r = ranked.get(cid)
             if r is None:
-                rows.append([str(e["batch"]), cid, "-", "-", "-", c.get("note", "")])
+                rows.append([bucket, cid, "-", "-", "-", c.get("note", "")])
                 continue
             rows.append(
                 [
-                    str(e["batch"]),
+                    bucket,
                     cid,
                     f"{r['step_ms']:.3g}",
                     f"{r['tokens_per_step']:.2f}",
@@ -648,6 +722,7 @@ def format_table(table: dict) -> str:
     lines.append(
         "tok/step: acceptance (tokens per request per step, pooled over the buckets); "
         "tok/s = batch * tok/step / step time; chosen: the most tok/s"
+        + ("; B @L: each request's KV filled to L tokens" if table.get("contexts") else "")
     )
     eos = [
         (e["batch"], k)
@@ -841,12 +916,15 @@ def ensure_table(llm, batch: int) -> tuple[dict | None, str]:
     return budget.find_table(llm.cfg, dtype, model_dir=llm.path, identity=budget.llm_identity(llm))
 
 
-def decode_mode(llm, spec: str | None, batch: int) -> str:
+def decode_mode(llm, spec: str | None, batch: int, kv: int | None = None) -> str:
     """The mode `LLM.generate(spec=...)` decodes a batch of `batch` requests with.
 
     spec given: that mode (its tree shape comes from the table, `budget.spec_options_for`). None:
     the table's choice for the batch bucket (any of ar / chain / bole, whichever is expected
     fastest; the table made on first use where `auto_enabled`), else ar (`budget.untabled_mode`).
+    kv: the KV capacity the batch decodes at, which picks the table's KV bucket (`budget.choose`:
+    a table with long-context entries, `calibrate(contexts=...)`, can choose ar there and a
+    tree at short contexts); None: the calibration's own context.
     A model without an MTP head decodes ar; explicit tree options (num_nodes / budget) or the
     synthetic drafter without `spec` mean bole, as before tables chose modes."""
     has_mtp = bool(llm.cfg.mtp_num_layers) and "mtp" in llm.params
@@ -865,6 +943,7 @@ def decode_mode(llm, spec: str | None, batch: int) -> str:
         batch,
         calibration=opts.get("calibration"),
         model_dir=llm.path,
+        kv=kv,
         mode=None,
         identity=budget.llm_identity(llm),
         command=budget.llm_command(llm),

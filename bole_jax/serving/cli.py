@@ -376,6 +376,7 @@ def _cmd_calibrate(args) -> int:
     batches = args.batch or ([1] if cpu else list(calibrate.DEFAULT_BATCHES))
     nodes = args.nodes or list(calibrate.CPU_NODES if cpu else calibrate.DEFAULT_NODES)
     calibrate.check_calibration_args(batches, nodes, args.depth, steps=args.steps, warm=args.warm)
+    calibrate.check_contexts(args.context or ())
     if min(args.topk) < 1:
         raise SystemExit(f"bole-jax calibrate: --topk must be >= 1, got {args.topk}")
     if args.out is not None:
@@ -432,6 +433,7 @@ def _cmd_calibrate(args) -> int:
         progress=not args.no_progress,
         prompts=prompts,
         prompts_source=args.prompts_file,
+        contexts=args.context or (),
     )
     print(calibrate.format_table(table))
     print(f"wrote {calibrate.store(table, args.out, merge=not args.no_merge)}")
@@ -969,6 +971,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--depth", type=int, nargs="+", default=[8], help="draft depths (chain and bole)"
+    )
+    c.add_argument(
+        "--context",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="L",
+        help="also time every batch bucket with each request's KV cache filled to L tokens (a "
+        "power of two, e.g. 16384): the engine then chooses at the context it decodes at "
+        "(generate: prompt + max_new_tokens; serve: --max-context), where a tree that wins at "
+        "short contexts can lose to ar (default: the calibration's own short context only)",
     )
     c.add_argument(
         "--topk",

@@ -273,9 +273,10 @@ class Scheduler:
     ):
         self.llm = llm
         cfg = llm.cfg
-        # No mode given: the calibrated choice at the slots' batch bucket, as LLM.generate makes it
-        # (the table's fastest of ar / chain / bole; ar without a table).
-        self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch)
+        # No mode given: the calibrated choice at the slots' batch bucket and KV capacity, as
+        # LLM.generate makes it (the table's fastest of ar / chain / bole; ar without a table).
+        kv = _pow2(min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), lo=64)
+        self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch, kv)
         if self.mode not in ("ar",) + SPEC_MODES:
             raise ValueError(
                 f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"

@@ -362,12 +362,18 @@ def choose(
     largest): the timed candidate with the most expected tokens per second, among all modes
     (mode None) or of one mode (an explicit spec: "bole" / "pernode" take the best bole tree,
     "chain" the best chain depth). None when the table timed no candidate of that mode there.
-    kv: the KV capacity (the smallest bucket >= kv; None: the largest, the conservative one).
+    kv: the KV capacity the requests decode at: the smallest KV bucket >= kv (else the largest),
+      among every entry of the batch bucket, those timed over filled long contexts (`context`,
+      `calibrate(contexts=...)`) included. None: the entries timed at the calibration's own short
+      context only (the largest of them).
     topk: only bole candidates with this many children per node (the bole chain has 1); mode
     "pernode" without topk takes the best tree (more than one child per node)."""
     b = _bucket(sorted({e["batch"] for e in table["entries"]}), batch)
-    s = _bucket(sorted({e["kv"] for e in table["entries"] if e["batch"] == b}), kv)
-    e = next(e for e in table["entries"] if e["batch"] == b and e["kv"] == s)
+    at_b = [e for e in table["entries"] if e["batch"] == b]
+    if kv is None:  # the calibration's own context (tables before `contexts` have nothing else)
+        at_b = [e for e in at_b if not e.get("context")] or at_b
+    s = _bucket(sorted({e["kv"] for e in at_b}), kv)
+    e = next(e for e in at_b if e["kv"] == s)
     want = None if mode is None else ("bole",) if mode in ("bole", "pernode") else (mode,)
     ranked = rank_candidates(table, e, want)
     if topk is not None:

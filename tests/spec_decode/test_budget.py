@@ -1271,3 +1271,102 @@ def test_agreement_interval_covers_the_mean_and_narrows_with_requests():
     assert lo < np.mean(few) < hi <= 1.0
     lo2, hi2 = bench.agreement_interval(few * 20)
     assert lo < lo2 < np.mean(few) < hi2 < hi
+
+
+def _context_table_entries():
+    """Batch 1 at the calibration's own context (kv 64): the chain wins; the same bucket timed
+    with every request's KV filled to 1024 tokens: ar wins (the drafter's and the verify's
+    attention read the whole context)."""
+    return [
+        dict(
+            batch=1,
+            kv=64,
+            candidates=[cand("ar", 1, 1.0), cand("chain", 3, 1.5, depth=2)],
+        ),
+        dict(
+            batch=1,
+            kv=1024,
+            context=1024,
+            candidates=[cand("ar", 1, 2.0), cand("chain", 3, 6.0, depth=2)],
+        ),
+    ]
+
+
+def test_choose_at_the_kv_bucket_of_a_filled_context(tiny):
+    """budget.choose(kv=...) takes the smallest KV bucket >= kv among every entry (filled contexts
+    included), else the largest; kv=None keeps the calibration's own context, as before tables
+    had filled-context entries."""
+    cfg, params = tiny
+    t = hand_table(cfg, params["embed"].dtype, _context_table_entries(), {"chain d=2": 2.0})
+    mode = lambda kv: budget.choose(t, 1, kv).mode  # noqa: E731
+    assert mode(None) == "chain" and mode(64) == "chain" and mode(10) == "chain"
+    assert mode(65) == "ar" and mode(1024) == "ar" and mode(1 << 20) == "ar"
+    assert calibrate._with_choices(t)["entries"][1]["choice"]["mode"] == "ar"
+    # the filled entry is shown as such
+    assert "1 @1024" in calibrate.format_table(t)
+
+
+def test_engine_chooses_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch):
+    """generate() looks the mode up at the KV capacity of its longest request (prompt +
+    max_new_tokens), the server at its --max-context: the chain for short requests, ar where the
+    table's filled-context entry says the chain loses. Greedy output is AR's either way."""
+    from bole_jax.llm import LLM
+    from bole_jax.serving.scheduler import Scheduler
+
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    llm = LLM(cfg, params=params, max_batch_size=1)
+    calibrate.store(
+        hand_table(
+            cfg,
+            params["embed"].dtype,
+            _context_table_entries(),
+            {"chain d=2": 2.0},
+            identity=budget.llm_identity(llm),
+        )
+    )
+    llm = LLM(cfg, params=params, max_batch_size=1)
+    assert calibrate.decode_mode(llm, None, 1) == "chain"
+    assert calibrate.decode_mode(llm, None, 1, kv=512) == "ar"
+    short, long_ = [3, 5, 7], list(range(1, 41))
+    (s,) = llm.generate([short], max_new_tokens=6)  # capacity 64: the own context
+    assert s.stats["mode"] == "chain"
+    (lo,) = llm.generate([long_], max_new_tokens=30)  # 40 + 30 tokens: KV bucket 1024
+    assert lo.stats["mode"] == "ar"
+    (ref,) = LLM(cfg, params=params).generate([short], max_new_tokens=6, spec="ar")
+    assert s.token_ids == ref.token_ids
+    assert Scheduler(llm, max_batch=1, max_context=48).mode == "chain"
+    assert Scheduler(llm, max_batch=1, max_context=200).mode == "ar"
+
+
+def test_calibration_times_filled_contexts(tiny, monkeypatch):
+    """calibrate(contexts=[L]): every batch bucket is also timed with each request's KV cache
+    filled to L tokens (entry `context`, kv = L; its caches wait in host memory for their turn);
+    the acceptance is pooled over the own-context runs only (the filler is not text); a context
+    not above the own KV capacity is refused before anything runs."""
+    from bole_jax.llm import LLM
+    from bole_jax.measure import bench as bench_mod
+
+    parked = []
+    park = bench_mod.park_on_host
+
+    def park_forced(trees):  # on a CPU backend parking is skipped unless forced
+        parked.append(len(trees))
+        return park(trees, force=True)
+
+    monkeypatch.setattr(bench_mod, "park_on_host", park_forced)
+    cfg, params = tiny
+    llm = LLM(cfg, params=params, max_batch_size=1)
+    kw = dict(modes=("ar", "bole"), steps=2, repeats=1, warm=0, progress=False, topk=2)
+    with pytest.raises(ValueError, match="not above the calibration's own KV capacity"):
+        calibrate.calibrate(llm, [1], [4], [2], contexts=[64], **kw)
+    with pytest.raises(ValueError, match="powers of two"):
+        calibrate.calibrate(llm, [1], [4], [2], contexts=[300], **kw)
+    t = calibrate.calibrate(llm, [1], [4], [2], contexts=[256], **kw)
+    own, filled = t["entries"]
+    assert own.get("context") is None and own["kv"] < 256
+    assert (filled["context"], filled["kv"], filled["batch"]) == (256, 256, 1)
+    assert all(c.get("step_ms", 0) > 0 for e in (own, filled) for c in e["candidates"])
+    # 1 request x 2 steps per configuration: the own context's run alone
+    assert t["acceptance"] and all(a["request_steps"] == 2 for a in t["acceptance"].values())
+    assert t["contexts"] == [256] and parked == [1]  # the filled bucket only
