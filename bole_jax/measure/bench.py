@@ -23,13 +23,17 @@ from bole_jax import compile_cache
 from bole_jax.measure import numerics
 from bole_jax.measure.calibrate import (  # noqa: F401
     _copy,
+    _delete,
+    _Parked,
     eos_requests,
     expected_tokens_per_step,
     ignore_eos,
+    park_on_host,
     prompt_token_ids,
     settle_compiles,
     synthetic_accept_prob,
     timed_segment,
+    unpark,
 )
 from bole_jax.measure.calibrate import derive_state as _derive_state
 from bole_jax.measure.env import environment, progress_bar
@@ -940,47 +944,6 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
     if not stop_at_eos:  # EOS is an ordinary token, the first one included (`ignore_eos`)
         st = ignore_eos(st)
     return jax.block_until_ready(st)
-
-
-class _Parked:
-    """A pytree of arrays moved to host memory, with the shardings to put it back with."""
-
-    def __init__(self, tree, shardings):
-        self.tree, self.shardings = tree, shardings
-
-
-def _delete(tree) -> None:
-    """Free the device buffers of every array in `tree` (a state no longer used)."""
-    for x in jax.tree.leaves(tree):
-        try:
-            x.delete()
-        except (AttributeError, RuntimeError, ValueError):  # deleted already / not an array
-            pass
-
-
-def park_on_host(trees: dict, force: bool = False) -> dict:
-    """{key: pytree on the accelerator} -> {key: _Parked in host memory}: the prefilled states of
-    the batches whose turn has not come (their programs are lowered already). Holding every
-    batch's caches at once left no room for a step's scratch at Qwen3-Next-80B dims (TP = 2:
-    "Failed to allocate Scratch for all-reduce"). {} where there is nothing to park or no CPU
-    backend (JAX_PLATFORMS without cpu); also on a CPU backend, unless `force` (tests)."""
-    if not trees or (jax.default_backend() == "cpu" and not force):
-        return {}
-    try:
-        host = jax.devices("cpu")[0]
-    except RuntimeError:
-        return {}
-    return {
-        k: _Parked(jax.device_put(t, host), jax.tree.map(lambda x: x.sharding, t))
-        for k, t in trees.items()
-    }
-
-
-def unpark(p):
-    """The inverse of `park_on_host` for one entry (anything else is returned as it is)."""
-    if not isinstance(p, _Parked):
-        return p
-    return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
 
 
 def prompt_sets(ids: list, b: int, k: int) -> list[list]:

@@ -207,6 +207,47 @@ def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
     return parallel.place(_copy(out) if copy else out, cfg)
 
 
+class _Parked:
+    """A pytree of arrays moved to host memory, with the shardings to put it back with."""
+
+    def __init__(self, tree, shardings):
+        self.tree, self.shardings = tree, shardings
+
+
+def _delete(tree) -> None:
+    """Free the device buffers of every array in `tree` (a state no longer used)."""
+    for x in jax.tree.leaves(tree):
+        try:
+            x.delete()
+        except (AttributeError, RuntimeError, ValueError):  # deleted already / not an array
+            pass
+
+
+def park_on_host(trees: dict, force: bool = False) -> dict:
+    """{key: pytree on the accelerator} -> {key: _Parked in host memory}: the prefilled states of
+    the batches whose turn has not come (their programs are lowered already). Holding every
+    batch's caches at once left no room for a step's scratch at Qwen3-Next-80B dims (TP = 2:
+    "Failed to allocate Scratch for all-reduce"). {} where there is nothing to park or no CPU
+    backend (JAX_PLATFORMS without cpu); also on a CPU backend, unless `force` (tests)."""
+    if not trees or (jax.default_backend() == "cpu" and not force):
+        return {}
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:
+        return {}
+    return {
+        k: _Parked(jax.device_put(t, host), jax.tree.map(lambda x: x.sharding, t))
+        for k, t in trees.items()
+    }
+
+
+def unpark(p):
+    """The inverse of `park_on_host` for one entry (anything else is returned as it is)."""
+    if not isinstance(p, _Parked):
+        return p
+    return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
+
+
 # ---------------------------------------------------------------- candidates
 
 
@@ -418,8 +459,6 @@ def calibrate(
             if ctx is not None:
                 # A filled context's caches wait in host memory for their turn (all of them on
                 # the device at once: 85 requests x 16k tokens at 9B dims are 42 GiB).
-                from bole_jax.measure.bench import park_on_host
-
                 prep["base"] = park_on_host({0: prep["base"]}).get(0, prep["base"])
             prepared.append((b, ctx, prep))
         jobs = [f for _, _, prep in prepared if prep is not None for f in prep["jobs"].values()]
@@ -441,9 +480,8 @@ def calibrate(
                 if bar is not None:
                     bar.update(len(cands))
             else:
-                from bole_jax.measure.bench import unpark
-
-                prep = dict(prep, base=unpark(prep["base"]))
+                if ctx is not None:
+                    prep = dict(prep, base=unpark(prep["base"]))
                 entry, measured = _time_bucket(llm, prep, cands, warm, steps, repeats, bar)
                 prepared[k] = (b, ctx, None)  # its states and programs are no longer needed
                 if ctx is None:

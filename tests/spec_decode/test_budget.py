@@ -1345,16 +1345,15 @@ def test_calibration_times_filled_contexts(tiny, monkeypatch):
     the acceptance is pooled over the own-context runs only (the filler is not text); a context
     not above the own KV capacity is refused before anything runs."""
     from bole_jax.llm import LLM
-    from bole_jax.measure import bench as bench_mod
 
     parked = []
-    park = bench_mod.park_on_host
+    park = calibrate.park_on_host
 
     def park_forced(trees):  # on a CPU backend parking is skipped unless forced
         parked.append(len(trees))
         return park(trees, force=True)
 
-    monkeypatch.setattr(bench_mod, "park_on_host", park_forced)
+    monkeypatch.setattr(calibrate, "park_on_host", park_forced)
     cfg, params = tiny
     llm = LLM(cfg, params=params, max_batch_size=1)
     kw = dict(modes=("ar", "bole"), steps=2, repeats=1, warm=0, progress=False, topk=2)
