@@ -24,16 +24,17 @@ from bole_jax.measure import numerics
 from bole_jax.measure.calibrate import (  # noqa: F401
     _copy,
     _delete,
-    _Parked,
     eos_requests,
     expected_tokens_per_step,
     ignore_eos,
+    kv_need,
     park_on_host,
     prompt_token_ids,
     settle_compiles,
     synthetic_accept_prob,
     timed_segment,
     unpark,
+    with_filler,
 )
 from bole_jax.measure.calibrate import derive_state as _derive_state
 from bole_jax.measure.env import environment, progress_bar
@@ -891,7 +892,7 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen, longest=None) -
     if getattr(a, "context", None):
         # Each request's KV holds `context` tokens: its prompt, filler rows (read by attention
         # like real context), then the generation. Capacity = context (a power of two).
-        need = longest + gen + max(slack.values()) + 1
+        need = kv_need(longest, gen, slack)
         fill = a.context - need
         if fill < 0:
             raise ValueError(f"--context {a.context} < prompt + generation ({need} tokens)")
@@ -937,10 +938,7 @@ def _prefill(pl: dict, gen: int, synthetic: bool, stop_at_eos: bool):
         oracle=oracle,
         rows=pl["rows"],
     )
-    if pl["fill"]:  # the filler rows count as committed context (docs/benchmarks.md, memory)
-        st = dataclasses.replace(
-            st, cache=dataclasses.replace(st.cache, lengths=st.cache.lengths + pl["fill"])
-        )
+    st = with_filler(st, pl["fill"])  # committed context (docs/benchmarks.md, memory)
     if not stop_at_eos:  # EOS is an ordinary token, the first one included (`ignore_eos`)
         st = ignore_eos(st)
     return jax.block_until_ready(st)

@@ -39,6 +39,7 @@ import numpy as np
 from bole_jax.measure.env import environment, progress_bar
 from bole_jax.model import parallel
 from bole_jax.model.cache import AttnCache, with_pending
+from bole_jax.pallas.tree_utils import next_pow2
 from bole_jax.spec_decode import budget
 from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob  # noqa: F401
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
@@ -326,10 +327,6 @@ def check_contexts(contexts: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(int(v) for v in vals)))
 
 
-def _pow2(n: int) -> int:
-    return max(64, 1 << (max(n, 1) - 1).bit_length())
-
-
 # ---------------------------------------------------------------- the measurement
 
 
@@ -427,7 +424,8 @@ def calibrate(
     if contexts:  # each one above the own context's capacity at every batch (nothing run yet)
         for b in batch_buckets:
             ids = [ids_all[i % len(ids_all)] for i in range(b)]
-            own = _pow2(_own_need(ids, gen, _bucket_llms(llm, cands, b, accept_prob, backend)[2]))
+            slack = _bucket_llms(llm, cands, b, accept_prob, backend)[2]
+            own = next_pow2(kv_need(max(map(len, ids)), gen, slack), minimum=64)
             if contexts[0] <= own:
                 raise ValueError(
                     f"contexts: {contexts[0]} is not above the calibration's own KV capacity "
@@ -587,10 +585,21 @@ def _bucket_llms(llm, cands, b, p, backend):
     return llms, specs, slack
 
 
-def _own_need(ids, gen: int, slack: dict) -> int:
-    """KV rows a bucket's requests need at the calibration's own context (start_batch sizes its
-    capacity as the next power of two, 64 at least)."""
-    return max(map(len, ids)) + gen + max(slack.values()) + 1
+def kv_need(longest: int, gen: int, slack: dict) -> int:
+    """KV rows a batch needs before any filler: its longest prompt, `gen` generated tokens, the
+    most rows a mode's tree writes past them (`slack`: {mode or candidate: rows}) and the next
+    token. `start_batch` sizes the capacity as the next power of two (64 at least); a filled
+    context of L tokens adds L - kv_need filler rows, which makes the capacity exactly L."""
+    return longest + gen + max(slack.values()) + 1
+
+
+def with_filler(state, fill: int):
+    """`state` with `fill` more committed rows per request: the filler of a long context, read by
+    attention like real context (`bole-jax bench --context`, `calibrate(contexts=...)`)."""
+    if not fill:
+        return state
+    cache = dataclasses.replace(state.cache, lengths=state.cache.lengths + fill)
+    return dataclasses.replace(state, cache=cache)
 
 
 def _prepare_bucket(llm, ids, cands, gen, p, backend, pool, context=None) -> dict:
@@ -608,7 +617,7 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool, context=None) -> dic
         rng = np.random.default_rng(b)
         oracle = rng.integers(1, cfg.vocab_size, (b, gen + 1)).tolist()
     # filled context: start_batch's capacity is then exactly `context` (checked in `calibrate`)
-    fill = 0 if context is None else context - _own_need(ids, gen, slack)
+    fill = 0 if context is None else context - kv_need(max(map(len, ids)), gen, slack)
     base = llms[base_id].start_batch(
         ids,
         gen,
@@ -617,11 +626,7 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool, context=None) -> dic
         oracle=oracle,
         extra_capacity=max(slack.values()) - slack[base_id] + fill,
     )
-    if fill:  # the filler rows count as committed context (as `bole-jax bench --context`)
-        base = dataclasses.replace(
-            base, cache=dataclasses.replace(base.cache, lengths=base.cache.lengths + fill)
-        )
-    base = ignore_eos(base)  # batches stay full, as in the bench
+    base = ignore_eos(with_filler(base, fill))  # batches stay full, as in the bench
     jax.block_until_ready(base)
     jobs = {}
     for c in cands:
