@@ -32,6 +32,7 @@ from bole_jax.model.cache import with_pending
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
 from bole_jax.model.weights import load_hf_checkpoint
 from bole_jax.pallas.options import KernelOptions
+from bole_jax.pallas.tree_utils import next_pow2
 from bole_jax.sampling import SamplingParams, validate_sampling
 from bole_jax.spec_decode import draft_vocab as draft_vocab_mod
 from bole_jax.spec_decode import loop
@@ -49,16 +50,12 @@ SEGMENT_STEPS = 16  # decode steps per jitted segment (host checks stops / progr
 MIN_OUT_BUCKET = 16  # smallest output buffer (max_new_tokens is rounded up to a power of two)
 
 
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
 def prefill_width(cfg: ModelConfig, rows: int, capacity: int, longest: int) -> int:
     """Prompt tokens per batched prefill call: the longest prompt rounded up to a power of two
     (16 at least), at most PREFILL_CHUNK, and narrower where one attention layer's fp32 scores
     (rows x query heads x width x capacity) would pass PREFILL_SCORES_BYTES (a power of two, 1 at
     least)."""
-    width = min(PREFILL_CHUNK, _pow2(longest, lo=16))
+    width = min(PREFILL_CHUNK, next_pow2(longest, minimum=16))
     if cfg.attention_layers:
         heads = cfg.num_heads // parallel.shards(cfg, cfg.num_heads)
         fit = PREFILL_SCORES_BYTES // (rows * heads * capacity * 4)
@@ -76,7 +73,7 @@ def out_bucket(max_new: int) -> int:
     """Length of the output buffer for max_new_tokens: the power of two >= it (at least
     MIN_OUT_BUCKET), so that other lengths of a bucket run the same compiled programs (each
     request's `max_out` still stops it at its own max_new_tokens)."""
-    return _pow2(max_new, lo=MIN_OUT_BUCKET)
+    return next_pow2(max_new, minimum=MIN_OUT_BUCKET)
 
 
 @dataclasses.dataclass
@@ -284,11 +281,13 @@ class LLM:
         ids = self._encode(prompts)
         # The mode for the batch bucket and the context it decodes at (a table timed at long
         # contexts can choose ar there): the KV capacity the longest request needs.
-        kv = _pow2(max(map(len, ids)) + max_new_tokens + 1, lo=64)
+        kv = next_pow2(max(map(len, ids)) + max_new_tokens + 1, minimum=64)
         mode = calibrate_mod.decode_mode(self, spec, min(len(prompts), self.max_batch_size), kv)
         if mode != "ar":
             # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
-            spec_cfg = self._spec_config(mode, _pow2(min(len(prompts), self.max_batch_size)))
+            spec_cfg = self._spec_config(
+                mode, next_pow2(min(len(prompts), self.max_batch_size), minimum=1)
+            )
             require_mtp(self.cfg, self.params)
             if (spec_cfg.synthetic_accept is None) != (oracle is None):
                 raise ValueError(
@@ -368,14 +367,14 @@ class LLM:
         """
         cfg = self.cfg
         n = len(ids)
-        b = _pow2(n) if rows is None else rows
+        b = next_pow2(n, minimum=1) if rows is None else rows
         if b < n:
             raise ValueError(f"rows={rows} < the {n} prompts")
         lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
         spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
         slack = spec.slack if spec else 0
         out_len = max(out_len or max_new, max_new)
-        capacity = _pow2(int(lens.max()) + out_len + slack + extra_capacity + 1, lo=64)
+        capacity = next_pow2(int(lens.max()) + out_len + slack + extra_capacity + 1, minimum=64)
         cache, draft_kv = self.prefill_caches(b, capacity, mode=mode, spec_batch=spec_batch)
         # Chunked prefill: every request advances by up to PREFILL_CHUNK tokens per call.
         toks = np.zeros((b, int(lens.max())), np.int32)
@@ -516,7 +515,7 @@ class LLM:
         first: int = 0,
     ):
         n = len(ids)
-        bucket = _pow2(n)  # the tree width follows the batch actually decoded
+        bucket = next_pow2(n, minimum=1)  # the tree width follows the batch actually decoded
         spec = None if mode == "ar" else self._spec_config(mode, bucket)
         t0 = time.perf_counter()
         state = self.start_batch(

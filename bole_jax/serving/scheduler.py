@@ -79,6 +79,7 @@ from bole_jax.measure import calibrate as calibrate_mod
 from bole_jax.model import logits as lm_logits
 from bole_jax.model.cache import settle_cache
 from bole_jax.model.mtp import MissingMTPError, require_mtp
+from bole_jax.pallas.tree_utils import next_pow2
 from bole_jax.sampling import validate_sampling
 from bole_jax.serving.memory import (
     FixedStats,
@@ -110,10 +111,6 @@ log = logging.getLogger("bole_jax.serving")
 
 DEFAULT_MAX_CONTEXT = 8192  # when neither --max-context nor a smaller max_position_embeddings
 MIN_PIECE = 64  # smallest prefill piece width (a prompt's last piece is bucketed from here)
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 # ------------------------------------------------------------------ jitted slot surgery
@@ -275,7 +272,9 @@ class Scheduler:
         cfg = llm.cfg
         # No mode given: the calibrated choice at the slots' batch bucket and KV capacity, as
         # LLM.generate makes it (the table's fastest of ar / chain / bole; ar without a table).
-        kv = _pow2(min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), lo=64)
+        kv = next_pow2(
+            min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), minimum=64
+        )
         self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch, kv)
         if self.mode not in ("ar",) + SPEC_MODES:
             raise ValueError(
@@ -304,7 +303,9 @@ class Scheduler:
         slack = self.spec.slack if self.spec else 0
         limit = cfg.max_position_embeddings
         if max_context is None:
-            self.max_context = min(limit, _pow2(min(limit, DEFAULT_MAX_CONTEXT), lo=64) - slack - 1)
+            self.max_context = min(
+                limit, next_pow2(min(limit, DEFAULT_MAX_CONTEXT), minimum=64) - slack - 1
+            )
         else:
             if not 2 <= max_context <= limit:
                 raise ValueError(
@@ -893,7 +894,7 @@ class Scheduler:
         """Compiled width of a piece of `w` prompt tokens: the block, or for a prompt's last (partial)
         piece a power-of-two bucket (from 64) below it."""
         p = self.prefix_block
-        return p if w == p else min(p, _pow2(w, lo=min(p, MIN_PIECE)))
+        return p if w == p else min(p, next_pow2(w, minimum=min(p, MIN_PIECE)))
 
     def _piece_sizes(self) -> list[int]:
         """Every width `_piece_width` gives for this engine's prompts (compiled by `warmup`)."""
