@@ -170,7 +170,7 @@ class LLM:
         self.compile_cache = compile_cache_mod.enable(compile_cache)  # the folder, None when off
         # Tree shape of the speculative modes: topk, depth, num_nodes (SpecConfig.for_mode).
         self.spec_options = dict(spec_options or {})
-        self._resolved_spec_options: dict = {}  # (batch bucket, mode) -> options + calibrated shape
+        self._resolved_spec_options: dict = {}  # (batch bucket, mode, kv) -> options + shape
         self.tokenizer: Tokenizer | None = None
         if dtype is None and jax.default_backend() == "cpu":
             dtype = "float32"  # bf16 matmuls are emulated (slow) on CPU
@@ -263,10 +263,13 @@ class LLM:
         top-p (1 = off). Generation stops at an EOS token, a stop string (excluded from the text), or
         max_new_tokens. `stats` per request: prompt_tokens, generated_tokens, steps (decode steps the
         request was active, prefill excluded), tokens_per_step, time_s (wall time of its batch),
-        tokens_per_s (its generated tokens / time_s), mode, drafter.
+        tokens_per_s (its generated tokens / time_s), mode, drafter, tree (the speculation's shape:
+        nodes per request, depth, topk, the batch-wide budget; None for ar).
 
         spec: "ar", "bole", "pernode" or "chain"; None (default): per batch bucket, the mode the
-          calibration table expects fastest (docs/budget.md), ar without a table.
+          calibration table expects fastest (docs/budget.md), ar without a table. The mode and the
+          tree shape are the table's at the KV capacity the longest request needs (prompt +
+          max_new_tokens), where the table timed long contexts (`bole-jax calibrate --context`).
         oracle: benchmarks only, with spec_options={"synthetic_accept": p}: the target's own
           continuation of every prompt, which the synthetic-acceptance drafter places in the tree
           (each depth correct with probability p). Outputs then say drafter="synthetic acceptance".
@@ -286,7 +289,7 @@ class LLM:
         if mode != "ar":
             # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
             spec_cfg = self._spec_config(
-                mode, next_pow2(min(len(prompts), self.max_batch_size), minimum=1)
+                mode, next_pow2(min(len(prompts), self.max_batch_size), minimum=1), kv=kv
             )
             require_mtp(self.cfg, self.params)
             if (spec_cfg.synthetic_accept is None) != (oracle is None):
@@ -328,6 +331,7 @@ class LLM:
                 bar,
                 orc,
                 first=start,
+                kv=kv,
             )
         if bar is not None:
             bar.close()
@@ -346,6 +350,7 @@ class LLM:
         oracle=None,
         extra_capacity: int = 0,
         spec_batch: int | None = None,
+        spec_kv: int | None = None,
         out_len: int | None = None,
         stream=-1,
         rows: int | None = None,
@@ -356,8 +361,9 @@ class LLM:
             state = llm.start_batch(ids, 64, mode="bole")
             state = llm.segment_fn("bole")(llm.params, state, jnp.int32(16))   # 16 steps
 
-        spec_batch: the batch bucket whose (calibrated) tree shape to lay the state out for; pass
-        the same value to `segment_fn` (default for both: max_batch_size).
+        spec_batch, spec_kv: the batch bucket and KV capacity whose (calibrated) tree shape to lay
+        the state out for; pass the same values to `segment_fn` (default for both: max_batch_size,
+        and the calibration's own context: `budget.choose`).
         out_len: length of the output buffer `out` [B, out_len] (>= max_new; default max_new). The KV
         capacity is sized for it, so every max_new up to out_len gives the same shapes.
         stream: each request's random stream ([n] ints, or one for all; -1: its row), see sampling.py.
@@ -371,11 +377,13 @@ class LLM:
         if b < n:
             raise ValueError(f"rows={rows} < the {n} prompts")
         lens = np.array([len(t) for t in ids] + [1] * (b - n), np.int32)
-        spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
+        spec = None if mode == "ar" else self._spec_config(mode, spec_batch, kv=spec_kv)
         slack = spec.slack if spec else 0
         out_len = max(out_len or max_new, max_new)
         capacity = next_pow2(int(lens.max()) + out_len + slack + extra_capacity + 1, minimum=64)
-        cache, draft_kv = self.prefill_caches(b, capacity, mode=mode, spec_batch=spec_batch)
+        cache, draft_kv = self.prefill_caches(
+            b, capacity, mode=mode, spec_batch=spec_batch, spec_kv=spec_kv
+        )
         # Chunked prefill: every request advances by up to PREFILL_CHUNK tokens per call.
         toks = np.zeros((b, int(lens.max())), np.int32)
         for i, t in enumerate(ids):
@@ -404,16 +412,23 @@ class LLM:
             seed=seed,
             oracle=oracle,
             spec_batch=spec_batch,
+            spec_kv=spec_kv,
             out_len=out_len,
             stream=stream,
         )
 
     def prefill_caches(
-        self, batch: int, capacity: int, *, mode: str = "ar", spec_batch: int | None = None
+        self,
+        batch: int,
+        capacity: int,
+        *,
+        mode: str = "ar",
+        spec_batch: int | None = None,
+        spec_kv: int | None = None,
     ):
         """Empty caches for a prefill: (target `Cache` of KV capacity `capacity`, the MTP drafter's KV
         cache, or None for ar). The MTP cache has room for a step's draft rows past `capacity`."""
-        spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
+        spec = None if mode == "ar" else self._spec_config(mode, spec_batch, kv=spec_kv)
         dtype = self.params["embed"].dtype
         # parallel.zeros: under tensor parallelism the caches are made in place on the mesh.
         cache = parallel.zeros(lambda: init_cache(self.cfg, batch, capacity, dtype), self.cfg)
@@ -442,6 +457,7 @@ class LLM:
         seed: int = 0,
         oracle=None,
         spec_batch: int | None = None,
+        spec_kv: int | None = None,
         out_len: int | None = None,
         stream=-1,
         static_greedy: bool = True,
@@ -458,7 +474,7 @@ class LLM:
         cfg = self.cfg
         b = h_last.shape[0]
         out_len = max(out_len or max_new, max_new)
-        spec = None if mode == "ar" else self._spec_config(mode, spec_batch)
+        spec = None if mode == "ar" else self._spec_config(mode, spec_batch, kv=spec_kv)
         streams = np.full((b,), -1, np.int32)
         streams[:n] = stream
         sp = SamplingParams.make(b, temperature, top_p, top_k, streams, static_greedy=static_greedy)
@@ -513,10 +529,12 @@ class LLM:
         bar,
         oracle=None,
         first: int = 0,
+        kv: int | None = None,
     ):
         n = len(ids)
-        bucket = next_pow2(n, minimum=1)  # the tree width follows the batch actually decoded
-        spec = None if mode == "ar" else self._spec_config(mode, bucket)
+        # The tree shape follows the batch actually decoded and the context it decodes at.
+        bucket = next_pow2(n, minimum=1)
+        spec = None if mode == "ar" else self._spec_config(mode, bucket, kv=kv)
         t0 = time.perf_counter()
         state = self.start_batch(
             ids,
@@ -528,12 +546,13 @@ class LLM:
             seed=seed,
             oracle=oracle,
             spec_batch=bucket,
+            spec_kv=kv,
             out_len=out_bucket(max_new),
             stream=np.arange(first, first + n),
         )
         jax.block_until_ready(state.out)
         ttft = time.perf_counter() - t0
-        segment = self.segment_fn(mode, bucket)
+        segment = self.segment_fn(mode, bucket, kv)
         stopped_at: dict[int, int] = {}
         prev = 0
         while True:
@@ -581,6 +600,18 @@ class LLM:
         )
         if mode != "ar" and draft_vocab_mod.has_draft_vocab(self.params):
             drafter += f", {self.params['mtp']['draft_ids'].shape[0]}-token draft vocabulary"
+        # The speculation decoded with (None for ar): nodes verified per request, draft depth,
+        # children per node, the batch-wide node budget.
+        tree = (
+            None
+            if mode == "ar"
+            else dict(
+                nodes=spec.shape.num_nodes,
+                depth=spec.shape.depth,
+                topk=spec.shape.topk,
+                budget=spec.budget,
+            )
+        )
         eos_set = set(self.eos_ids)
         for i in range(n):
             toks_i = [int(t) for t in out[i, : num_out[i]]]
@@ -604,6 +635,7 @@ class LLM:
                     finish_reason=reason,
                     stats=dict(
                         mode=mode,
+                        tree=tree,
                         drafter=drafter,
                         prompt_tokens=len(ids[i]),
                         generated_tokens=gen,
@@ -641,21 +673,24 @@ class LLM:
         """'bole' when the model has an MTP head (the drafter), else plain autoregressive."""
         return "bole" if self.cfg.mtp_num_layers and "mtp" in self.params else "ar"
 
-    def _spec_config(self, mode: str, batch: int | None = None, quiet: bool = False) -> SpecConfig:
-        """SpecConfig for `mode` at a batch bucket (default: max_batch_size). The tree width comes
-        from a matching calibration table (bole-jax calibrate), else a safe default (logged once;
-        `quiet`: a configuration looked up for comparison only, neither logged nor remembered);
-        explicit spec_options win."""
+    def _spec_config(
+        self, mode: str, batch: int | None = None, quiet: bool = False, kv: int | None = None
+    ) -> SpecConfig:
+        """SpecConfig for `mode` at a batch bucket (default: max_batch_size) and the KV capacity
+        `kv` the batch decodes at (None: the calibration's own context). The tree shape comes from
+        a matching calibration table (bole-jax calibrate; its entry for the KV bucket, as the mode
+        was chosen), else a safe default (logged once; `quiet`: a configuration looked up for
+        comparison only, neither logged nor remembered); explicit spec_options win."""
         if mode not in ("ar",) + SPEC_MODES:
             raise ValueError(f"unknown spec mode {mode!r}: expected one of {('ar',) + SPEC_MODES}")
         batch = batch or self.max_batch_size
         known = self._resolved_spec_options
-        if (batch, mode) not in known and not quiet:
-            known[batch, mode] = spec_options_for(self, mode, batch)
-        if (batch, mode) in known:
-            opts = dict(known[batch, mode])
+        if (batch, mode, kv) not in known and not quiet:
+            known[batch, mode, kv] = spec_options_for(self, mode, batch, kv=kv)
+        if (batch, mode, kv) in known:
+            opts = dict(known[batch, mode, kv])
         else:
-            opts = spec_options_for(self, mode, batch, quiet=True)
+            opts = spec_options_for(self, mode, batch, quiet=True, kv=kv)
         if opts.get("simulate_accept_mean") is not None:  # p at the depth this mode drafts
             if "simulate_accept" in opts:
                 raise ValueError("give spec_options simulate_accept or simulate_accept_mean")
@@ -674,13 +709,16 @@ class LLM:
         return table
 
     @functools.lru_cache(maxsize=None)
-    def segment_fn(self, mode: str, batch: int | None = None):
-        """The jitted segment for `mode` (and batch bucket, which sets the calibrated tree width):
-        (params, state, max_steps) -> state, with the state donated."""
+    def segment_fn(self, mode: str, batch: int | None = None, kv: int | None = None):
+        """The jitted segment for `mode` (and the batch bucket and KV capacity, which set the
+        calibrated tree shape: `start_batch`'s spec_batch and spec_kv): (params, state, max_steps)
+        -> state, with the state donated."""
         if mode == "ar":
             step = functools.partial(loop.ar_step, cfg=self.cfg)
         else:
-            step = functools.partial(spec_step, cfg=self.cfg, spec=self._spec_config(mode, batch))
+            step = functools.partial(
+                spec_step, cfg=self.cfg, spec=self._spec_config(mode, batch, kv=kv)
+            )
         step = parallel.constrained_step(
             step, self.cfg
         )  # tp > 1: the carried state keeps its layout

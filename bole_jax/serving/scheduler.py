@@ -276,16 +276,18 @@ class Scheduler:
             min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), minimum=64
         )
         self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch, kv)
+        self._spec_kv = kv
         if self.mode not in ("ar",) + SPEC_MODES:
             raise ValueError(
                 f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"
             )
         self.spec = None
         if self.mode != "ar":
-            # The tree shape of the batch bucket the slots run at (a calibrated width when a table
-            # matches, else the logged default): the same bucket for the segment, the prefill caches
-            # and the rows, so slack and slot memory are sized for the tree actually verified.
-            self.spec = llm._spec_config(self.mode, max_batch)
+            # The tree shape of the batch bucket and KV capacity the slots run at (a calibrated
+            # shape when a table matches, else the logged default): the same for the segment, the
+            # prefill caches and the rows, so slack and slot memory are sized for the tree
+            # actually verified.
+            self.spec = llm._spec_config(self.mode, max_batch, kv=kv)
             if self.spec.synthetic_accept is not None:
                 raise ValueError(
                     "the synthetic-acceptance drafter is for offline benchmarks, not serving"
@@ -389,7 +391,7 @@ class Scheduler:
         self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
         self.tokenizer = llm.tokenizer
         self.metrics = Metrics()
-        self._segment_jit = llm.segment_fn(self.mode, max_batch)
+        self._segment_jit = llm.segment_fn(self.mode, max_batch, kv)
         # A second program per group shape for segments whose live requests are all greedy
         # (`SamplingParams.greedy`: no per-step lax.cond); None: on GPUs, where it was measured
         # faster (docs/design-decisions.md, "A static greedy program"). The running state itself
@@ -436,10 +438,12 @@ class Scheduler:
         tree = (
             mine
             if self.mode in ("bole", "pernode")
-            else self.llm._spec_config("bole", max_batch, quiet=True)
+            else self.llm._spec_config("bole", max_batch, quiet=True, kv=self._spec_kv)
         )
         specs["chain"] = (
-            mine if self.mode == "chain" else self.llm._spec_config("chain", max_batch, quiet=True)
+            mine
+            if self.mode == "chain"
+            else self.llm._spec_config("chain", max_batch, quiet=True, kv=self._spec_kv)
         )
         specs["pernode"] = dataclasses.replace(tree, mode="pernode")
         specs["bole"] = dataclasses.replace(tree, mode="bole")
@@ -737,7 +741,7 @@ class Scheduler:
         compiles for about 40 s (its 64 layers unrolled)."""
         self._note("prefill programs")
         cache, draft_kv = self.llm.prefill_caches(
-            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch
+            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch, spec_kv=self._spec_kv
         )
         h = jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype)
         lowered = {
@@ -912,7 +916,7 @@ class Scheduler:
         """Start prefilling `req`: fresh batch-1 caches of the slots' capacity, then the longest
         cached prefix restored into them (KV rows of every block, the checkpoint of the last)."""
         cache, draft_kv = self.llm.prefill_caches(
-            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch
+            1, self.capacity, mode=self.mode, spec_batch=self._spec_batch, spec_kv=self._spec_kv
         )
         job = PrefillJob(req, cache, draft_kv, jnp.zeros((1, self.llm.cfg.hidden_size), self.dtype))
         if not self.prefix.enabled:
@@ -982,6 +986,7 @@ class Scheduler:
             top_k=p.top_k,
             seed=p.seed,
             spec_batch=self._spec_batch,
+            spec_kv=self._spec_kv,
             static_greedy=False,  # one program for the running batch, whatever its requests
         )
         assert row.cache.capacity == self.capacity, (row.cache.capacity, self.capacity)

@@ -518,13 +518,15 @@ def resolve_spec_options(
     identity: dict | None = None,
     command: str | None = None,
     quiet: bool = False,
+    kv: int | None = None,
 ) -> dict:
     """`LLM(spec_options=...)` for `mode` with the calibrated tree shape filled in.
 
     Explicit `num_nodes` or `budget` win (the table is not consulted); `calibration` (a table
     path) and `auto_calibrate` are consumed here. Otherwise the table matching (model, device)
-    chooses the width, budget and depth for `mode` at a batch of `batch` requests (explicit
-    `depth` / `topk` win over the table's)."""
+    chooses the width, budget and depth for `mode` at a batch of `batch` requests decoding at a
+    KV capacity of `kv` (`choose`; None: the calibration's own context), explicit `depth` /
+    `topk` winning over the table's."""
     opts = dict(spec_options or {})
     path = opts.pop("calibration", None)
     opts.pop("auto_calibrate", None)
@@ -536,6 +538,7 @@ def resolve_spec_options(
         batch,
         calibration=path,
         model_dir=model_dir,
+        kv=kv,
         mode=mode,
         identity=identity,
         command=command,
@@ -599,9 +602,12 @@ def llm_command(llm) -> str:
     return calibrate_command(path, embedded=is_embedded_model(path))
 
 
-def spec_options_for(llm, mode: str, batch: int, quiet: bool = False) -> dict:
-    """The SpecConfig options `llm` decodes `mode` with at a batch of `batch` requests (`quiet`:
-    without the no-table notice)."""
+def spec_options_for(
+    llm, mode: str, batch: int, quiet: bool = False, kv: int | None = None
+) -> dict:
+    """The SpecConfig options `llm` decodes `mode` with at a batch of `batch` requests and a KV
+    capacity of `kv` (None: the calibration's own context; `quiet`: without the no-table
+    notice)."""
     return resolve_spec_options(
         llm.cfg,
         llm.spec_options,
@@ -612,4 +618,5 @@ def spec_options_for(llm, mode: str, batch: int, quiet: bool = False) -> dict:
         identity=llm_identity(llm),
         command=llm_command(llm),
         quiet=quiet,
+        kv=kv,
     )

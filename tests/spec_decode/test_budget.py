@@ -1339,6 +1339,47 @@ def test_engine_chooses_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch
     assert Scheduler(llm, max_batch=1, max_context=200).mode == "ar"
 
 
+def test_engine_takes_the_tree_shape_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch):
+    """Where the table's best bole shape differs between its own context (a tree of 4 nodes) and
+    a filled long context (the bole chain, 3 nodes), generate() and the server decode the shape of
+    the KV bucket they run at, not the short context's; greedy output is AR's either way."""
+    from bole_jax.llm import LLM
+    from bole_jax.serving.scheduler import Scheduler
+
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    tree, chain = cand("bole", 4, 1.0, depth=2, topk=2), cand("bole", 3, 1.0, depth=2, topk=1)
+    entries = [
+        dict(batch=1, kv=64, candidates=[cand("ar", 1, 1.0), {**tree, "step_ms": 1.0}, chain]),
+        dict(
+            batch=1,
+            kv=1024,
+            context=1024,
+            candidates=[cand("ar", 1, 2.0), {**tree, "step_ms": 4.0}, {**chain, "step_ms": 2.0}],
+        ),
+    ]
+    acceptance = {"bole N=4 d=2 k=2": 2.5, "bole N=3 d=2 k=1": 2.0}
+    llm = LLM(cfg, params=params, max_batch_size=1)
+    calibrate.store(
+        hand_table(
+            cfg, params["embed"].dtype, entries, acceptance, identity=budget.llm_identity(llm)
+        )
+    )
+    llm = LLM(cfg, params=params, max_batch_size=1)
+    short, long_ = [3, 5, 7], list(range(1, 41))
+    (s,) = llm.generate([short], max_new_tokens=6)  # KV bucket 64: the tree
+    (lo,) = llm.generate([long_], max_new_tokens=30)  # 40 + 30 tokens: KV bucket 1024
+    assert s.stats["mode"] == lo.stats["mode"] == "bole"
+    assert (s.stats["tree"]["nodes"], s.stats["tree"]["topk"]) == (4, 2)
+    assert (lo.stats["tree"]["nodes"], lo.stats["tree"]["topk"]) == (3, 1)
+    ar = LLM(cfg, params=params)
+    for out, p, n in ((s, short, 6), (lo, long_, 30)):
+        (ref,) = ar.generate([p], max_new_tokens=n, spec="ar")
+        assert out.token_ids == ref.token_ids and ref.stats["tree"] is None
+    assert Scheduler(llm, max_batch=1, max_context=48).spec.shape.topk == 2
+    assert Scheduler(llm, max_batch=1, max_context=200).spec.shape.topk == 1
+
+
 def test_calibration_times_filled_contexts(tiny, monkeypatch):
     """calibrate(contexts=[L]): every batch bucket is also timed with each request's KV cache
     filled to L tokens (entry `context`, kv = L; its caches wait in host memory for their turn);
