@@ -705,20 +705,23 @@ class LLM:
         table = calibrate_mod.calibrate(self, **kwargs)
         table["path"] = str(calibrate_mod.store(table))
         self._resolved_spec_options.clear()
-        LLM.segment_fn.cache_clear()
+        LLM._segment_program.cache_clear()
         return table
 
-    @functools.lru_cache(maxsize=None)
     def segment_fn(self, mode: str, batch: int | None = None, kv: int | None = None):
         """The jitted segment for `mode` (and the batch bucket and KV capacity, which set the
         calibrated tree shape: `start_batch`'s spec_batch and spec_kv): (params, state, max_steps)
-        -> state, with the state donated."""
+        -> state, with the state donated. Every KV capacity that resolves to the same
+        configuration shares one jit (and its compiled programs)."""
+        spec = None if mode == "ar" else self._spec_config(mode, batch, kv=kv)
+        return self._segment_program(mode, batch, spec)
+
+    @functools.lru_cache(maxsize=None)
+    def _segment_program(self, mode: str, batch: int | None, spec: SpecConfig | None):
         if mode == "ar":
             step = functools.partial(loop.ar_step, cfg=self.cfg)
         else:
-            step = functools.partial(
-                spec_step, cfg=self.cfg, spec=self._spec_config(mode, batch, kv=kv)
-            )
+            step = functools.partial(spec_step, cfg=self.cfg, spec=spec)
         step = parallel.constrained_step(
             step, self.cfg
         )  # tp > 1: the carried state keeps its layout

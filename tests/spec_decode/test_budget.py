@@ -1378,6 +1378,9 @@ def test_engine_takes_the_tree_shape_at_the_context_it_decodes_at(tiny, tmp_path
         assert out.token_ids == ref.token_ids and ref.stats["tree"] is None
     assert Scheduler(llm, max_batch=1, max_context=48).spec.shape.topk == 2
     assert Scheduler(llm, max_batch=1, max_context=200).spec.shape.topk == 1
+    # capacities that resolve to one configuration share one jit (no recompiles across lengths)
+    seg = llm.segment_fn
+    assert seg("bole", 1, 256) is seg("bole", 1, 1024) is not seg("bole", 1, 64)
 
 
 def test_calibration_times_filled_contexts(tiny, monkeypatch):
