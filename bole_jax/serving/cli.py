@@ -404,7 +404,12 @@ def _cmd_calibrate(args) -> int:
 
         cfg = preset(args.preset, mtp=True, tp=parallel.check_tp(args.tp))
         params = peaked_lm_head(
-            parallel.init_params(cfg, jax.random.key(0), args.dtype or "bfloat16"), cfg
+            # bf16 matmuls are emulated on CPU: float32 there, as `bole-jax bench` (whose
+            # --calibration then finds this table) and the LLM's CPU default
+            parallel.init_params(
+                cfg, jax.random.key(0), args.dtype or ("float32" if cpu else "bfloat16")
+            ),
+            cfg,
         )
         p = calibrate.synthetic_accept_prob(args.accept_mean, max(args.depth))
         llm = LLM(
@@ -1035,7 +1040,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=None,
         choices=["float32", "bfloat16"],
-        help="weights dtype (default: bfloat16 for presets, the checkpoint's for --model)",
+        help="weights dtype (default: bfloat16 for presets (float32 on CPU), the checkpoint's "
+        "for --model)",
     )
     c.add_argument(
         "--time-budget",
