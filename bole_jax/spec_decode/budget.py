@@ -433,6 +433,30 @@ def _warn_once(key, msg: str) -> None:
         log.warning(msg)
 
 
+# A notice where a batch decodes at this many times the largest KV capacity its table timed.
+BEYOND_CONTEXT_FACTOR = 8
+
+
+def _warn_beyond_contexts(table: dict, batch: int, kv: int | None, where: str, command: str):
+    """Once per table, batch bucket and KV capacity: the table chose for a context far longer
+    than any it timed (docs/budget.md, "Long contexts": at 16k tokens per request AR can beat
+    the tree the short context chose), with the command that times it."""
+    if kv is None:
+        return
+    b = _bucket(sorted({e["batch"] for e in table["entries"]}), batch)
+    longest = max(e["kv"] for e in table["entries"] if e["batch"] == b)
+    if kv < BEYOND_CONTEXT_FACTOR * longest:
+        return
+    want = 1 << (kv - 1).bit_length()
+    _warn_once(
+        ("context", where, b, want),
+        f"bole_jax: the calibration table ({where}) timed batch {b} at KV capacities up to "
+        f"{longest} tokens, and this batch decodes at {kv}: at long contexts the drafter's and the "
+        f"verify's attention read the whole cache, and the fastest mode can be ar. Time it "
+        f"with `{command} --context {want}`.",
+    )
+
+
 def calibrate_command(
     model_dir: str | os.PathLike | None, *, embedded: bool = False, preset: str | None = None
 ) -> str:
@@ -486,6 +510,10 @@ def choice_for(
     if table is not None:
         c = choose(table, batch, kv, source=where, mode=mode, topk=topk)
         if c is not None:
+            if not quiet:
+                _warn_beyond_contexts(
+                    table, batch, kv, where, command or calibrate_command(model_dir)
+                )
             return c
         where = f"{where} timed no {mode} configuration"
     if mode is None:

@@ -1339,6 +1339,33 @@ def test_engine_chooses_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch
     assert Scheduler(llm, max_batch=1, max_context=200).mode == "ar"
 
 
+def test_a_context_far_beyond_the_table_names_the_command_that_times_it(tiny, tmp_path, caplog):
+    """A batch decoding at 8x or more of the largest KV capacity its table timed gets one notice
+    naming `calibrate --context` at that capacity; nearer contexts and repeats get none, nor do
+    tables that timed the context."""
+    cfg, params = tiny
+    dtype = params["embed"].dtype
+    short = hand_table(cfg, dtype, [_context_table_entries()[0]], {"chain d=2": 2.0})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(short))
+
+    def notes(kv, table_path=path):
+        seen = len(caplog.records)
+        budget.choice_for(cfg, dtype, 1, calibration=table_path, kv=kv, mode=None, command="CMD")
+        return [r.message for r in caplog.records[seen:] if "--context" in r.message]
+
+    budget._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="bole_jax"):
+        assert notes(None) == [] and notes(256) == []  # the table timed KV 64: 256 is 4x
+        (msg,) = notes(600)
+        assert "up to 64 tokens" in msg and "`CMD --context 1024`" in msg
+        assert notes(600) == [] and notes(1024) == []  # once per capacity bucket
+        assert len(notes(5000)) == 1
+        both = tmp_path / "both.json"
+        both.write_text(json.dumps(hand_table(cfg, dtype, _context_table_entries(), {})))
+        assert notes(5000, both) == []  # timed at 1024: 5000 is under 8x
+
+
 def test_engine_takes_the_tree_shape_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch):
     """Where the table's best bole shape differs between its own context (a tree of 4 nodes) and
     a filled long context (the bole chain, 3 nodes), generate() and the server decode the shape of
