@@ -243,10 +243,12 @@ def park_on_host(trees: dict, force: bool = False) -> dict:
 
 
 def unpark(p):
-    """The inverse of `park_on_host` for one entry (anything else is returned as it is)."""
+    """The inverse of `park_on_host` for one entry (anything else is returned as it is): a new
+    device copy each call, which the loop may donate (`may_alias=False`: on a CPU backend the
+    host and the device are one, and a put could hand back the parked arrays themselves)."""
     if not isinstance(p, _Parked):
         return p
-    return jax.block_until_ready(jax.device_put(p.tree, p.shardings))
+    return jax.block_until_ready(jax.device_put(p.tree, p.shardings, may_alias=False))
 
 
 # ---------------------------------------------------------------- candidates
@@ -478,8 +480,6 @@ def calibrate(
                 if bar is not None:
                     bar.update(len(cands))
             else:
-                if ctx is not None:
-                    prep = dict(prep, base=unpark(prep["base"]))
                 entry, measured = _time_bucket(llm, prep, cands, warm, steps, repeats, bar)
                 prepared[k] = (b, ctx, None)  # its states and programs are no longer needed
                 if ctx is None:
@@ -682,7 +682,13 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
         else:
             try:
                 run = jobs[cid].result()
-                state = derive_state(base, c["mode"], specs.get(cid), cfg)
+                if isinstance(base, _Parked):
+                    # A filled context's prefill stays in host memory; each candidate gets its
+                    # own device copy (never the shared base and a copy at once: 64 requests x
+                    # 16k tokens at 9B dims are 32 GiB of KV, twice that passed an H100).
+                    state = derive_state(unpark(base), c["mode"], specs.get(cid), cfg, copy=False)
+                else:
+                    state = derive_state(base, c["mode"], specs.get(cid), cfg)
                 windows = []
                 for w in range(repeats):
                     r, state = timed_segment(run, params, state, warm if w == 0 else 0, steps, b)
@@ -711,13 +717,18 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
                 if c["mode"] != "ar":
                     measured[cid] = (toks, req_steps)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory at a wide tree: not timed
-                if c["mode"] == "ar" or not _is_oom(e):
+                # ar out of memory at the own context: nothing can be chosen, so it stops the
+                # calibration; at a filled context the entry records it (the engine then has no
+                # choice at that context and decodes its default there)
+                if not _is_oom(e) or (c["mode"] == "ar" and not isinstance(base, _Parked)):
                     raise
                 row["note"] = "out of memory"
+                state = None  # freed before the next candidate's copy is made
         rows.append(row)
         if bar is not None:
             bar.update(1)
-    return dict(batch=b, kv=int(base.cache.capacity), candidates=rows), measured
+    kv = (base.tree if isinstance(base, _Parked) else base).cache.capacity
+    return dict(batch=b, kv=int(kv), candidates=rows), measured
 
 
 def _is_oom(e: Exception) -> bool:

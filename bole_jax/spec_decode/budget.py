@@ -515,7 +515,8 @@ def choice_for(
                     table, batch, kv, where, command or calibrate_command(model_dir)
                 )
             return c
-        where = f"{where} timed no {mode} configuration"
+        what = "configuration" if mode is None else f"{mode} configuration"
+        where = f"{where} timed no {what} at batch {batch}" + ("" if kv is None else f", KV {kv}")
     if mode is None:
         m = untabled_mode()
         d = BudgetChoice(num_nodes=1, budget=None, source="default", mode=m)

@@ -1440,3 +1440,23 @@ def test_calibration_times_filled_contexts(tiny, monkeypatch):
     # 1 request x 2 steps per configuration: the own context's run alone
     assert t["acceptance"] and all(a["request_steps"] == 2 for a in t["acceptance"].values())
     assert t["contexts"] == [256] and parked == [1]  # the filled bucket only
+    # Each candidate of the filled bucket is put on the device from the host copy: never the
+    # shared base and a candidate's copy at once (at 9B dims, 64 x 16k tokens, two copies of the
+    # KV ran an H100 out of memory). An out-of-memory there, ar's included, is recorded.
+    unparked = []
+    unpark = calibrate.unpark
+    monkeypatch.setattr(calibrate, "unpark", lambda p: unparked.append(1) or unpark(p))
+    timed = calibrate.timed_segment
+
+    def oom_when_filled(run, params, state, *args):
+        if state.cache.capacity == 256:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return timed(run, params, state, *args)
+
+    monkeypatch.setattr(calibrate, "timed_segment", oom_when_filled)
+    t = calibrate.calibrate(llm, [1], [4], [2], contexts=[256], **kw)
+    own, filled = t["entries"]
+    assert len(unparked) == len(filled["candidates"]) == 3  # ar, the bole chain, the tree
+    assert all(c["note"] == "out of memory" for c in filled["candidates"])
+    assert all(c.get("step_ms", 0) > 0 for c in own["candidates"])
+    assert budget.choose(t, 1, 256) is None and budget.choose(t, 1, 64) is not None
