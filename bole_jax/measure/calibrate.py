@@ -639,7 +639,16 @@ def _prepare_bucket(llm, ids, cands, gen, p, backend, pool, context=None) -> dic
         )
         low = llms[cid].segment_fn(c["mode"], b).lower(params, shapes, jnp.int32(0))
         jobs[cid] = pool.submit(low.compile)
-    return dict(batch=b, base=base, llms=llms, specs=specs, jobs=jobs, synthetic=p is not None)
+    return dict(
+        batch=b,
+        context=context,
+        capacity=int(base.cache.capacity),
+        base=base,
+        llms=llms,
+        specs=specs,
+        jobs=jobs,
+        synthetic=p is not None,
+    )
 
 
 WARM_DEVICE_S = 0.5
@@ -672,6 +681,7 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
     {candidate id: (tokens, request steps)} of the speculative candidates measured)."""
     cfg, params = llm.cfg, llm.params
     b, base, specs, jobs = prep["batch"], prep["base"], prep["specs"], prep["jobs"]
+    filled = prep["context"] is not None
     ready = {cid: f.done() and not f.cancelled() for cid, f in jobs.items()}
     rows, measured = [], {}
     for c in cands:
@@ -718,17 +728,17 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
                     measured[cid] = (toks, req_steps)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory at a wide tree: not timed
                 # ar out of memory at the own context: nothing can be chosen, so it stops the
-                # calibration; at a filled context the entry records it (the engine then has no
-                # choice at that context and decodes its default there)
-                if not _is_oom(e) or (c["mode"] == "ar" and not isinstance(base, _Parked)):
+                # calibration; at a filled context (parked on the host or not: no CPU backend)
+                # the entry records it (the engine then has no choice at that context and
+                # decodes its default there)
+                if not _is_oom(e) or (c["mode"] == "ar" and not filled):
                     raise
                 row["note"] = "out of memory"
                 state = None  # freed before the next candidate's copy is made
         rows.append(row)
         if bar is not None:
             bar.update(1)
-    kv = (base.tree if isinstance(base, _Parked) else base).cache.capacity
-    return dict(batch=b, kv=int(kv), candidates=rows), measured
+    return dict(batch=b, kv=prep["capacity"], candidates=rows), measured
 
 
 def _is_oom(e: Exception) -> bool:

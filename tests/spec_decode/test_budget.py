@@ -1460,3 +1460,7 @@ def test_calibration_times_filled_contexts(tiny, monkeypatch):
     assert all(c["note"] == "out of memory" for c in filled["candidates"])
     assert all(c.get("step_ms", 0) > 0 for c in own["candidates"])
     assert budget.choose(t, 1, 256) is None and budget.choose(t, 1, 64) is not None
+    # the same where the prefill stays on the device (no CPU backend to park it on)
+    monkeypatch.setattr(calibrate, "park_on_host", lambda trees: {})
+    own, filled = calibrate.calibrate(llm, [1], [4], [2], contexts=[256], **kw)["entries"]
+    assert all(c["note"] == "out of memory" for c in filled["candidates"])
