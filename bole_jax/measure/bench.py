@@ -32,6 +32,7 @@ from bole_jax.measure.calibrate import (  # noqa: F401
     prompt_token_ids,
     settle_compiles,
     synthetic_accept_prob,
+    temp_bytes,
     timed_segment,
     unpark,
     with_filler,
@@ -1300,10 +1301,7 @@ def run_e2e(a) -> dict:
             r = pool_windows(windows)
             cap = state.cache.capacity
             nodes = spec.shape.num_nodes if spec else 1
-            try:  # the compiled loop's temporaries (bench_capacity checks the plan against them)
-                temp = int(run.memory_analysis().temp_size_in_bytes)
-            except Exception:  # noqa: BLE001 - backends without a memory analysis
-                temp = None
+            temp = temp_bytes(run)  # the loop's temporaries (bench_capacity checks the plan)
             ec = pl["engine_choice"] if m == "engine" else None
             # requests whose text went past an EOS (kept as an ordinary token: `ignore_eos`); a
             # real model's tokens there are no longer the workload's

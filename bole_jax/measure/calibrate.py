@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ from bole_jax.spec_decode import budget
 from bole_jax.spec_decode.acceptance import expected_tokens_per_step, synthetic_accept_prob  # noqa: F401
 from bole_jax.spec_decode.budget import MAX_NODES, TABLE_FORMAT, candidate_id, model_signature
 from bole_jax.spec_decode.drafter import draft_cache_capacity, prefill_rows
+
+# Phase lines (prefill and lowering, compilation, each bucket timed): INFO, so that a run with
+# no progress bar still says where its minutes go (`bole-jax calibrate` shows them).
+log = logging.getLogger("bole_jax.calibrate")
 
 # Short, generic prompts (prose, code, lists, dialogue): what the acceptance is measured on.
 CALIBRATION_PROMPTS = (
@@ -169,6 +174,31 @@ def settle_compiles(futures) -> int:
     dropped = sum(1 for f in futures if not f.done() and f.cancel())
     concurrent.futures.wait([f for f in futures if not f.cancelled()])
     return dropped
+
+
+def wait_compiles(futures, deadline: float | None, progress: bool) -> None:
+    """Wait for the compilations until they end or `deadline` (perf_counter seconds) passes, a
+    bar counting the programs compiled where `progress` (the compilations, minutes at 9B dims,
+    come before the first candidate is timed)."""
+    left = {f for f in futures if not f.done()}
+    if not left:
+        return
+    bar = progress_bar(len(futures), "compile", "prog") if progress else None
+    try:
+        if bar is not None:
+            bar.update(len(futures) - len(left))
+        while left:
+            timeout = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+            done, left = concurrent.futures.wait(
+                left, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            if bar is not None:
+                bar.update(len(done))
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def derive_state(base, mode: str, spec, cfg, oracle=None, copy: bool = True):
@@ -437,7 +467,7 @@ def calibrate(
     entries, acc = [], {}
     # (batch, filled context or None): the calibration's own context first, for every batch
     buckets = [(b, None) for b in batch_buckets] + [(b, L) for L in contexts for b in batch_buckets]
-    bar = progress_bar(len(buckets) * len(cands), "calibrate", "prog") if progress else None
+    bar = None  # the timing bar, from the first timed candidate (the compile bar comes first)
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     try:
         # Every bucket is prefilled and lowered first and all programs compile together in the
@@ -461,11 +491,39 @@ def calibrate(
                 # the device at once: 85 requests x 16k tokens at 9B dims are 42 GiB).
                 prep["base"] = park_on_host({0: prep["base"]}).get(0, prep["base"])
             prepared.append((b, ctx, prep))
+            log.info(
+                "calibrate: batch %d%s prefilled, %d programs lowered (%d of %d buckets)",
+                b,
+                "" if ctx is None else f" at context {ctx}",
+                len(prep["jobs"]),
+                len(prepared),
+                len(buckets),
+            )
         jobs = [f for _, _, prep in prepared if prep is not None for f in prep["jobs"].values()]
-        concurrent.futures.wait(
-            jobs, timeout=None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+        n_prep = sum(prep is not None for _, _, prep in prepared)
+        log.info(
+            "calibrate: %d of %d buckets prefilled and lowered in %.0f s; compiling %d programs "
+            "in %d threads",
+            n_prep,
+            len(prepared),
+            time.perf_counter() - t_start,
+            len(jobs),
+            workers,
         )
-        settle_compiles(jobs)
+        t_compile = time.perf_counter()
+        wait_compiles(jobs, deadline, progress)
+        dropped = settle_compiles(jobs)
+        ended = [f for f in jobs if not f.cancelled()]
+        failed = sum(f.exception() is not None for f in ended)
+        log.info(
+            "calibrate: compiled %d programs in %.0f s%s%s",
+            len(ended) - failed,
+            time.perf_counter() - t_compile,
+            f", {failed} failed" if failed else "",
+            f", {dropped} not started within the time budget (skipped)" if dropped else "",
+        )
+        if progress:
+            bar = progress_bar(len(buckets) * len(cands), "calibrate", "prog")
         first = next((prep for _, _, prep in prepared if prep is not None), None)
         if first is not None:
             _warm_device(first, cands[0], cfg, params, warm)
@@ -480,7 +538,15 @@ def calibrate(
                 if bar is not None:
                     bar.update(len(cands))
             else:
+                t_bucket = time.perf_counter()
                 entry, measured = _time_bucket(llm, prep, cands, warm, steps, repeats, bar)
+                log.info(
+                    "calibrate: timed batch %d at KV %d%s in %.1f s",
+                    b,
+                    entry["kv"],
+                    "" if ctx is None else " (filled context)",
+                    time.perf_counter() - t_bucket,
+                )
                 prepared[k] = (b, ctx, None)  # its states and programs are no longer needed
                 if ctx is None:
                     kv = entry["kv"]
@@ -692,6 +758,7 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
         else:
             try:
                 run = jobs[cid].result()
+                row["temp_bytes"] = temp_bytes(run)
                 if isinstance(base, _Parked):
                     # A filled context's prefill stays in host memory; each candidate gets its
                     # own device copy (never the shared base and a copy at once: 64 requests x
@@ -741,6 +808,15 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
     return dict(batch=b, kv=prep["capacity"], candidates=rows), measured
 
 
+def temp_bytes(compiled) -> int | None:
+    """A compiled program's temporaries (XLA's memory analysis; None where the backend reports
+    none): what a candidate needs on the device beside its state and the weights."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - backends without a memory analysis
+        return None
+
+
 def _is_oom(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
@@ -758,6 +834,16 @@ def format_table(table: dict) -> str:
         f"{table['drafter']}"
     ]
     cols = ["batch", "candidate", "step ms", "tok/step", "tok/s", ""]
+    # the compiled programs' temporaries, where the backend reported them (long contexts: what
+    # an out-of-memory candidate asked for beside its state and the weights)
+    temps = any(c.get("temp_bytes") is not None for e in table["entries"] for c in e["candidates"])
+    if temps:
+        cols.insert(5, "temp MiB")
+
+    def temp(c) -> list[str]:
+        t = c.get("temp_bytes")
+        return [] if not temps else ["-" if t is None else f"{t / 2**20:.3g}"]
+
     rows = []
     for e in table["entries"]:
         ranked = {candidate_id(c): c for c in budget.rank_candidates(table, e)}
@@ -768,7 +854,7 @@ def format_table(table: dict) -> str:
             cid = candidate_id(c)
             r = ranked.get(cid)
             if r is None:
-                rows.append([bucket, cid, "-", "-", "-", c.get("note", "")])
+                rows.append([bucket, cid, "-", "-", "-", *temp(c), c.get("note", "")])
                 continue
             rows.append(
                 [
@@ -777,6 +863,7 @@ def format_table(table: dict) -> str:
                     f"{r['step_ms']:.3g}",
                     f"{r['tokens_per_step']:.2f}",
                     f"{1e3 * r['tokens_per_ms'] * e['batch']:.4g}",
+                    *temp(c),
                     "<- chosen" if cid == best else "",
                 ]
             )

@@ -415,6 +415,11 @@ def _cmd_calibrate(args) -> int:
         llm = LLM(
             cfg, params=params, spec_options=dict(synthetic_accept=p), draft_vocab=args.draft_vocab
         )
+    import logging
+
+    # the calibration's phase lines (prefill, compilation, each bucket timed), bar or no bar
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("bole_jax.calibrate").setLevel(logging.INFO)
     if cpu:
         print(
             "calibrating on CPU: the tree kernels run as references (interpret mode), so the "

@@ -804,10 +804,7 @@ class Scheduler:
                 programs = list(pool.map(lambda low: low.compile(), lowered))
         temps = []
         for (g, greedy), compiled in zip(jobs, programs):
-            try:
-                temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
-            except Exception:  # noqa: BLE001 - backends without a memory analysis
-                temps.append(None)
+            temps.append(calibrate_mod.temp_bytes(compiled))
             for last in (False, True) if g == 0 else (True,):  # the last group's until its own
                 self._segments[last, greedy] = compiled
         return None if None in temps else max(temps)

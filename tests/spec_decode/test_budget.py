@@ -579,15 +579,20 @@ def test_auto_calibration_on_the_tiny_model(tiny, tmp_path, monkeypatch):
     assert calibrate.ensure_table(llm, 2)[0] == table and time.perf_counter() - t < 5
 
 
-def test_calibrate_several_depths_in_one_run(tiny):
+def test_calibrate_several_depths_in_one_run(tiny, caplog):
     """Candidates of several depths share one prefill per bucket: each is laid out with its own
     depth's pending drafter rows (`derive_state`), so every one of them is timed (a run with
     `--depth 2 4` failed at lowering: the pending rows of the deepest candidate reached the
-    others), and their synthetic acceptance grows with the depth."""
+    others), and their synthetic acceptance grows with the depth. With no progress bar the run
+    still logs its phases (prefill, compilation, each bucket timed), and each timed candidate
+    records its program's temporaries."""
+    import logging
+
     from bole_jax.llm import LLM
 
     cfg, params = tiny
     llm = LLM(cfg, params=params, max_batch_size=2)
+    caplog.set_level(logging.INFO, logger="bole_jax.calibrate")
     table = calibrate.calibrate(
         llm,
         (2,),
@@ -614,6 +619,14 @@ def test_calibrate_several_depths_in_one_run(tiny):
     assert all(c.get("step_ms", 0) > 0 for c in e["candidates"]), e["candidates"]
     acc = table["acceptance"]
     assert acc["chain d=4"]["tokens_per_step"] > acc["chain d=2"]["tokens_per_step"]
+    temp = {budget.candidate_id(c): c["temp_bytes"] for c in e["candidates"]}
+    assert all(t > 0 for t in temp.values()), temp
+    assert temp["chain d=4"] > temp["ar"]  # the verify rows and drafter levels hold more
+    assert "temp MiB" in calibrate.format_table(table)
+    said = [r.getMessage() for r in caplog.records if r.name == "bole_jax.calibrate"]
+    assert any("batch 2 prefilled, 7 programs lowered" in m for m in said), said
+    assert any("compiled 7 programs in" in m for m in said), said
+    assert any("timed batch 2 at KV" in m for m in said), said
 
 
 def fake_time(llm, prep, cands, *a, **k):
