@@ -20,6 +20,12 @@ analysis) and whether the admitted batch still fits the budget with them (`fits`
 engine re-plans its slots from the same number, `Scheduler._fit_step_memory`). Random
 weights and the synthetic-acceptance drafter (--accept-mean). Prints one table per acceptance and
 writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, every row) and a plot.
+
+With --calibration TABLE (a `bole-jax calibrate --preset` table, re-weighed at each
+--accept-mean) the `engine` row is what `bole-jax serve` runs under the same budget: the table's
+choice over ar / chain / bole at --max-batch and the KV capacity of --context (the server's
+lookup), at the largest batch that configuration admits. Where the choice is one of the timed
+modes' configurations its row is that mode's (`same_as`); otherwise it is timed on its own.
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 
-from bole_jax.measure import bench  # noqa: E402
+from bole_jax.measure import bench, calibrate  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.model import parallel  # noqa: E402
 from bole_jax.model.presets import preset  # noqa: E402
 from bole_jax.serving import cli  # noqa: E402
 from bole_jax.serving.memory import plan_memory, slot_bytes  # noqa: E402
-from bole_jax.spec_decode.acceptance import synthetic_accept_prob  # noqa: E402
+from bole_jax.spec_decode import budget as budget_mod  # noqa: E402
+from bole_jax.spec_decode.acceptance import (  # noqa: E402
+    expected_tokens_per_step,
+    synthetic_accept_prob,
+)
 from bole_jax.spec_decode.step import SpecConfig  # noqa: E402
 
 MODES = ("ar", "chain", "pernode", "bole", "bole-chain")
@@ -75,6 +85,12 @@ def parse(argv=None):
         default="512",
         help="bole and pernode: verified nodes across the batch (the batch-wide budget), or "
         "'none' (N per request)",
+    )
+    ap.add_argument(
+        "--calibration",
+        default=None,
+        help="a `bole-jax calibrate --preset` table (synthetic drafter): adds the engine row, the "
+        "server's choice at --max-batch and --context under the same budget",
     )
     ap.add_argument("--prompt-len", type=int, default=64, help="real prompt tokens per request")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps per point")
@@ -131,12 +147,64 @@ def spec_for(mode: str, a, p: float) -> SpecConfig | None:
     )
 
 
-def admitted(cfg, a, p, dtype, budget_bytes: int, gen: int) -> dict:
+def engine_choice(table: dict, a, p: float) -> tuple[dict, SpecConfig | None]:
+    """What the server decodes with under this table (re-weighed at acceptance p's mean by the
+    caller): the choice at --max-batch and the KV capacity of --context, as
+    `bole-jax serve --max-batch B --max-context L` looks it up; ar where the table chose nothing
+    there (`budget.untabled_mode`). Returns (the choice as a dict, its SpecConfig or None)."""
+    c = budget_mod.choose(table, a.max_batch, a.context)
+    if c is None or c.mode == "ar":
+        mode = "ar" if c is None else c.mode
+        return dict(mode=mode, nodes=1, depth=None, topk=None, budget=None), None
+    spec = SpecConfig.for_mode(
+        c.mode,
+        topk=c.topk,
+        depth=c.depth,
+        num_nodes=c.num_nodes,
+        budget=None if c.mode == "chain" else c.budget,
+        synthetic_accept=p,
+    )
+    shape = spec.shape
+    return (
+        dict(
+            mode=c.mode,
+            nodes=shape.num_nodes,
+            depth=shape.depth,
+            topk=shape.topk,
+            budget=spec.budget,
+        ),
+        spec,
+    )
+
+
+def load_engine_table(path: str, cfg, dtype: str) -> dict:
+    """The --calibration table, checked to be a synthetic-drafter table of --preset's dims."""
+    try:
+        table = budget_mod.load_table(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--calibration: {e}") from None
+    if not str(table.get("drafter", "")).startswith("synthetic"):
+        raise SystemExit(
+            "--calibration: give a `bole-jax calibrate --preset` table (synthetic drafter)"
+        )
+    if table.get("model") != calibrate.model_signature(cfg, dtype):
+        raise SystemExit(f"--calibration: {path} was measured on other model dims or dtype")
+    return table
+
+
+def spec_budget(spec: SpecConfig | None) -> str:
+    """`bole-jax bench --budget` for a spec: its batch-wide budget, or 'none'."""
+    return "none" if spec is None or spec.budget is None else str(spec.budget)
+
+
+def admitted(cfg, a, p, dtype, budget_bytes: int, gen: int, specs: dict | None = None) -> dict:
     """{mode: (timed batch, requests the budget admits, bytes per request by part)} under
-    `budget_bytes`; the timed batch is the admitted count capped by --max-batch."""
+    `budget_bytes`; the timed batch is the admitted count capped by --max-batch. specs: each
+    mode's SpecConfig (default: `spec_for` of every --modes mode)."""
     out = {}
-    for m in a.modes:
-        parts = slot_bytes(cfg, a.context, gen, spec_for(m, a, p), dtype)
+    specs = specs if specs is not None else {m: spec_for(m, a, p) for m in a.modes}
+    for m, spec in specs.items():
+        parts = slot_bytes(cfg, a.context, gen, spec, dtype)
         try:
             plan = plan_memory(
                 sum(parts.values()),
@@ -167,42 +235,89 @@ def main(argv=None) -> int:
         full = int(free * 0.9)
     else:
         raise SystemExit("this backend reports no device memory: give --memory-gb")
-    gen = 1 + (a.warm + a.steps) * (a.depth + 1)
+    table = None if a.calibration is None else load_engine_table(a.calibration, cfg, dtype)
     env = environment()
     results = []
     for acc in a.accept_mean:
         p = synthetic_accept_prob(acc, a.depth)
-        plans = {f: admitted(cfg, a, p, dtype, int(full * f), gen) for f in a.fractions}
+        specs = {m: spec_for(m, a, p) for m in a.modes}
+        engine, same_as, depth = None, None, a.depth
+        if table is not None:
+            # one per-level acceptance p for the grid, the table's re-weighing and the engine
+            at_p = expected_tokens_per_step(p, max(table["depths"]))
+            engine, specs["engine"] = engine_choice(
+                calibrate.rescore_synthetic(table, at_p, a.calibration), a, p
+            )
+            same_as = next(
+                (m for m in a.modes if same_config(m, a, specs[m], specs["engine"])), None
+            )
+            depth = max(depth, engine["depth"] or 0)
+        gen = 1 + (a.warm + a.steps) * (depth + 1)
+        plans = {f: admitted(cfg, a, p, dtype, int(full * f), gen, specs) for f in a.fractions}
         batch_modes: dict[int, set] = {}
         for f, pl in plans.items():
             for m, (n, _, _) in pl.items():
-                if n:
+                if n and m != "engine":
                     batch_modes.setdefault(n, set()).add(m)
         if not batch_modes:
             print(f"acceptance {acc}: no mode fits one request", flush=True)
             continue
-        argv_b = ["bench", "--preset", a.preset, "--dtype", dtype, "--modes", *a.modes]
-        argv_b += ["--batch", *map(str, sorted(batch_modes)), "--context", str(a.context)]
-        argv_b += ["--nodes", str(a.nodes), "--budget", a.budget, "--depth", str(a.depth)]
-        argv_b += ["--topk", str(a.topk), "--accept-mean", str(acc), "--steps", str(a.steps)]
-        argv_b += ["--warm", str(a.warm), "--prompt-len", str(a.prompt_len)]
-        argv_b += ["--breakdown-batch", "0", "--time-budget", str(a.time_budget), "--no-plots"]
-        argv_b += ["--compile-workers", str(a.compile_workers), "--out", a.out]
-        argv_b += ["--compile-cache", a.compile_cache] if a.compile_cache else []
-        argv_b += ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
-        argv_b += ["--quick"] if a.quick else []
-        args = cli.build_parser().parse_args(argv_b)
-        args.batch_modes = batch_modes
-        args.exact_batch = True
-        res = bench.run_e2e(args)
+
+        def run(modes, batches, nodes, depth, topk, budget, only) -> dict:
+            mean = acc if depth == a.depth else expected_tokens_per_step(p, depth)  # same p
+            argv_b = ["bench", "--preset", a.preset, "--dtype", dtype, "--modes", *modes]
+            argv_b += ["--batch", *map(str, sorted(batches)), "--context", str(a.context)]
+            argv_b += ["--nodes", str(nodes), "--budget", budget, "--depth", str(depth)]
+            argv_b += ["--topk", str(topk), "--accept-mean", repr(mean), "--steps", str(a.steps)]
+            argv_b += ["--warm", str(a.warm), "--prompt-len", str(a.prompt_len)]
+            argv_b += ["--breakdown-batch", "0", "--time-budget", str(a.time_budget), "--no-plots"]
+            argv_b += ["--compile-workers", str(a.compile_workers), "--out", a.out]
+            argv_b += ["--compile-cache", a.compile_cache] if a.compile_cache else []
+            argv_b += ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
+            argv_b += ["--quick"] if a.quick else []
+            args = cli.build_parser().parse_args(argv_b)
+            args.batch_modes = only
+            args.exact_batch = True
+            return bench.run_e2e(args)
+
+        res = run(a.modes, batch_modes, a.nodes, a.depth, a.topk, a.budget, batch_modes)
         by = {(r["batch"], r["mode"]): r for r in res["rows"]}
         failed = {(e["batch"], e["mode"]): e["error"] for e in res["errors"]}
+        if engine is not None:
+            own = {pl["engine"][0] for pl in plans.values() if pl["engine"][0]}
+            if same_as is not None:  # the same configuration, so the same admitted batch
+                for n in own:
+                    if (n, same_as) in by:
+                        by[n, "engine"] = by[n, same_as]
+                    if (n, same_as) in failed:
+                        failed[n, "engine"] = failed[n, same_as]
+            elif own:  # timed on its own, as its mode with the chosen shape
+                sp = specs["engine"]
+                m = engine["mode"]
+                shape = sp.shape if sp is not None else None
+                res_e = run(
+                    [m],
+                    own,
+                    shape.num_nodes if shape else a.nodes,
+                    shape.depth if shape else a.depth,
+                    shape.topk if shape else a.topk,
+                    spec_budget(sp),
+                    {n: {m} for n in own},
+                )
+                for r in res_e["rows"]:
+                    if r["mode"] == m:
+                        by[r["batch"], "engine"] = r
+                for e in res_e["errors"]:
+                    if e["mode"] == m:
+                        failed[e["batch"], "engine"] = e["error"]
         for f, pl in plans.items():
             budget = full * f
             row = dict(accept_mean=acc, fraction=f, budget_gib=budget / 2**30)
             for m, (n, slots, parts) in pl.items():
                 r = by.get((n, m))
                 fit = compiled_fit(parts, n, r, budget)
+                if m == "engine":
+                    fit.update(choice=engine, same_as=same_as)
                 row[m] = dict(
                     batch=n,
                     admitted=slots,
@@ -215,7 +330,7 @@ def main(argv=None) -> int:
                     **fit,
                 )
             results.append(row)
-        print_rows([r for r in results if r["accept_mean"] == acc], a.modes)
+        print_rows([r for r in results if r["accept_mean"] == acc], shown(a.modes, table))
     record = dict(
         command=" ".join(sys.argv if argv is None else ["bench_capacity.py", *argv]),
         env=env,
@@ -231,8 +346,40 @@ def main(argv=None) -> int:
     bench.write_json(path, record)
     print(f"wrote {path}")
     if not a.no_plots:
-        plot(results, a.modes, os.path.join(a.out, f"capacity_{a.preset}.png"), a.preset)
+        plot(
+            results,
+            shown(a.modes, table),
+            os.path.join(a.out, f"capacity_{a.preset}.png"),
+            a.preset,
+        )
     return 0
+
+
+def shown(modes, table) -> list[str]:
+    """The row's columns: the modes, then the engine where a table was given."""
+    return list(modes) + ([] if table is None else ["engine"])
+
+
+def timed_budget(m: str, a) -> int | None | str:
+    """The batch-wide budget `bole-jax bench` times mode m with in the grid ('auto': the table's,
+    not known here)."""
+    if m in ("ar", "chain", "bole-chain"):
+        return None
+    return {"none": None, "auto": "auto"}.get(a.budget, None if a.budget == "none" else a.budget)
+
+
+def same_config(m: str, a, spec: SpecConfig | None, engine: SpecConfig | None) -> bool:
+    """Is the engine's configuration the one mode m is timed with in the grid (same mode, tree
+    shape and batch-wide budget)?"""
+    if spec is None or engine is None:
+        return spec is None and engine is None
+    budget = timed_budget(m, a)
+    return (
+        spec.mode == engine.mode
+        and spec.shape == engine.shape
+        and budget != "auto"
+        and (None if budget is None else int(budget)) == engine.budget
+    )
 
 
 def merge(a, argv=None) -> int:
@@ -251,8 +398,8 @@ def merge(a, argv=None) -> int:
         for row in r["rows"]:
             row = dict(row, source=path, max_batch=r["args"]["max_batch"])
             rows.append(row)
-            modes |= {m for m in MODES if m in row}
-    modes = [m for m in MODES if m in modes]
+            modes |= {m for m in (*MODES, "engine") if m in row}
+    modes = [m for m in (*MODES, "engine") if m in modes]
     rows.sort(key=lambda r: (r["accept_mean"], -r["budget_gib"]))
     for acc in sorted({r["accept_mean"] for r in rows}):
         print_rows([r for r in rows if r["accept_mean"] == acc], modes)
@@ -315,7 +462,7 @@ def print_rows(rows, modes) -> None:
                 dict(
                     acc=r["accept_mean"],
                     budget_gib=r["budget_gib"],
-                    mode=m,
+                    mode=m if m != "engine" else f"engine: {describe(c['choice'])}",
                     request_mib=c["request_mib"],
                     admitted=c["admitted"],
                     batch=c["batch"],
@@ -331,6 +478,15 @@ def print_rows(rows, modes) -> None:
             )
     print("\nthroughput at a fixed memory budget (each mode at its largest admitted batch)")
     bench.print_table(table, list(table[0]))
+
+
+def describe(choice: dict) -> str:
+    """'ar', 'chain d=8', 'bole N=8 d=8 k=4' (the engine's configuration)."""
+    if choice["mode"] == "ar":
+        return "ar"
+    if choice["mode"] == "chain":
+        return f"chain d={choice['depth']}"
+    return f"{choice['mode']} N={choice['nodes']} d={choice['depth']} k={choice['topk']}"
 
 
 def fits_word(c: dict, budget_gib: float) -> str:

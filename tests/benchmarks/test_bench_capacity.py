@@ -81,3 +81,72 @@ def test_capacity_bench_rejects_bad_context():
     cap = _load()
     with pytest.raises(SystemExit):
         cap.parse(["--context", "1000"])
+
+
+def _table(cfg, chain_ms: float) -> dict:
+    """A hand-made calibration table of the tiny preset: at batch 8 and KV 256, ar at 1 ms a
+    step and a depth-1 chain at `chain_ms`."""
+    from bole_jax.measure import calibrate
+    from bole_jax.spec_decode import budget
+
+    ident = dict(model="tiny", drafter="synthetic p=0.5000")
+    rows = [
+        dict(mode="ar", nodes=1, depth=0, topk=1, step_ms=1.0),
+        dict(mode="chain", nodes=2, depth=1, topk=1, step_ms=chain_ms),
+    ]
+    return dict(
+        format=budget.TABLE_FORMAT,
+        device=budget.device_name(),
+        jax="x",
+        identity=ident,
+        key="k",
+        model=calibrate.model_signature(cfg, "float32"),
+        drafter="synthetic p=0.5000",
+        depths=[1, 2],
+        entries=[dict(batch=8, kv=256, context=256, candidates=rows)],
+    )
+
+
+@pytest.mark.parametrize("chain_ms, same_as", [(1.0, None), (100.0, "ar")])
+def test_capacity_bench_engine_row(tmp_path, chain_ms, same_as):
+    """--calibration: the engine row is the table's choice at --max-batch and --context (what
+    `bole-jax serve` decodes with), at the batch that configuration admits under the budget:
+    timed on its own where it is none of the grid's configurations (a depth-1 chain against the
+    grid's depth 2), else the grid row of the same configuration (ar)."""
+    from bole_jax.model.presets import preset
+
+    cap = _load()
+    (tmp_path / "t.json").write_text(json.dumps(_table(preset("tiny", mtp=True), chain_ms)))
+    out = tmp_path / "cap"
+    argv = ["--preset", "tiny", "--memory-gb", "0.004", "--context", "256", "--fractions", "1"]
+    argv += ["--accept-mean", "2.5", "--nodes", "4", "--depth", "2", "--topk", "2"]
+    argv += ["--steps", "2", "--warm", "1", "--prompt-len", "8", "--max-batch", "8"]
+    argv += ["--modes", "ar", "chain", "--compile-workers", "2", "--compile-cache", "none"]
+    argv += ["--calibration", str(tmp_path / "t.json"), "--out", str(out), "--no-plots"]
+    assert cap.main(argv) == 0
+    (row,) = json.loads((out / "capacity_tiny.json").read_text())["rows"]
+    e = row["engine"]
+    assert e["same_as"] == same_as
+    if same_as is None:
+        assert e["choice"] == dict(mode="chain", nodes=2, depth=1, topk=1, budget=None)
+        # a depth-1 chain's verify holds fewer state snapshots than the grid's depth 2
+        assert e["request_mib"] < row["chain"]["request_mib"]
+        assert e["admitted"] >= row["chain"]["admitted"]
+        assert e["tokens_per_s"] > 0 and e["tokens_per_s"] != row["chain"]["tokens_per_s"]
+    else:
+        assert e["choice"]["mode"] == "ar"
+        for k in ("admitted", "batch", "request_mib", "tokens_per_s", "step_ms"):
+            assert e[k] == row["ar"][k], k
+    assert e["batch"] == min(e["admitted"], 8) and e["error"] is None
+
+
+def test_capacity_bench_refuses_a_table_of_other_dims(tmp_path):
+    from bole_jax.model.presets import preset
+
+    cap = _load()
+    t = _table(preset("tiny", mtp=True), 1.0)
+    t["model"] = dict(t["model"], hidden_size=1)
+    (tmp_path / "t.json").write_text(json.dumps(t))
+    argv = ["--preset", "tiny", "--memory-gb", "0.004", "--context", "256"]
+    with pytest.raises(SystemExit, match="other model dims"):
+        cap.main([*argv, "--calibration", str(tmp_path / "t.json"), "--out", str(tmp_path)])
