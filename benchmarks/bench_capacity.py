@@ -462,7 +462,7 @@ def print_rows(rows, modes) -> None:
                 dict(
                     acc=r["accept_mean"],
                     budget_gib=r["budget_gib"],
-                    mode=m if m != "engine" else f"engine: {describe(c['choice'])}",
+                    mode=m if m != "engine" else f"engine: {budget_mod.candidate_id(c['choice'])}",
                     request_mib=c["request_mib"],
                     admitted=c["admitted"],
                     batch=c["batch"],
@@ -478,15 +478,6 @@ def print_rows(rows, modes) -> None:
             )
     print("\nthroughput at a fixed memory budget (each mode at its largest admitted batch)")
     bench.print_table(table, list(table[0]))
-
-
-def describe(choice: dict) -> str:
-    """'ar', 'chain d=8', 'bole N=8 d=8 k=4' (the engine's configuration)."""
-    if choice["mode"] == "ar":
-        return "ar"
-    if choice["mode"] == "chain":
-        return f"chain d={choice['depth']}"
-    return f"{choice['mode']} N={choice['nodes']} d={choice['depth']} k={choice['topk']}"
 
 
 def fits_word(c: dict, budget_gib: float) -> str:
