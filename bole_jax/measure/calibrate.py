@@ -759,6 +759,9 @@ def _time_bucket(llm, prep, cands, warm, steps, repeats, bar):
             try:
                 run = jobs[cid].result()
                 row["temp_bytes"] = temp_bytes(run)
+                log.info(
+                    "calibrate: batch %d KV %d %s: %s", b, prep["capacity"], cid, memory_line(run)
+                )
                 if isinstance(base, _Parked):
                     # A filled context's prefill stays in host memory; each candidate gets its
                     # own device copy (never the shared base and a copy at once: 64 requests x
@@ -815,6 +818,21 @@ def temp_bytes(compiled) -> int | None:
         return int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - backends without a memory analysis
         return None
+
+
+def memory_line(compiled) -> str:
+    """A compiled program's device memory by kind (XLA's memory analysis): its arguments, its
+    outputs and how much of them reuse donated arguments, its temporaries."""
+    try:
+        m = compiled.memory_analysis()
+        mib = lambda x: f"{int(x) / 2**20:.4g} MiB"  # noqa: E731
+        return (
+            f"arguments {mib(m.argument_size_in_bytes)}, outputs {mib(m.output_size_in_bytes)} "
+            f"({mib(m.alias_size_in_bytes)} of them in donated arguments), temporaries "
+            f"{mib(m.temp_size_in_bytes)}"
+        )
+    except Exception:  # noqa: BLE001 - backends without a memory analysis
+        return "no memory analysis"
 
 
 def _is_oom(e: Exception) -> bool:

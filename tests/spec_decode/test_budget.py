@@ -627,6 +627,9 @@ def test_calibrate_several_depths_in_one_run(tiny, caplog):
     assert any("batch 2 prefilled, 7 programs lowered" in m for m in said), said
     assert any("compiled 7 programs in" in m for m in said), said
     assert any("timed batch 2 at KV" in m for m in said), said
+    # each program's memory by kind: the state comes back in its donated buffers
+    mem = [m for m in said if "chain d=4: arguments" in m]
+    assert len(mem) == 1 and "of them in donated arguments" in mem[0], said
 
 
 def fake_time(llm, prep, cands, *a, **k):
