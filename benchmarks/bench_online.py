@@ -19,7 +19,7 @@ Method:
 - Per mode, `python -m bole_jax serve --spec MODE [--model DIR | --preset NAME]
   [--simulate-accept-mean X] [--server-arg ...] [that mode's --mode-server-arg ...]` runs as a
   subprocess (log in
-  OUT/server_<tag>_<mode>.log); /health is awaited, a few requests of growing prompt length warm
+  OUT/server_<tag>_<mode>.log; mode `engine`: no --spec, the server's own choice); /health is awaited, a few requests of growing prompt length warm
   up the prefill shapes, then every rate is replayed on that server, lowest first.
 - Sessions arrive as a Poisson process at RATE sessions/s for --duration seconds (at most
   --max-sessions). Inside a session the agent waits for its model: each LLM call is sent when
@@ -77,7 +77,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from bole_jax.measure import bench  # noqa: E402  (tables, JSON; importing it initialises no backend)
 
 DEFAULT_SESSIONS = os.path.join(HERE, "data", "agent_sessions.jsonl")
-MODES = ("bole", "pernode", "chain", "ar")
+MODES = ("bole", "pernode", "chain", "ar", "engine")
+# "engine": a server started without --spec, which decodes what its calibration table chooses at
+# --max-batch and --max-context (`--server-arg=--calibration=TABLE`; on an accelerator without a
+# table it calibrates on first use, on CPU it decodes ar); the mode it chose is recorded from its
+# /v1/models card (`spec_mode`).
 PCTS = (50, 90, 99)
 QUICK = dict(
     rates=[0.5, 2.0],
@@ -436,8 +440,7 @@ class ServerProcess:
             "-m",
             "bole_jax",
             "serve",
-            "--spec",
-            mode,
+            *([] if mode == "engine" else ["--spec", mode]),  # engine: the server's own choice
             "--host",
             "127.0.0.1",
             "--port",
@@ -1098,6 +1101,10 @@ def main(argv=None) -> int:
                     servers[mode].update(
                         model_card=models["data"][0], metrics_at_start=scrape_metrics(server.url)
                     )
+                    if mode == "engine":
+                        chosen = models["data"][0].get("spec_mode")
+                        servers[mode]["chosen_mode"] = chosen
+                        print(f"  the engine's choice: {chosen}", flush=True)
                     rows += bench_server(server.url, mode, a, sessions, schedules)
                 except (RuntimeError, OSError) as e:  # one mode failing must not lose the others
                     servers[mode]["error"] = str(e)

@@ -353,6 +353,19 @@ def test_preset_and_simulated_acceptance_reach_every_server():
         bo.build_parser().parse_args(["--model", "DIR", "--preset", "tiny"])
 
 
+def test_the_engine_server_makes_its_own_choice():
+    """Mode `engine`: the server is started without --spec (it decodes its calibration table's
+    choice, `--server-arg=--calibration=T`); every other mode names its --spec."""
+    a = bo.build_parser().parse_args(
+        ["--modes", "engine", "ar", "--server-arg=--calibration=T.json"]
+    )
+    bo.resolve_args(a)
+    eng = bo.ServerProcess("engine", None, a.server_args, "/dev/null")
+    assert "--spec" not in eng.cmd and eng.cmd[-1] == "--calibration=T.json"
+    ar = bo.ServerProcess("ar", None, a.server_args, "/dev/null")
+    assert ar.cmd[ar.cmd.index("--spec") + 1] == "ar"
+
+
 def test_calls_cut_at_the_end_of_the_window_are_not_errors(stub):
     """A call still streaming 5 s past the drain window is cut by the replay: counted as "cut",
     not as a server error."""
