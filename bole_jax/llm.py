@@ -27,7 +27,7 @@ import numpy as np
 
 from bole_jax import compile_cache as compile_cache_mod
 from bole_jax.measure import calibrate as calibrate_mod
-from bole_jax.model import ModelConfig, init_cache, init_params, parallel
+from bole_jax.model import ModelConfig, init_cache, parallel
 from bole_jax.model.cache import with_pending
 from bole_jax.model.mtp import init_mtp_cache, require_mtp
 from bole_jax.model.weights import load_hf_checkpoint
@@ -179,7 +179,7 @@ class LLM:
             self.params = (
                 params
                 if params is not None
-                else init_params(model, jax.random.key(seed), dtype or model.dtype)
+                else parallel.init_params(model, jax.random.key(seed), dtype or model.dtype)
             )
             self.path = None
         elif isinstance(model, ModelConfig):

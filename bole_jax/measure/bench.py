@@ -826,8 +826,8 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen, longest=None) -
     )
     cmd = budget_mod.calibrate_command(a.model, preset=a.preset)
 
-    def table_choice(mode):  # the table's choice for this batch ("bole": its best tree of
-        # --topk children per node; None: any mode and shape)
+    def table_choice(mode, quiet=False):  # the table's choice for this batch ("bole": its best
+        # tree of --topk children per node; None: any mode and shape)
         return budget_mod.choice_for(
             cfg,
             dtype,
@@ -839,10 +839,12 @@ def _plan_batch(a, cfg, params, ids, spec_modes, run_ar, p, gen, longest=None) -
             identity=ident,
             command=cmd,
             topk=None if mode is None else a.topk,
+            quiet=quiet,
         )
 
     if a.nodes == "auto":
-        choice = table_choice("bole")
+        # no notice about a tree width where no tree mode runs (e.g. --modes ar chain)
+        choice = table_choice("bole", quiet=not {"bole", "pernode"} & set(spec_modes))
     else:
         choice = budget_mod.BudgetChoice(a.nodes, None, "--nodes")
     k = {"auto": choice.budget, "none": None}.get(a.budget, a.budget)

@@ -321,13 +321,65 @@ def unshard_params(params, cfg: ModelConfig):
     return _map_with_path(undo, params)
 
 
+class WeightsDoNotFit(ValueError):
+    """The model's weights alone exceed the memory its device has available."""
+
+
+def available_bytes(device=None) -> int | None:
+    """Bytes a device can still hold (default: the first device): an accelerator's allocator
+    limit less what is in use; on CPU the host's available memory (Linux `MemAvailable`); None
+    where neither is known."""
+    d = device or jax.devices()[0]
+    try:
+        stats = d.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if d.platform != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_weights_fit(cfg: ModelConfig, dtype=None) -> int:
+    """Raise `WeightsDoNotFit` (a ValueError: the CLI prints it) where the weights of `cfg` in
+    `dtype`, per device with tensor parallelism, exceed what the device has available, instead
+    of letting the first allocations end the process (on a CPU host the kernel's OOM killer
+    ends it with no message: `bole-jax bench` at its default Qwen3.5-9B dims in float32 needs
+    35 GiB). Returns the weights' bytes per device."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shapes = abstract_params(dataclasses.replace(cfg, tp=1), dtype)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    need = -(-total // cfg.tp)
+    free = available_bytes()
+    if free is not None and need > free:
+        gib = lambda x: f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"  # noqa: E731
+        per = f" per device over tp={cfg.tp}" if cfg.tp > 1 else ""
+        raise WeightsDoNotFit(
+            f"the weights of this model take {gib(need)} in {dtype.name}{per}, more than the "
+            f"{gib(free)} the {jax.devices()[0].platform} device has available: use a smaller "
+            "model (e.g. `--preset tiny`, or the embedded demo model), bfloat16 weights, or more "
+            "devices (tensor parallelism)"
+        )
+    return need
+
+
 def init_params(cfg: ModelConfig, key, dtype=None):
     """`model.init_params` in cfg's TP layout, generated directly on the mesh (one jitted program
     with sharded outputs: no device ever holds the whole model). Same values as
     `shard_params(model.init_params(canonical cfg, key), cfg)`, except for the leaves of groups
     above `params.GROUP_DRAW_LIMIT` elements (the MoE experts of big models): each device draws its
     shard of those from its own key (same distribution, values that depend on tp), because XLA
-    does not partition a random draw and one global fp32 draw per leaf does not fit."""
+    does not partition a random draw and one global fp32 draw per leaf does not fit. Weights
+    that cannot fit the device raise `WeightsDoNotFit` first (`check_weights_fit`)."""
+    check_weights_fit(cfg, dtype)
     if cfg.tp == 1:
         return init_canonical(dataclasses.replace(cfg, tp=1), key, dtype)
     return init_program(cfg, dtype)(key)

@@ -606,6 +606,9 @@ def load_hf_checkpoint(
                     f"expected {tuple(shape)} for this config"
                 )
 
+    from bole_jax.model import parallel
+
+    parallel.check_weights_fit(cfg, dtype)  # a clear error, not an OOM partway through loading
     params = _empty_tree(cfg)
     # Converted on the host (numpy), then one transfer per leaf: device-side conversions would
     # compile a program per tensor shape (dozens on every start, cached or not).

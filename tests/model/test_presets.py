@@ -30,3 +30,30 @@ def test_presets_build(name):
     cfg = preset(name, mtp=True)
     assert cfg.vocab_size == PRESETS[name]["vocab_size"] and cfg.mtp_num_layers == 1
     assert jnp.dtype(cfg.dtype) == jnp.bfloat16
+
+
+def test_weights_that_cannot_fit_the_device_fail_with_a_clear_error(monkeypatch, capsys):
+    """Random weights larger than what the device has available raise `WeightsDoNotFit` (a
+    ValueError the CLI prints) before anything is allocated: `bole-jax bench` at its default
+    Qwen3.5-9B dims in float32 (35 GiB) was ended by the host's OOM killer with no message on a
+    23 GiB CPU machine."""
+    from bole_jax.llm import LLM
+    from bole_jax.model import parallel
+    from bole_jax.serving import cli
+
+    free = parallel.available_bytes()
+    assert free is None or free > 0
+    cfg = preset("tiny", mtp=True)
+    need = parallel.check_weights_fit(cfg, "float32")
+    assert need == sum(x.size * 4 for x in jax.tree.leaves(init_params(cfg, jax.random.key(0))))
+    assert parallel.check_weights_fit(cfg, "bfloat16") == need // 2
+    monkeypatch.setattr(parallel, "available_bytes", lambda device=None: need - 1)
+    with pytest.raises(parallel.WeightsDoNotFit, match=r"more than the .* cpu device"):
+        LLM(cfg)
+    assert parallel.check_weights_fit(cfg, "bfloat16") == need // 2  # half the bytes fit
+    assert cli.main(["bench", "--preset", "tiny", "--compile-cache", "none"]) == 2
+    assert "the weights of this model take" in capsys.readouterr().err
+    # a checkpoint is checked before its tensors are read (the demo model: 25M params)
+    monkeypatch.setattr(parallel, "available_bytes", lambda device=None: 2**20)
+    with pytest.raises(parallel.WeightsDoNotFit, match=r"take 9\d\.\d MiB in float32"):
+        LLM(dtype="float32")
