@@ -47,6 +47,10 @@ PREFILL_CHUNK = 256  # prompt tokens per prefill call (bigger prompts take sever
 # of memory (128 rows x 16 heads x 256 tokens x 16384 slots would be 32 GiB).
 PREFILL_SCORES_BYTES = 1 << 30
 SEGMENT_STEPS = 16  # decode steps per jitted segment (host checks stops / progress between)
+# `generate` decodes at most the rows whose estimated state (serving.memory.slot_bytes) fits this
+# share of the device's free memory; the rest is left to the compiled programs' temporaries and
+# activations, which the estimate does not count.
+GENERATE_MEMORY_SHARE = 0.9
 MIN_OUT_BUCKET = 16  # smallest output buffer (max_new_tokens is rounded up to a power of two)
 
 
@@ -307,6 +311,16 @@ class LLM:
                     f"prompt {i} has {len(t)} tokens; with max_new_tokens={max_new_tokens} "
                     f"it exceeds the maximum context of {max_context} tokens"
                 )
+        # As many prompts per batch as max_batch_size allows and the device's free memory holds
+        # (a batch too large for it would end in an out-of-memory error partway through).
+        longest = max(map(len, ids))
+        per_batch = self._rows_that_fit(mode, len(ids), longest, max_new_tokens, kv)
+        want = min(len(ids), self.max_batch_size)
+        if per_batch < want:
+            mode2 = calibrate_mod.decode_mode(self, spec, per_batch, kv)
+            if mode2 != mode:  # the choice at the batch that fits (e.g. a tree at fewer rows)
+                mode = mode2
+                per_batch = self._rows_that_fit(mode, per_batch, longest, max_new_tokens, kv)
 
         outputs: list[GenerationOutput] = []
         bar = None
@@ -314,9 +328,9 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids) * max_new_tokens, unit="tok", desc=f"generate[{mode}]")
-        for start in range(0, len(ids), self.max_batch_size):
-            chunk = ids[start : start + self.max_batch_size]
-            orc = None if oracle is None else oracle[start : start + self.max_batch_size]
+        for start in range(0, len(ids), per_batch):
+            chunk = ids[start : start + per_batch]
+            orc = None if oracle is None else oracle[start : start + per_batch]
             # Every batch starts from key(seed) and each prompt samples from its own stream (its index
             # here): the same seed gives the same outputs whatever max_batch_size (sampling.row_keys).
             outputs += self._generate_batch(
@@ -336,6 +350,54 @@ class LLM:
         if bar is not None:
             bar.close()
         return outputs
+
+    def _rows_that_fit(self, mode: str, n: int, longest: int, max_new: int, kv: int) -> int:
+        """Prompts per batch: min(n, max_batch_size), halved (a batch's state has next_pow2 rows)
+        until the estimated decode state of its rows (`serving.memory.slot_bytes`: KV cache,
+        recurrent states, drafter cache, outputs, the step's verify transient) fits
+        GENERATE_MEMORY_SHARE of the device's free memory; logged when that is fewer. Raises a
+        ValueError where one request does not fit. Unchanged where the backend reports no free
+        memory."""
+        from bole_jax.serving.memory import slot_bytes
+
+        c = min(n, self.max_batch_size)
+        free = parallel.available_bytes()
+        if free is None:
+            return c
+        budget = free * GENERATE_MEMORY_SHARE
+        out_len = out_bucket(max_new)
+        dtype = self.params["embed"].dtype
+        while True:
+            rows = next_pow2(c, minimum=1)
+            spec = None if mode == "ar" else self._spec_config(mode, rows, quiet=True, kv=kv)
+            slack = spec.slack if spec else 0
+            capacity = next_pow2(longest + out_len + slack + 1, minimum=64)
+            per_row = sum(slot_bytes(self.cfg, capacity, out_len, spec, dtype).values())
+            if rows * per_row <= budget:
+                break
+            if rows == 1:
+                raise ValueError(
+                    f"one request of {longest} prompt tokens and max_new_tokens={max_new} "
+                    f"({mode}, KV capacity {capacity}) needs about {per_row / 2**20:.0f} MiB "
+                    f"of decode state, more than the {free / 2**20:.0f} MiB the device has "
+                    "free: shorten the prompt or max_new_tokens"
+                )
+            c = rows // 2
+        if c < min(n, self.max_batch_size):
+            import logging
+
+            logging.getLogger("bole_jax").warning(
+                "bole_jax: %d prompts at KV capacity %d need about %.0f MiB of decode state "
+                "each (%s); the device's %.1f GiB free hold batches of %d (max_batch_size %d)",
+                n,
+                capacity,
+                per_row / 2**20,
+                mode,
+                free / 2**30,
+                c,
+                self.max_batch_size,
+            )
+        return c
 
     def start_batch(
         self,

@@ -483,3 +483,37 @@ def test_start_batch_exact_rows_is_lossless(model):
         assert np.asarray(state.out[i, : len(want)]).tolist() == want
     with pytest.raises(ValueError, match="rows=2 < the 3 prompts"):
         llm.start_batch(prompts[:3], NEW, mode="bole", rows=2)
+
+
+def test_generate_splits_a_batch_the_device_memory_cannot_hold(model, monkeypatch, caplog):
+    """`generate` decodes as many prompts per batch as the device's free memory holds (the
+    estimated decode state of a batch's rows, `serving.memory.slot_bytes`), logging it, with the
+    same outputs; where one request does not fit it says so instead of running out of memory."""
+    import logging
+
+    from bole_jax.model import parallel
+    from bole_jax.serving.memory import slot_bytes
+
+    cfg, params, prompts, ar = model
+    if cfg.num_experts or cfg.family != "qwen3_next":
+        pytest.skip("the batch split does not depend on the family")
+    llm = LLM(cfg, params=params, spec_options=dict(num_nodes=8, depth=4))
+    sizes = []
+    real = llm._generate_batch
+    monkeypatch.setattr(
+        llm, "_generate_batch", lambda ids, *a, **k: sizes.append(len(ids)) or real(ids, *a, **k)
+    )
+    spec = llm._spec_config("bole", 2, quiet=True, kv=None)
+    cap = 1 << (max(map(len, prompts)) + NEW + spec.slack).bit_length()
+    row = sum(slot_bytes(cfg, max(cap, 64), NEW, spec, params["embed"].dtype).values())
+    # room for 2 rows' state (and not 4) within the share generate leaves the state
+    free = int(2.5 * row / 0.9)
+    monkeypatch.setattr(parallel, "available_bytes", lambda device=None: free)
+    caplog.set_level(logging.WARNING, logger="bole_jax")
+    out = llm.generate(prompts, max_new_tokens=NEW, spec="bole")
+    assert sizes == [2] * (len(prompts) // 2) + [1] * (len(prompts) % 2), sizes
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert any("hold batches of 2" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(parallel, "available_bytes", lambda device=None: row // 2)
+    with pytest.raises(ValueError, match="needs about .* MiB of decode state"):
+        llm.generate(prompts[:1], max_new_tokens=NEW, spec="bole")
