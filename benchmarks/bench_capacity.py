@@ -360,12 +360,12 @@ def shown(modes, table) -> list[str]:
     return list(modes) + ([] if table is None else ["engine"])
 
 
-def timed_budget(m: str, a) -> int | None | str:
+def timed_budget(m: str, a) -> str | None:
     """The batch-wide budget `bole-jax bench` times mode m with in the grid ('auto': the table's,
     not known here)."""
     if m in ("ar", "chain", "bole-chain"):
         return None
-    return {"none": None, "auto": "auto"}.get(a.budget, None if a.budget == "none" else a.budget)
+    return None if a.budget == "none" else a.budget
 
 
 def same_config(m: str, a, spec: SpecConfig | None, engine: SpecConfig | None) -> bool:
