@@ -214,7 +214,10 @@ class Scheduler:
     Args:
       llm: a loaded `bole_jax.LLM` (its spec_options fix the tree shape of the spec modes).
       mode: "ar", "bole", "pernode" or "chain" (default: the calibration table's choice for
-        max_batch, else ar; `measure.calibrate.decode_mode`).
+        max_batch, else ar; `measure.calibrate.decode_mode`). The mode (where not given) and the
+        tree shape are looked up at max_batch, then once more at the slots the memory plan
+        admits where those are a smaller batch bucket (the first choice stays where the second
+        leaves no slot).
       max_batch: upper bound on the slots (decode rows); memory may allow fewer.
       max_context: prompt + max_tokens limit per request (default: min(max_position_embeddings,
         8192 - slack - 1), i.e. a KV capacity of 8192; slack = verified nodes per step, 0 for ar).
@@ -270,31 +273,6 @@ class Scheduler:
     ):
         self.llm = llm
         cfg = llm.cfg
-        # No mode given: the calibrated choice at the slots' batch bucket and KV capacity, as
-        # LLM.generate makes it (the table's fastest of ar / chain / bole; ar without a table).
-        kv = next_pow2(
-            min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), minimum=64
-        )
-        self.mode = mode or calibrate_mod.decode_mode(llm, None, max_batch, kv)
-        self._spec_kv = kv
-        if self.mode not in ("ar",) + SPEC_MODES:
-            raise ValueError(
-                f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"
-            )
-        self.spec = None
-        if self.mode != "ar":
-            # The tree shape of the batch bucket and KV capacity the slots run at (a calibrated
-            # shape when a table matches, else the logged default): the same for the segment, the
-            # prefill caches and the rows, so slack and slot memory are sized for the tree
-            # actually verified.
-            self.spec = llm._spec_config(self.mode, max_batch, kv=kv)
-            if self.spec.synthetic_accept is not None:
-                raise ValueError(
-                    "the synthetic-acceptance drafter is for offline benchmarks, not serving"
-                )
-            require_mtp(cfg, llm.params)
-        elif {"simulate_accept", "simulate_accept_mean"} & set(llm.spec_options or {}):
-            log.warning("simulated acceptance has no effect in ar mode (pass --spec bole|...)")
         if segment_steps < 1:
             raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
         if slot_group is not None and (type(slot_group) is not int or slot_group < 1):
@@ -302,31 +280,12 @@ class Scheduler:
                 f"--slot-group must be an integer >= 1 (rows per group), got {slot_group!r}"
             )
         self.slot_group = slot_group
-        slack = self.spec.slack if self.spec else 0
         limit = cfg.max_position_embeddings
-        if max_context is None:
-            self.max_context = min(
-                limit, next_pow2(min(limit, DEFAULT_MAX_CONTEXT), minimum=64) - slack - 1
+        if max_context is not None and not 2 <= max_context <= limit:
+            raise ValueError(
+                f"--max-context must be in [2, {limit}] (the model's "
+                f"max_position_embeddings), got {max_context}"
             )
-        else:
-            if not 2 <= max_context <= limit:
-                raise ValueError(
-                    f"--max-context must be in [2, {limit}] (the model's "
-                    f"max_position_embeddings), got {max_context}"
-                )
-            self.max_context = max_context
-        # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
-        self.capacity = kv_capacity(self.max_context, slack)
-        if max_context is not None:
-            tight = self.capacity // 2 - slack - 1
-            if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
-                log.warning(
-                    "--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
-                    "halve the KV memory",
-                    max_context,
-                    self.capacity,
-                    tight,
-                )
         if prefix_block < 1:
             raise ValueError(f"--prefix-block must be >= 1 token, got {prefix_block}")
         if prefill_chunk < 1:
@@ -336,6 +295,62 @@ class Scheduler:
         if max_logprobs is not None and not 0 <= max_logprobs <= 20:
             raise ValueError(f"--max-logprobs must be in [0, 20], got {max_logprobs}")
         self.max_logprobs = max_logprobs
+        self.dtype = llm.params["embed"].dtype
+        # No mode given: the calibrated choice at the slots' batch bucket and KV capacity, as
+        # LLM.generate makes it (the table's fastest of ar / chain / bole; ar without a table).
+        kv = next_pow2(
+            min(cfg.max_position_embeddings, max_context or DEFAULT_MAX_CONTEXT), minimum=64
+        )
+        self._spec_kv = kv
+        # The batch the mode and the tree shape are looked up at: max_batch, then, where the
+        # memory plan admits fewer slots in a smaller batch bucket, those slots (once: a 12-slot
+        # server decodes the 16-row bucket's choice, not the 64-row one's).
+        lookup, first = max_batch, None
+        for attempt in (0, 1):
+            self._choose(mode, lookup, max_context)
+            # Every mode's plan in the same memory (start-up table, /metrics); this engine runs
+            # its own.
+            self.plans = plan_by_mode(
+                cfg,
+                self.max_context,
+                self._mode_specs(lookup),
+                self.dtype,
+                max_batch,
+                logprobs=max_logprobs,
+                memory_gb=memory_gb,
+                prefix_cache_gb=prefix_cache_gb,
+                memory_fraction=memory_fraction,
+                group_rows=slot_group,
+            )
+            mine = self.plans[self.mode]
+            if mine.plan is None:
+                if first is None:
+                    raise SlotDoesNotFit(mine.error)
+                # the smaller bucket's choice needs more memory than the slots leave: keep the
+                # first one
+                lookup, (self.mode, self.spec, self.max_context, self.capacity, self.plans) = first
+                mine = self.plans[self.mode]
+                break
+            slots = mine.plan.num_slots
+            if attempt or next_pow2(slots, minimum=1) >= next_pow2(lookup, minimum=1):
+                break
+            first = lookup, (self.mode, self.spec, self.max_context, self.capacity, self.plans)
+            lookup = slots
+        self._spec_batch = lookup
+        if max_context is not None:
+            tight = self.capacity // 2 - (self.spec.slack if self.spec else 0) - 1
+            if tight >= 64 and tight >= 0.9 * max_context:  # a slightly smaller limit halves the KV
+                log.warning(
+                    "--max-context %d needs a KV capacity of %d per slot; --max-context %d would "
+                    "halve the KV memory",
+                    max_context,
+                    self.capacity,
+                    tight,
+                )
+        if self.mode == "ar" and {"simulate_accept", "simulate_accept_mean"} & set(
+            llm.spec_options or {}
+        ):
+            log.warning("simulated acceptance has no effect in ar mode (pass --spec bole|...)")
         self.segment_steps = segment_steps
         self.segment_ms = segment_ms
         self._step_s: float | None = None  # moving average of one decode step's seconds
@@ -344,23 +359,6 @@ class Scheduler:
         self.prefill_chunk = -(-prefill_chunk // prefix_block) * prefix_block
         self.max_waiting = max_waiting
         self.tokens_per_step = (self.spec.shape.depth + 1) if self.spec else 1
-        self.dtype = llm.params["embed"].dtype
-        # Every mode's plan in the same memory (start-up table, /metrics); this engine runs its own.
-        self.plans = plan_by_mode(
-            cfg,
-            self.max_context,
-            self._mode_specs(max_batch),
-            self.dtype,
-            max_batch,
-            logprobs=max_logprobs,
-            memory_gb=memory_gb,
-            prefix_cache_gb=prefix_cache_gb,
-            memory_fraction=memory_fraction,
-            group_rows=slot_group,
-        )
-        mine = self.plans[self.mode]
-        if mine.plan is None:
-            raise SlotDoesNotFit(mine.error)
         # kept for the re-plan from the compiled step (`_fit_step_memory`)
         self._plan_args = dict(
             max_batch=max_batch,
@@ -391,7 +389,7 @@ class Scheduler:
         self.eos = frozenset(int(e) for e in llm.eos_ids if e >= 0)
         self.tokenizer = llm.tokenizer
         self.metrics = Metrics()
-        self._segment_jit = llm.segment_fn(self.mode, max_batch, kv)
+        self._segment_jit = llm.segment_fn(self.mode, self._spec_batch, kv)
         # A second program per group shape for segments whose live requests are all greedy
         # (`SamplingParams.greedy`: no per-step lax.cond); None: on GPUs, where it was measured
         # faster (docs/design-decisions.md, "A static greedy program"). The running state itself
@@ -402,7 +400,6 @@ class Scheduler:
         self._segments = {
             (last, g): self._segment_jit for last in (False, True) for g in (False, True)
         }
-        self._spec_batch = max_batch
         self._seed = seed
         # prefill piece width -> its compiled program (a future while `_compile_prefill`'s threads
         # compile it); a width not in it runs through the jit
@@ -424,6 +421,38 @@ class Scheduler:
         self.error: str | None = None  # set when the engine thread died
         self._queued = 0  # submitted, still in the inbox
         self._queued_lock = threading.Lock()
+
+    def _choose(self, mode: str | None, batch: int, max_context: int | None) -> None:
+        """Set the mode (given, else the table's choice at `batch` and the KV capacity), its tree
+        shape (`spec`) and, with the shape's slack, `max_context` and the KV `capacity`."""
+        llm, cfg, kv = self.llm, self.llm.cfg, self._spec_kv
+        self.mode = mode or calibrate_mod.decode_mode(llm, None, batch, kv)
+        if self.mode not in ("ar",) + SPEC_MODES:
+            raise ValueError(
+                f"unknown spec mode {self.mode!r}: expected one of {('ar',) + SPEC_MODES}"
+            )
+        self.spec = None
+        if self.mode != "ar":
+            # The tree shape of the batch bucket and KV capacity the slots run at (a calibrated
+            # shape when a table matches, else the logged default): the same for the segment, the
+            # prefill caches and the rows, so slack and slot memory are sized for the tree
+            # actually verified.
+            self.spec = llm._spec_config(self.mode, batch, kv=kv)
+            if self.spec.synthetic_accept is not None:
+                raise ValueError(
+                    "the synthetic-acceptance drafter is for offline benchmarks, not serving"
+                )
+            require_mtp(cfg, llm.params)
+        slack = self.spec.slack if self.spec else 0
+        limit = cfg.max_position_embeddings
+        if max_context is None:
+            self.max_context = min(
+                limit, next_pow2(min(limit, DEFAULT_MAX_CONTEXT), minimum=64) - slack - 1
+            )
+        else:
+            self.max_context = max_context
+        # A power-of-two KV capacity (as start_batch's); the tree needs `slack` extra rows.
+        self.capacity = kv_capacity(self.max_context, slack)
 
     def _mode_specs(self, max_batch: int) -> dict:
         """mode -> SpecConfig (None for ar) of the modes the memory plan compares: ar, and with an

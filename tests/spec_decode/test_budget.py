@@ -1480,3 +1480,54 @@ def test_calibration_times_filled_contexts(tiny, monkeypatch):
     monkeypatch.setattr(calibrate, "park_on_host", lambda trees: {})
     own, filled = calibrate.calibrate(llm, [1], [4], [2], contexts=[256], **kw)["entries"]
     assert all(c["note"] == "out of memory" for c in filled["candidates"])
+
+
+def test_server_takes_the_choice_of_the_batch_its_memory_admits(tiny, tmp_path, monkeypatch):
+    """Where the memory plan admits fewer slots than --max-batch in a smaller batch bucket, the
+    server's tree shape (and mode) is the table's at that bucket (a 4-node tree at 8 rows, the
+    3-node bole chain at 2 here): looked up at --max-batch only, a server running 2 slots would
+    verify the 8-row bucket's tree."""
+    from bole_jax.llm import LLM
+    from bole_jax.serving.scheduler import Scheduler
+
+    cfg, params = tiny
+    monkeypatch.setenv("BOLE_JAX_CACHE", str(tmp_path / "cache"))
+    tree, chain = cand("bole", 4, 1.0, depth=2, topk=2), cand("bole", 3, 1.0, depth=2, topk=1)
+    entries = [
+        dict(batch=2, kv=128, candidates=[cand("ar", 1, 1.0), {**tree, "step_ms": 3.0}, chain]),
+        dict(batch=8, kv=128, candidates=[cand("ar", 1, 1.0), tree, {**chain, "step_ms": 3.0}]),
+    ]
+    llm = LLM(cfg, params=params)
+    acceptance = {"bole N=4 d=2 k=2": 2.5, "bole N=3 d=2 k=1": 2.4}
+    table = hand_table(
+        cfg, params["embed"].dtype, entries, acceptance, identity=budget.llm_identity(llm)
+    )
+    calibrate.store(table)
+    llm = LLM(cfg, params=params)
+    kw = dict(max_batch=8, max_context=1000, prefix_cache_gb=0)
+    wide = Scheduler(llm, **kw)  # no memory cap: 8 slots, the 8-row bucket's tree
+    assert (wide.num_slots, wide.mode, wide.spec.shape.num_nodes) == (8, "bole", 4)
+    row = sum(wide.slot_bytes.values())
+    # 2 slots of the 4-node tree (one more request's worth is kept back for the prefill)
+    gb = 3.5 * row / 2**30
+    sched = Scheduler(llm, memory_gb=gb, **kw)
+    assert (sched.mode, sched.spec.shape.num_nodes, sched.spec.shape.topk) == ("bole", 3, 1)
+    assert sched._spec_batch == sched.num_slots == 2
+    # Where the smaller bucket's choice does not fit the memory at all (a tree, whose drafter
+    # cache doubles this model's KV, where AR admits 2 slots), the first choice stays.
+    entries = [
+        dict(batch=2, kv=128, candidates=[cand("ar", 1, 1.0), chain]),
+        dict(batch=8, kv=128, candidates=[cand("ar", 1, 1.0), {**chain, "step_ms": 9.0}]),
+    ]
+    path = tmp_path / "t.json"
+    calibrate.save_table(
+        hand_table(cfg, params["embed"].dtype, entries, acceptance, identity=table["identity"]),
+        path,
+    )
+    llm = LLM(cfg, params=params, spec_options=dict(calibration=str(path)))
+    ar_row = sum(Scheduler(llm, mode="ar", **kw).slot_bytes.values())
+    gb = 3.5 * ar_row / 2**30
+    assert Scheduler(llm, mode="ar", memory_gb=gb, **kw).num_slots == 2
+    assert budget.choose(budget.load_table(path), 2).mode == "bole"
+    kept = Scheduler(llm, memory_gb=gb, **kw)
+    assert (kept.mode, kept.spec, kept._spec_batch, kept.num_slots) == ("ar", None, 8, 2)
