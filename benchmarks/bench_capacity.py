@@ -24,7 +24,8 @@ writes <out>/capacity_<preset>.json (command, git commit, GPU, jax version, ever
 With --calibration TABLE (a `bole-jax calibrate --preset` table, re-weighed at each
 --accept-mean) the `engine` row is what `bole-jax serve` runs under the same budget: the table's
 choice over ar / chain / bole at --max-batch and the KV capacity of --context (the server's
-lookup), at the largest batch that configuration admits. Where the choice is one of the timed
+lookup; again at the slots that choice admits where those are a smaller batch bucket, as the
+server does), at the largest batch that configuration admits. Where the choice is one of the timed
 modes' configurations its row is that mode's (`same_as`); otherwise it is timed on its own.
 """
 
@@ -43,6 +44,7 @@ from bole_jax.measure import bench, calibrate  # noqa: E402
 from bole_jax.measure.env import environment  # noqa: E402
 from bole_jax.model import parallel  # noqa: E402
 from bole_jax.model.presets import preset  # noqa: E402
+from bole_jax.pallas.tree_utils import next_pow2  # noqa: E402
 from bole_jax.serving import cli  # noqa: E402
 from bole_jax.serving.memory import plan_memory, slot_bytes  # noqa: E402
 from bole_jax.spec_decode import budget as budget_mod  # noqa: E402
@@ -147,12 +149,12 @@ def spec_for(mode: str, a, p: float) -> SpecConfig | None:
     )
 
 
-def engine_choice(table: dict, a, p: float) -> tuple[dict, SpecConfig | None]:
-    """What the server decodes with under this table (re-weighed at acceptance p's mean by the
-    caller): the choice at --max-batch and the KV capacity of --context, as
-    `bole-jax serve --max-batch B --max-context L` looks it up; ar where the table chose nothing
-    there (`budget.untabled_mode`). Returns (the choice as a dict, its SpecConfig or None)."""
-    c = budget_mod.choose(table, a.max_batch, a.context)
+def engine_choice(table: dict, a, p: float, batch: int) -> tuple[dict, SpecConfig | None]:
+    """The table's choice (re-weighed at acceptance p's mean by the caller) at `batch` and the KV
+    capacity of --context, as `bole-jax serve --max-context L` looks it up; ar where the table
+    chose nothing there (`budget.untabled_mode`). Returns (the choice as a dict, its SpecConfig
+    or None)."""
+    c = budget_mod.choose(table, batch, a.context)
     if c is None or c.mode == "ar":
         mode = "ar" if c is None else c.mode
         return dict(mode=mode, nodes=1, depth=None, topk=None, budget=None), None
@@ -175,6 +177,21 @@ def engine_choice(table: dict, a, p: float) -> tuple[dict, SpecConfig | None]:
         ),
         spec,
     )
+
+
+def engine_plan(table: dict, a, p: float, cfg, dtype, budget_bytes: int, gen: int) -> dict:
+    """What `bole-jax serve --max-batch B` runs under `budget_bytes`: the table's choice at B,
+    the slots its memory admits, and where those are a smaller batch bucket the choice at them
+    (kept only where it admits a slot), as `Scheduler` decides. Returns dict(choice, spec, and
+    `admitted`'s (timed batch, admitted, parts))."""
+    choice, spec = engine_choice(table, a, p, a.max_batch)
+    n, slots, parts = admitted(cfg, a, p, dtype, budget_bytes, gen, {"engine": spec})["engine"]
+    if n and next_pow2(n) < next_pow2(a.max_batch):
+        choice2, spec2 = engine_choice(table, a, p, n)
+        again = admitted(cfg, a, p, dtype, budget_bytes, gen, {"engine": spec2})["engine"]
+        if again[0]:
+            choice, spec, (n, slots, parts) = choice2, spec2, again
+    return dict(choice=choice, spec=spec, plan=(n, slots, parts))
 
 
 def load_engine_table(path: str, cfg, dtype: str) -> dict:
@@ -241,19 +258,25 @@ def main(argv=None) -> int:
     for acc in a.accept_mean:
         p = synthetic_accept_prob(acc, a.depth)
         specs = {m: spec_for(m, a, p) for m in a.modes}
-        engine, same_as, depth = None, None, a.depth
+        depth, rescored = a.depth, None
         if table is not None:
             # one per-level acceptance p for the grid, the table's re-weighing and the engine
-            at_p = expected_tokens_per_step(p, max(table["depths"]))
-            engine, specs["engine"] = engine_choice(
-                calibrate.rescore_synthetic(table, at_p, a.calibration), a, p
+            rescored = calibrate.rescore_synthetic(
+                table, expected_tokens_per_step(p, max(table["depths"])), a.calibration
             )
-            same_as = next(
-                (m for m in a.modes if same_config(m, a, specs[m], specs["engine"])), None
-            )
-            depth = max(depth, engine["depth"] or 0)
+            depth = max(depth, max(table["depths"]))
         gen = 1 + (a.warm + a.steps) * (depth + 1)
         plans = {f: admitted(cfg, a, p, dtype, int(full * f), gen, specs) for f in a.fractions}
+        # the engine's configuration per budget (the server's choice depends on the slots)
+        engines = {
+            f: engine_plan(rescored, a, p, cfg, dtype, int(full * f), gen)
+            for f in (a.fractions if rescored is not None else ())
+        }
+        for f, e in engines.items():
+            plans[f]["engine"] = e["plan"]
+            e["same_as"] = next(
+                (m for m in a.modes if same_config(m, a, specs[m], e["spec"])), None
+            )
         batch_modes: dict[int, set] = {}
         for f, pl in plans.items():
             for m, (n, _, _) in pl.items():
@@ -283,41 +306,48 @@ def main(argv=None) -> int:
         res = run(a.modes, batch_modes, a.nodes, a.depth, a.topk, a.budget, batch_modes)
         by = {(r["batch"], r["mode"]): r for r in res["rows"]}
         failed = {(e["batch"], e["mode"]): e["error"] for e in res["errors"]}
-        if engine is not None:
-            own = {pl["engine"][0] for pl in plans.values() if pl["engine"][0]}
-            if same_as is not None:  # the same configuration, so the same admitted batch
-                for n in own:
-                    if (n, same_as) in by:
-                        by[n, "engine"] = by[n, same_as]
-                    if (n, same_as) in failed:
-                        failed[n, "engine"] = failed[n, same_as]
-            elif own:  # timed on its own, as its mode with the chosen shape
-                sp = specs["engine"]
-                m = engine["mode"]
-                shape = sp.shape if sp is not None else None
-                res_e = run(
-                    [m],
-                    own,
-                    shape.num_nodes if shape else a.nodes,
-                    shape.depth if shape else a.depth,
-                    shape.topk if shape else a.topk,
-                    spec_budget(sp),
-                    {n: {m} for n in own},
-                )
-                for r in res_e["rows"]:
-                    if r["mode"] == m:
-                        by[r["batch"], "engine"] = r
-                for e in res_e["errors"]:
-                    if e["mode"] == m:
-                        failed[e["batch"], "engine"] = e["error"]
+        # the engine's points: (batch, fraction) -> row; a grid row where the configuration is
+        # the grid's (same admitted batch), else timed on its own, one run per configuration
+        eng_rows, eng_errors = {}, {}
+        own: dict = {}  # candidate id -> (spec, choice, {batch: [fractions]})
+        for f, e in engines.items():
+            n = e["plan"][0]
+            if not n:
+                continue
+            if e["same_as"] is not None:
+                eng_rows[n, f] = by.get((n, e["same_as"]))
+                eng_errors[n, f] = failed.get((n, e["same_as"]))
+            else:
+                cid = budget_mod.candidate_id(e["choice"])
+                own.setdefault(cid, (e["spec"], e["choice"], {}))[2].setdefault(n, []).append(f)
+        for sp, choice, batches in own.values():
+            m, shape = choice["mode"], sp.shape if sp is not None else None
+            res_e = run(
+                [m],
+                set(batches),
+                shape.num_nodes if shape else a.nodes,
+                shape.depth if shape else a.depth,
+                shape.topk if shape else a.topk,
+                spec_budget(sp),
+                {n: {m} for n in batches},
+            )
+            for n, fs in batches.items():
+                for f in fs:
+                    eng_rows[n, f] = next(
+                        (r for r in res_e["rows"] if r["mode"] == m and r["batch"] == n), None
+                    )
+                    eng_errors[n, f] = next(
+                        (x["error"] for x in res_e["errors"] if (x["batch"], x["mode"]) == (n, m)),
+                        None,
+                    )
         for f, pl in plans.items():
             budget = full * f
             row = dict(accept_mean=acc, fraction=f, budget_gib=budget / 2**30)
             for m, (n, slots, parts) in pl.items():
-                r = by.get((n, m))
+                r = eng_rows.get((n, f)) if m == "engine" else by.get((n, m))
                 fit = compiled_fit(parts, n, r, budget)
                 if m == "engine":
-                    fit.update(choice=engine, same_as=same_as)
+                    fit.update(choice=engines[f]["choice"], same_as=engines[f]["same_as"])
                 row[m] = dict(
                     batch=n,
                     admitted=slots,
@@ -326,7 +356,7 @@ def main(argv=None) -> int:
                     tokens_per_s=r["tokens_per_s"] if r else None,
                     tokens_per_step=r["tokens_per_step"] if r else None,
                     step_ms=r["step_ms"] if r else None,
-                    error=failed.get((n, m)),
+                    error=eng_errors.get((n, f)) if m == "engine" else failed.get((n, m)),
                     **fit,
                 )
             results.append(row)

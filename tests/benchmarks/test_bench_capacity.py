@@ -140,6 +140,43 @@ def test_capacity_bench_engine_row(tmp_path, chain_ms, same_as):
     assert e["batch"] == min(e["admitted"], 8) and e["error"] is None
 
 
+def test_the_engine_row_looks_its_choice_up_again_at_the_slots_admitted():
+    """As the server does: the choice at --max-batch (ar, at the 64-row bucket), then, since ar's
+    admitted slots are a smaller bucket, the choice there (the depth-1 chain at 16 rows), kept
+    where it admits a request; with room for none of the chain, ar stays."""
+    from bole_jax.model.presets import preset
+    from bole_jax.spec_decode.acceptance import synthetic_accept_prob
+
+    cap = _load()
+    cfg = preset("tiny", mtp=True)
+    t = _table(cfg, 1.0)
+    fast, slow = t["entries"][0]["candidates"]
+    t["entries"] = [
+        dict(batch=16, kv=256, context=256, candidates=[fast, slow]),
+        dict(batch=64, kv=256, context=256, candidates=[fast, dict(slow, step_ms=9.0)]),
+    ]
+    a = cap.parse(["--preset", "tiny", "--context", "256", "--max-batch", "64", "--depth", "2"])
+    p = synthetic_accept_prob(2.5, 2)
+    table = cap.calibrate.rescore_synthetic(t, cap.expected_tokens_per_step(p, 2))
+    gen = 1 + (a.warm + a.steps) * 3
+    ar = cap.admitted(cfg, a, p, "float32", 2**21, gen, {"ar": None})["ar"]
+    assert 1 <= ar[0] <= 16  # ar admits a 16-row bucket's worth at 2 MiB
+    e = cap.engine_plan(table, a, p, cfg, "float32", 2**21, gen)
+    assert e["choice"]["mode"] == "chain" and e["choice"]["depth"] == 1, e["choice"]
+    assert 1 <= e["plan"][0] < ar[0]  # the chain's verify snapshots cost more per request
+    # at the 64-row bucket alone (enough memory for 64 requests) the choice is ar
+    big = cap.engine_plan(table, a, p, cfg, "float32", 2**30, gen)
+    assert big["choice"]["mode"] == "ar" and big["plan"][0] == 64
+    # room for ar's request but not for the chain's: ar stays
+    ar_bytes, chain_bytes = (
+        sum(cap.admitted(cfg, a, p, "float32", 2**30, gen, {"x": s})["x"][2].values())
+        for s in (None, cap.engine_choice(table, a, p, 16)[1])
+    )
+    assert chain_bytes > ar_bytes
+    tight = cap.engine_plan(table, a, p, cfg, "float32", int(2 * ar_bytes + 1), gen)
+    assert tight["choice"]["mode"] == "ar" and tight["plan"][0] == 1
+
+
 def test_capacity_bench_refuses_a_table_of_other_dims(tmp_path):
     from bole_jax.model.presets import preset
 
