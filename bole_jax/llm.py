@@ -150,6 +150,8 @@ class LLM:
       kernel_options: which kernels run (`KernelOptions`; set on self.cfg.kernels and every
         SpecConfig). None: `KernelOptions.from_env()`, the BOLE_* environment variables as
         defaults (bole_jax/pallas/options.py lists them).
+    Raises `parallel.WeightsDoNotFit` (a ValueError) before allocating weights larger than the
+    memory the device has available.
     """
 
     def __init__(
@@ -274,6 +276,9 @@ class LLM:
           calibration table expects fastest (docs/budget.md), ar without a table. The mode and the
           tree shape are the table's at the KV capacity the longest request needs (prompt +
           max_new_tokens), where the table timed long contexts (`bole-jax calibrate --context`).
+        Prompts are decoded max_batch_size at a time, or fewer where the device's free memory
+        does not hold that many requests' decode state (`_rows_that_fit`, logged); a request
+        that does not fit alone raises a ValueError.
         oracle: benchmarks only, with spec_options={"synthetic_accept": p}: the target's own
           continuation of every prompt, which the synthetic-acceptance drafter places in the tree
           (each depth correct with probability p). Outputs then say drafter="synthetic acceptance".
