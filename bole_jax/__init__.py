@@ -17,4 +17,8 @@ def __getattr__(name):
         from bole_jax.model import ModelConfig
 
         return ModelConfig
+    if name == "WeightsDoNotFit":
+        from bole_jax.model.parallel import WeightsDoNotFit
+
+        return WeightsDoNotFit
     raise AttributeError(name)

@@ -37,6 +37,7 @@ def test_weights_that_cannot_fit_the_device_fail_with_a_clear_error(monkeypatch,
     ValueError the CLI prints) before anything is allocated: `bole-jax bench` at its default
     Qwen3.5-9B dims in float32 (35 GiB) was ended by the host's OOM killer with no message on a
     23 GiB CPU machine."""
+    import bole_jax
     from bole_jax.llm import LLM
     from bole_jax.model import parallel
     from bole_jax.serving import cli
@@ -48,7 +49,7 @@ def test_weights_that_cannot_fit_the_device_fail_with_a_clear_error(monkeypatch,
     assert need == sum(x.size * 4 for x in jax.tree.leaves(init_params(cfg, jax.random.key(0))))
     assert parallel.check_weights_fit(cfg, "bfloat16") == need // 2
     monkeypatch.setattr(parallel, "available_bytes", lambda device=None: need - 1)
-    with pytest.raises(parallel.WeightsDoNotFit, match=r"more than the .* cpu device"):
+    with pytest.raises(bole_jax.WeightsDoNotFit, match=r"more than the .* cpu device"):
         LLM(cfg)
     assert parallel.check_weights_fit(cfg, "bfloat16") == need // 2  # half the bytes fit
     assert cli.main(["bench", "--preset", "tiny", "--compile-cache", "none"]) == 2
