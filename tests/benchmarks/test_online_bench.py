@@ -142,10 +142,12 @@ def test_percentiles_and_summary():
 
     rows = [
         dict(mode=m, rate=1.0, **{f"{n}_p{q}": v for n in ("ttft", "tpot") for q in bo.PCTS})
-        for m, v in (("bole", 1.0), ("pernode", 4.0))
+        for m, v in (("bole", 1.0), ("pernode", 4.0), ("engine", 2.0))
     ]
     (red,) = bo.reductions(rows, "pernode")
     assert red["ttft_p50"] == pytest.approx(-0.75) and red["vs"] == "pernode"
+    (red,) = bo.reductions(rows, "pernode", "engine")  # the server's own choice, too
+    assert red["ttft_p50"] == pytest.approx(-0.5) and red["mode"] == "engine"
 
 
 def test_prometheus_parsing_and_arrivals():
