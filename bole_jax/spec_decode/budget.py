@@ -448,12 +448,17 @@ def _warn_beyond_contexts(table: dict, batch: int, kv: int | None, where: str, c
     if kv < BEYOND_CONTEXT_FACTOR * longest:
         return
     want = 1 << (kv - 1).bit_length()
+    how = (  # the API form for in-memory weights, the CLI flag otherwise
+        f"{command[: -len('()')]}(contexts=[{want}])"
+        if command.endswith("calibrate()")
+        else f"{command} --context {want}"
+    )
     _warn_once(
         ("context", where, b, want),
         f"bole_jax: the calibration table ({where}) timed batch {b} at KV capacities up to "
         f"{longest} tokens, and this batch decodes at {kv}: at long contexts the drafter's and the "
         f"verify's attention read the whole cache, and the fastest mode can be ar. Time it "
-        f"with `{command} --context {want}`.",
+        f"with `{how}`.",
     )
 
 

@@ -1380,6 +1380,13 @@ def test_a_context_far_beyond_the_table_names_the_command_that_times_it(tiny, tm
         both = tmp_path / "both.json"
         both.write_text(json.dumps(hand_table(cfg, dtype, _context_table_entries(), {})))
         assert notes(5000, both) == []  # timed at 1024: 5000 is under 8x
+        # in-memory weights (no folder to name): the API call with its keyword
+        seen = len(caplog.records)
+        budget.choice_for(
+            cfg, dtype, 1, calibration=path, kv=20000, mode=None, command="LLM(...).calibrate()"
+        )
+        (msg,) = [r.message for r in caplog.records[seen:] if "32768" in r.message]
+        assert "`LLM(...).calibrate(contexts=[32768])`" in msg
 
 
 def test_engine_takes_the_tree_shape_at_the_context_it_decodes_at(tiny, tmp_path, monkeypatch):
