@@ -517,3 +517,8 @@ def test_generate_splits_a_batch_the_device_memory_cannot_hold(model, monkeypatc
     monkeypatch.setattr(parallel, "available_bytes", lambda device=None: row // 2)
     with pytest.raises(ValueError, match="needs about .* MiB of decode state"):
         llm.generate(prompts[:1], max_new_tokens=NEW, spec="bole")
+    # the estimate is the state actually allocated (its step transient aside)
+    state = llm.start_batch(prompts[:2], NEW, mode="bole", spec_batch=2, out_len=NEW)
+    parts = slot_bytes(cfg, state.cache.capacity, NEW, spec, params["embed"].dtype)
+    held = 2 * (sum(parts.values()) - parts["step_transient"])
+    assert sum(x.nbytes for x in jax.tree.leaves(state)) == pytest.approx(held, rel=0.01)
