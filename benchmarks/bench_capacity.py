@@ -126,15 +126,11 @@ def parse(argv=None):
 
 def free_bytes(cfg, dtype) -> int | None:
     """The device's memory left once the weights are in (None: the backend reports none)."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise
-        stats = None
-    if not stats or "bytes_limit" not in stats:
+    free = parallel.device_free_bytes()
+    if free is None:
         return None
     shapes = jax.eval_shape(lambda k: parallel.init_params(cfg, k, dtype), jax.random.key(0))
-    weights = bench.tree_bytes(shapes)
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - weights
+    return free - bench.tree_bytes(shapes)
 
 
 def spec_for(mode: str, a, p: float) -> SpecConfig | None:

@@ -18,9 +18,9 @@ two-turn chats.
 Method:
 - Per mode, `python -m bole_jax serve --spec MODE [--model DIR | --preset NAME]
   [--simulate-accept-mean X] [--server-arg ...] [that mode's --mode-server-arg ...]` runs as a
-  subprocess (log in
-  OUT/server_<tag>_<mode>.log; mode `engine`: no --spec, the server's own choice); /health is awaited, a few requests of growing prompt length warm
-  up the prefill shapes, then every rate is replayed on that server, lowest first.
+  subprocess (log in OUT/server_<tag>_<mode>.log; mode `engine`: no --spec, the server's own
+  choice); /health is awaited, a few requests of growing prompt length warm up the prefill
+  shapes, then every rate is replayed on that server, lowest first.
 - Sessions arrive as a Poisson process at RATE sessions/s for --duration seconds (at most
   --max-sessions). Inside a session the agent waits for its model: each LLM call is sent when
   the previous one has finished (plus --think-time). A call is a streaming chat completion whose

@@ -293,7 +293,8 @@ class LLM:
         ids = self._encode(prompts)
         # The mode for the batch bucket and the context it decodes at (a table timed at long
         # contexts can choose ar there): the KV capacity the longest request needs.
-        kv = next_pow2(max(map(len, ids)) + max_new_tokens + 1, minimum=64)
+        longest = max(map(len, ids))
+        kv = next_pow2(longest + max_new_tokens + 1, minimum=64)
         mode = calibrate_mod.decode_mode(self, spec, min(len(prompts), self.max_batch_size), kv)
         if mode != "ar":
             # (the bucket of the first batch: the tree width, and the no-table notice, follow it)
@@ -318,7 +319,6 @@ class LLM:
                 )
         # As many prompts per batch as max_batch_size allows and the device's free memory holds
         # (a batch too large for it would end in an out-of-memory error partway through).
-        longest = max(map(len, ids))
         per_batch = self._rows_that_fit(mode, len(ids), longest, max_new_tokens, kv)
         want = min(len(ids), self.max_batch_size)
         if per_batch < want:
@@ -363,7 +363,7 @@ class LLM:
         GENERATE_MEMORY_SHARE of the device's free memory; logged when that is fewer. Raises a
         ValueError where one request does not fit. Unchanged where the backend reports no free
         memory."""
-        from bole_jax.serving.memory import slot_bytes
+        from bole_jax.serving.memory import kv_capacity, slot_bytes
 
         c = min(n, self.max_batch_size)
         free = parallel.available_bytes()
@@ -376,7 +376,7 @@ class LLM:
             rows = next_pow2(c, minimum=1)
             spec = None if mode == "ar" else self._spec_config(mode, rows, quiet=True, kv=kv)
             slack = spec.slack if spec else 0
-            capacity = next_pow2(longest + out_len + slack + 1, minimum=64)
+            capacity = kv_capacity(longest + out_len, slack)  # start_batch's, for this batch
             per_row = sum(slot_bytes(self.cfg, capacity, out_len, spec, dtype).values())
             if rows * per_row <= budget:
                 break

@@ -325,19 +325,26 @@ class WeightsDoNotFit(ValueError):
     """The model's weights alone exceed the memory its device has available."""
 
 
-def available_bytes(device=None) -> int | None:
-    """Bytes a device can still hold (default: the first device): an accelerator's allocator
-    limit less what is in use; on CPU the host's available memory (Linux `MemAvailable`); None
-    where neither is known."""
+def device_free_bytes(device=None) -> int | None:
+    """An accelerator allocator's limit less what is in use on `device` (default: the first
+    device); None where the backend reports no limit (CPU)."""
     d = device or jax.devices()[0]
     try:
         stats = d.memory_stats()
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
         stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    if d.platform != "cpu":
+    if not stats or "bytes_limit" not in stats:
         return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def available_bytes(device=None) -> int | None:
+    """Bytes a device can still hold (default: the first device): `device_free_bytes`; on CPU
+    the host's available memory (Linux `MemAvailable`); None where neither is known."""
+    d = device or jax.devices()[0]
+    free = device_free_bytes(d)
+    if free is not None or d.platform != "cpu":
+        return free
     try:
         with open("/proc/meminfo") as f:
             for line in f:
